@@ -1,0 +1,750 @@
+"""The engine: the one object that applies the coherence rules to the page table and the tiers.
+
+Lifecycle of a put (two-phase, as in vLLM's prepare_store / complete_store):
+
+    1. reserve(ns, keys)  -> fresh slots in the host (or HBM) pool, pinned by the reservation;
+                             never a slot that a reader holds
+    2. the writer fills the slots (zero-copy through the shared segment, or engine.put)
+    3. commit(rid)        -> checksum each slot (xxh3-64), bump each key's version, make the new
+                             copy current and DIRTY; an HBM write is written through to host; older
+                             copies become stale and their slots are freed, or retired until their
+                             last lease goes (MVCC); under write_through the batch is flushed to
+                             NVMe before commit returns
+
+Lifecycle of a get:
+
+    1. look the batch up (vectorised), lease the copies already in the wanted tier first
+    2. bring the rest up from the highest tier that holds the current version: HBM->host copy, or
+       NVMe->host copy-on-read with the checksum verified (a mismatch drops the copy, counts it,
+       and is a miss)
+    3. return slots, versions and checksums; the slots stay pinned until release() or the
+       owner's disconnect (release_owner)
+
+Only this module and coherence.persist write to the page table. Every public method takes the
+engine lock, so the server may call them from worker threads; disk I/O never runs on the asyncio
+loop. The lock is held during NVMe I/O (a get that reads NVMe, a flush): simple and safe, and
+named in docs/DESIGN-NOTES.md as the next thing to split.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+
+from kvtier.coherence import persist
+from kvtier.coherence.namespace import (EngineCounters, GetResult, Lease, Namespace,
+                                        Reservation, SlotState)
+from kvtier.coherence.policies import POLICIES
+from kvtier.coherence.states import BlockState, Event, HoldState, next_states
+from kvtier.config import Settings
+from kvtier.errors import BadRequest, CapacityError, LeaseError, NamespaceError
+from kvtier.pagetable.store import Catalog, NamespaceRecord, check_writable
+from kvtier.pagetable.table import PageTable
+from kvtier.tiers.host import SlotPool
+from kvtier.tiers.nvme import Backend, SegmentLog, make_backend
+from kvtier.types import SERVE_ORDER, Tier, lower_tiers
+
+PoolFactory = Callable[[str, int, int], SlotPool]
+MAX_BLOCK_BYTES = 1 << 30
+MAX_KEY_WIDTH = 64
+
+
+def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
+    """xxh3-64 of each slot's bytes, read in place (no copy)."""
+    out = np.empty(len(slots), dtype=np.uint64)
+    arr = pool.array
+    for i, s in enumerate(slots.tolist()):
+        out[i] = xxhash.xxh3_64_intdigest(arr[s])
+    return out
+
+
+class Engine:
+    """The coherence engine of one data directory. See the module docstring for the rules."""
+
+    def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
+                 nvme_backend: Backend | None = None) -> None:
+        self.settings = settings
+        self.data_dir = Path(settings.data_dir)
+        check_writable(self.data_dir)
+        self.lock = threading.RLock()
+        self.catalog = Catalog(self.data_dir / "meta")
+        self.backend = nvme_backend or make_backend("auto")
+        self.hbm_pool_factory = hbm_pool_factory if settings.hbm_capacity > 0 else None
+        self.counters = EngineCounters()
+        self.namespaces: dict[str, Namespace] = {}
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+        self._next_id = 1
+        self.clock = 0
+        self.host_used = 0       # bytes of host slots in use, all namespaces
+        self.started = time.time()
+        self.policies = {t: POLICIES[settings.policy_for(t.label)]
+                         for t in (Tier.HBM, Tier.HOST, Tier.NVME)}
+        for rec in self.catalog.namespaces():
+            ns = self._open_namespace(rec)
+            persist.load_namespace(self, ns)
+
+    # ------------------------------------------------------------------ namespaces
+
+    def _open_namespace(self, rec: NamespaceRecord) -> Namespace:
+        s = self.settings
+        host_slots = s.host_capacity // rec.block_bytes
+        slots = {Tier.HOST: SlotState.for_pool(
+            SlotPool(f"{rec.name}/host", rec.block_bytes, host_slots))}
+        if self.hbm_pool_factory is not None and s.hbm_capacity >= rec.block_bytes:
+            pool = self.hbm_pool_factory(f"{rec.name}/hbm", rec.block_bytes,
+                                         s.hbm_capacity // rec.block_bytes)
+            slots[Tier.HBM] = SlotState.for_pool(pool)
+        log = None
+        if s.nvme_capacity > 0:
+            log = SegmentLog(self.data_dir / "nvme" / f"ns-{rec.ns_id}", rec.ns_id,
+                             rec.block_bytes, s.segment_bytes, s.io_threads, self.backend)
+        ns = Namespace(rec.name, rec.ns_id, rec.block_bytes, rec.key_width, rec.layout,
+                       PageTable(rec.key_width), slots, log)
+        self.namespaces[rec.name] = ns
+        return ns
+
+    def create_namespace(self, name: str, block_bytes: int, key_width: int = 16,
+                         layout: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Create a namespace, or return the existing one when the layout matches."""
+        if not isinstance(name, str) or not 0 < len(name) <= 200 or not name.isprintable():
+            raise NamespaceError("a namespace name is 1 to 200 printable characters, "
+                                 f"got {name!r}")
+        if not isinstance(block_bytes, int) or not 0 < block_bytes <= MAX_BLOCK_BYTES:
+            raise BadRequest(f"block_bytes must be 1..{MAX_BLOCK_BYTES}, got {block_bytes!r}")
+        if not isinstance(key_width, int) or not 0 < key_width <= MAX_KEY_WIDTH:
+            raise BadRequest(f"key_width must be 1..{MAX_KEY_WIDTH}, got {key_width!r}")
+        if block_bytes > self.settings.host_capacity:
+            raise CapacityError(f"block_bytes {block_bytes} exceeds host_capacity "
+                                f"{self.settings.host_capacity}; raise host_capacity")
+        layout = dict(layout or {})
+        with self.lock:
+            ns = self.namespaces.get(name)
+            if ns is not None:
+                if ns.block_bytes != block_bytes or ns.key_width != key_width:
+                    raise NamespaceError(
+                        f"namespace {name!r} exists with block_bytes={ns.block_bytes}, "
+                        f"key_width={ns.key_width}; use another name for another layout")
+                return ns.info()
+            rec = self.catalog.add_namespace(name, block_bytes, key_width, layout)
+            return self._open_namespace(rec).info()
+
+    def namespace(self, name: str) -> Namespace:
+        ns = self.namespaces.get(name)
+        if ns is None:
+            raise NamespaceError(f"unknown namespace {name!r}; create it first")
+        return ns
+
+    # ------------------------------------------------------------------ slots
+
+    def _alloc(self, ns: Namespace, tier: Tier, n: int, partial: bool = False) -> np.ndarray:
+        """n fresh slots in ns's pool of tier, evicting if needed. Raises CapacityError, or
+        with partial=True returns as many as could be had (possibly none)."""
+        st = ns.slots.get(tier)
+        if st is None:
+            raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier"
+                             + ("; set hbm_capacity on a CUDA host" if tier is Tier.HBM else ""))
+        if n > st.pool.n_slots and not partial:
+            raise CapacityError(f"a batch of {n} blocks does not fit the {tier.label} tier of "
+                                f"{ns.name!r} ({st.pool.n_slots} slots); send smaller batches "
+                                f"or raise {tier.label}_capacity")
+        need_budget = tier is Tier.HOST
+        short = n - st.pool.free_count
+        if need_budget:
+            over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
+            short = max(short, -(-over // ns.block_bytes))
+        if short > 0:
+            self.reap()
+            self._evict(ns, tier, short)
+            if need_budget:
+                self._evict_other_namespaces(ns, n)
+        if partial:
+            n = min(n, st.pool.free_count)
+            if need_budget:
+                n = min(n, (self.settings.host_capacity - self.host_used) // ns.block_bytes)
+            n = max(n, 0)
+        slots = st.pool.alloc(n)
+        if slots is None or (need_budget and self.host_used + n * ns.block_bytes
+                             > self.settings.host_capacity):
+            if slots is not None:
+                st.pool.free(slots)
+            raise CapacityError(
+                f"the {tier.label} tier of {ns.name!r} has no room for {n} blocks: every slot "
+                "is leased, reserved or dirty; release leases, flush, or raise "
+                f"{tier.label}_capacity")
+        if need_budget:
+            self.host_used += n * ns.block_bytes
+        return slots
+
+    def _free_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
+        """Return slots to their pool, or retire the leased ones until their last release."""
+        if slots.size == 0:
+            return
+        st = ns.slots[tier]
+        st.slot_row[slots] = -1
+        leased = st.leases[slots] > 0
+        st.retired[slots[leased]] = True
+        free = slots[~leased]
+        st.pool.free(free)
+        if tier is Tier.HOST:
+            self.host_used -= free.size * ns.block_bytes
+
+    def _unpin(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
+        st = ns.slots[tier]
+        np.subtract.at(st.leases, slots, 1)
+        gone = slots[(st.leases[slots] == 0) & st.retired[slots]]
+        gone = np.unique(gone)
+        if gone.size:
+            st.retired[gone] = False
+            st.pool.free(gone)
+            if tier is Tier.HOST:
+                self.host_used -= gone.size * ns.block_bytes
+
+    def _drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier) -> None:
+        """Forget rows' copies in a slot tier (freeing or retiring their slots)."""
+        cols = ns.table.cols
+        has = rows[cols["copy_ver"][rows, tier] > 0]
+        if has.size:
+            self._free_slots(ns, tier, cols["slot"][has, tier].astype(np.int64))
+            cols["slot"][has, tier] = -1
+            cols["copy_ver"][has, tier] = 0
+
+    # ------------------------------------------------------------------ eviction
+
+    def _evict(self, ns: Namespace, tier: Tier, n: int) -> int:
+        """Drop up to n copies from a slot tier of ns, by its policy, leaves first.
+
+        Eligible: unleased copies that are clean, or whose version a lower tier also holds, or
+        that live in the lowest configured tier (a cache may forget what it cannot write back).
+        Under write_back, dirty sole copies are flushed first.
+        """
+        if n <= 0:
+            return 0
+        st = ns.slots[tier]
+        cols = ns.table.cols
+        rows = st.slot_row[(st.slot_row >= 0) & (st.leases == 0)]
+        if rows.size == 0:
+            return 0
+        lowers = [t for t in lower_tiers(tier) if t in ns.slots or (t is Tier.NVME and ns.log)]
+        ver = cols["copy_ver"][rows, tier]
+        covered = np.zeros(rows.size, dtype=bool)
+        for t in lowers:
+            covered |= cols["copy_ver"][rows, t] == ver
+        if not lowers:
+            covered[:] = True
+        if not covered.all() and Tier.NVME in lowers:
+            dirty = rows[~covered]
+            persist.flush_rows(self, ns, dirty)
+            covered |= cols["copy_ver"][rows, Tier.NVME] == ver
+        rows = rows[covered]
+        if rows.size == 0:
+            return 0
+        victims = self._choose(ns, tier, rows, n)
+        self._drop_copies(ns, victims, tier)
+        c = self.counters.tiers[tier]
+        c.evictions += victims.size
+        if lowers:
+            self.counters.tiers[lowers[0]].demotions += victims.size
+        self._forget_empty(ns, victims)
+        return int(victims.size)
+
+    def _choose(self, ns: Namespace, tier: Tier, rows: np.ndarray, n: int) -> np.ndarray:
+        cols = ns.table.cols
+        score = self.policies[tier](cols, rows, self.clock)
+        # Leaf-first: a row with a child cached in this tier goes after every leaf.
+        parents = cols["parent"][rows]
+        has_child = np.zeros(ns.table.n_rows, dtype=bool)
+        if tier is Tier.NVME:
+            held = cols["copy_ver"][:ns.table.n_rows, Tier.NVME] > 0
+        else:
+            held = np.zeros(ns.table.n_rows, dtype=bool)
+            held[ns.slots[tier].slot_row[ns.slots[tier].slot_row >= 0]] = True
+        kids = np.flatnonzero(held)
+        kp = cols["parent"][kids]
+        has_child[kp[kp >= 0]] = True
+        del parents
+        inner = has_child[rows]
+        order = np.lexsort((score, inner))
+        return rows[order[:n]]
+
+    def _forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
+        """Rows that no longer have any current copy lose their block (state LOST -> EMPTY)."""
+        cols = ns.table.cols
+        cur = cols["copy_ver"][rows] == cols["version"][rows, None]
+        gone = rows[~cur.any(axis=1) & (cols["version"][rows] > 0)]
+        if gone.size == 0:
+            return
+        next_states(cols["state"][gone], Event.LOST)
+        # A stale NVMe copy may remain (the last flushed version): that record stays, and the
+        # row falls back to it, exactly as a restart would.
+        nv = cols["copy_ver"][gone, Tier.NVME]
+        keep = gone[nv > 0]
+        if keep.size:
+            cols["version"][keep] = nv[nv > 0]
+            cols["checksum"][keep] = cols["nvme_checksum"][keep]
+            cols["state"][keep] = BlockState.CLEAN
+        drop = gone[nv == 0]
+        if drop.size:
+            ns.table.remove(drop)
+
+    def _evict_other_namespaces(self, ns: Namespace, n: int) -> None:
+        for other in self.namespaces.values():
+            over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
+            if over <= 0:
+                return
+            if other is not ns:
+                self._evict(other, Tier.HOST, -(-over // other.block_bytes))
+
+    def evict(self, tier: Tier, count: int, namespace: str | None = None) -> int:
+        """Admin eviction of up to count copies from a tier (all namespaces, or one)."""
+        with self.lock:
+            targets = [self.namespace(namespace)] if namespace else list(self.namespaces.values())
+            done = 0
+            for ns in targets:
+                if tier is Tier.NVME:
+                    done += persist.evict_nvme(self, ns, count - done)
+                elif tier in ns.slots:
+                    done += self._evict(ns, tier, count - done)
+            return done
+
+    # ------------------------------------------------------------------ put
+
+    def _check_keys(self, ns: Namespace, keys: Any) -> np.ndarray:
+        karr = ns.table.keys_array(keys)
+        if karr.size == 0:
+            raise BadRequest("empty key batch; send at least one key")
+        return karr
+
+    def reserve(self, namespace: str, keys: Any, parents: Any = None, tier: Tier = Tier.HOST,
+                owner: int = 0) -> Reservation:
+        """Phase one of a put: fresh slots for each key, pinned until commit or abort.
+
+        ``parents`` is a packed buffer aligned with keys; an all-zero parent means none.
+        """
+        with self.lock:
+            ns = self.namespace(namespace)
+            karr = self._check_keys(ns, keys)
+            parr = None
+            if parents is not None:
+                parr = ns.table.keys_array(parents)
+                if parr.size != karr.size:
+                    raise BadRequest(f"{parr.size} parents for {karr.size} keys; send one parent "
+                                     "per key (all-zero for none)")
+            slots = self._alloc(ns, tier, karr.size)
+            st = ns.slots[tier]
+            st.leases[slots] += 1          # a reservation pins its slots like a lease
+            rid = self._new_id()
+            res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
+                              slots, owner, time.monotonic() + self.settings.reserve_timeout)
+            self.reservations[rid] = res
+            return res
+
+    def _take_reservation(self, rid: int, owner: int) -> Reservation:
+        res = self.reservations.get(rid)
+        if res is None or res.owner != owner:
+            raise LeaseError(f"reservation {rid} is unknown, expired or not yours; reserve again")
+        del self.reservations[rid]
+        return res
+
+    def abort(self, rid: int, owner: int = 0) -> None:
+        with self.lock:
+            res = self._take_reservation(rid, owner)
+            self._end_reservation(res, HoldState.RELEASED)
+
+    def _end_reservation(self, res: Reservation, state: HoldState) -> None:
+        res.state = state
+        ns = res.ns
+        self._unpin(ns, res.tier, res.slots)
+        self._free_slots(ns, res.tier, res.slots)
+
+    def commit(self, rid: int, owner: int = 0,
+               checksums: np.ndarray | None = None) -> np.ndarray:
+        """Phase two of a put. Returns the new version of each key (uint64).
+
+        When checksums are given (xxh3-64 per block, as the writer computed them), a block whose
+        slot does not hash to its checksum is a torn write: the whole batch is aborted and
+        ChecksumError is raised, so no reader ever sees it.
+        """
+        with self.lock:
+            res = self._take_reservation(rid, owner)
+            ns, tier, slots = res.ns, res.tier, res.slots
+            st = ns.slots[tier]
+            sums = checksums_of(st.pool, slots) if tier is Tier.HOST else None
+            if tier is not Tier.HOST:
+                # A GPU write: write it through to host first; the checksum is the host copy's.
+                host_slots = self._alloc(ns, Tier.HOST, slots.size)
+                ns.slots[Tier.HOST].pool.write(host_slots, _to_numpy(st.pool.read(slots)))
+                sums = checksums_of(ns.slots[Tier.HOST].pool, host_slots)
+            if checksums is not None:
+                given = np.asarray(checksums, dtype=np.uint64)
+                if given.shape != sums.shape or not np.array_equal(given, sums):
+                    if tier is not Tier.HOST:
+                        self._free_slots(ns, Tier.HOST, host_slots)
+                    self._end_reservation(res, HoldState.RELEASED)
+                    from kvtier.errors import ChecksumError
+                    raise ChecksumError("a reserved slot does not match its checksum (torn or "
+                                        "overlapping write); the batch was not committed")
+            self._unpin(ns, tier, slots)
+            res.state = HoldState.COMMITTED
+            # Within one batch, the last write of a key wins; earlier duplicates are freed.
+            karr = res.keys
+            keep = _last_occurrences(ns.table, karr)
+            dup = np.setdiff1d(np.arange(karr.size), keep)
+            if dup.size:
+                self._free_slots(ns, tier, slots[dup])
+                if tier is not Tier.HOST:
+                    self._free_slots(ns, Tier.HOST, host_slots[dup])
+            rows = self._install(ns, karr[keep], tier, slots[keep], sums[keep],
+                                 None if res.parents is None else res.parents[keep],
+                                 None if tier is Tier.HOST else host_slots[keep])
+            versions_by_pos = np.zeros(karr.size, dtype=np.uint64)
+            versions_by_pos[keep] = ns.table.cols["version"][rows]
+            if dup.size:
+                # A duplicate's version is the one its key ended with.
+                lookup = ns.table.lookup(karr[dup])
+                versions_by_pos[dup] = ns.table.cols["version"][lookup]
+            self.counters.puts += int(karr.size)
+            self.counters.tiers[tier].bytes_written += int(karr.size) * ns.block_bytes
+            if self.settings.write_policy == "write_through" and ns.log is not None:
+                persist.flush_rows(self, ns, rows)
+            return versions_by_pos
+
+    def _install(self, ns: Namespace, karr: np.ndarray, tier: Tier, slots: np.ndarray,
+                 sums: np.ndarray, parents: np.ndarray | None,
+                 host_slots: np.ndarray | None) -> np.ndarray:
+        table = ns.table
+        cols = table.cols
+        rows, _created = table.insert(karr)
+        for t in list(ns.slots):
+            self._drop_copies(ns, rows, t)
+        cols["version"][rows] += 1
+        cols["size"][rows] = ns.block_bytes
+        cols["checksum"][rows] = sums
+        cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
+        ver = cols["version"][rows]
+        self._set_copy(ns, rows, tier, slots, ver)
+        if host_slots is not None:
+            self._set_copy(ns, rows, Tier.HOST, host_slots, ver)
+        if parents is not None:
+            zero = np.zeros(1, dtype=parents.dtype)[0]
+            has = parents != zero
+            prow = np.full(rows.size, -1, dtype=np.int64)
+            if has.any():
+                prow[has] = table.lookup(parents[has])
+            table.link(rows, prow)
+        self._touch(ns, rows)
+        return rows
+
+    def _set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
+                  versions: np.ndarray) -> None:
+        cols = ns.table.cols
+        cols["slot"][rows, tier] = slots
+        cols["copy_ver"][rows, tier] = versions
+        ns.slots[tier].slot_row[slots] = rows
+
+    def _touch(self, ns: Namespace, rows: np.ndarray) -> None:
+        cols = ns.table.cols
+        n = rows.size
+        cols["prev_access"][rows] = cols["last_access"][rows]
+        cols["last_access"][rows] = np.arange(self.clock + 1, self.clock + n + 1, dtype=np.uint64)
+        cols["freq"][rows] += 1
+        self.clock += n
+
+    def put(self, namespace: str, keys: Any, blocks: Any, parents: Any = None,
+            tier: Tier = Tier.HOST, owner: int = 0) -> np.ndarray:
+        """reserve + copy + commit, for in-process writers. blocks: n x block_bytes."""
+        with self.lock:
+            res = self.reserve(namespace, keys, parents, tier, owner)
+            data = _blocks_array(blocks, res.slots.size, res.ns.block_bytes)
+            try:
+                res.ns.slots[tier].pool.write(res.slots, data)
+            except BaseException:
+                self.abort(res.rid, owner)
+                raise
+            return self.commit(res.rid, owner)
+
+    # ------------------------------------------------------------------ get
+
+    def get(self, namespace: str, keys: Any, owner: int = 0, tier: Tier = Tier.HOST) -> GetResult:
+        """Lease the current version of each key in ``tier``, bringing it up if needed."""
+        with self.lock:
+            ns = self.namespace(namespace)
+            if tier not in ns.slots:
+                raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
+            karr = self._check_keys(ns, keys)
+            cols = ns.table.cols
+            n = karr.size
+            rows = ns.table.lookup(karr)
+            found = rows >= 0
+            fr = rows[found]
+            found[found] = cols["version"][fr] > 0
+            st = ns.slots[tier]
+            slots = np.full(n, -1, dtype=np.int32)
+            idx = np.flatnonzero(found)
+            r = rows[idx]
+            ready = cols["copy_ver"][r, tier] == cols["version"][r]
+            ri = idx[ready]
+            slots[ri] = cols["slot"][rows[ri], tier]
+            # Pin what is already here before anything else can evict it.
+            np.add.at(st.leases, slots[ri].astype(np.int64), 1)
+            self.counters.tiers[tier].hits += int(ri.size)
+            todo = idx[~ready]
+            if todo.size:
+                # A key repeated in the batch is brought up once; its repeats share the slot.
+                _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
+                inv = inv.reshape(-1)
+                self._bring_up(ns, rows, todo[first], tier, slots, found)
+                rep = np.setdiff1d(np.arange(todo.size), first)
+                if rep.size:
+                    src = todo[first][inv[rep]]
+                    slots[todo[rep]] = slots[src]
+                    found[todo[rep]] = found[src]
+                    ok = todo[rep][found[todo[rep]]]
+                    np.add.at(st.leases, slots[ok].astype(np.int64), 1)
+            served = np.flatnonzero(found)
+            srows = rows[served]
+            cols["leases"][srows] += 1
+            self._touch(ns, np.unique(srows))
+            self.counters.gets += n
+            self.counters.get_hits += int(served.size)
+            self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
+            lid = self._new_id()
+            self.leases[lid] = Lease(lid, ns, tier, slots[served].astype(np.int64), srows,
+                                     cols["version"][srows].copy(), owner,
+                                     time.monotonic() + self.settings.lease_timeout)
+            return GetResult(found, slots, np.where(found, cols["version"][np.maximum(rows, 0)], 0)
+                             .astype(np.uint64),
+                             np.where(found, cols["checksum"][np.maximum(rows, 0)], 0)
+                             .astype(np.uint64), lid, tier)
+
+    def _bring_up(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray, tier: Tier,
+                  slots: np.ndarray, found: np.ndarray) -> None:
+        """Copy the current version of rows[todo] into tier, pinned; misses clear found."""
+        cols = ns.table.cols
+        r = rows[todo]
+        ver = cols["version"][r]
+        sources = [t for t in SERVE_ORDER if t is not tier]
+        src_of = np.full(todo.size, -1, dtype=np.int64)
+        for t in reversed(sources):       # the highest tier holding the version wins
+            src_of[cols["copy_ver"][r, t] == ver] = t
+        hit = (src_of >= 0) & (src_of != Tier.REMOTE)   # the remote tier serves its own reads
+        found[todo[~hit]] = False
+        self.counters.tiers[tier].misses += int((~hit).sum())
+        if not hit.any():
+            return
+        todo, r, src_of = todo[hit], r[hit], src_of[hit]
+        dst = self._alloc(ns, tier, todo.size, partial=True)
+        if dst.size < todo.size:
+            # No room for all of them (the rest of the tier is leased): the tail is a miss.
+            short = todo.size - dst.size
+            found[todo[dst.size:]] = False
+            self.counters.tiers[tier].misses += short
+            todo, r, src_of = todo[:dst.size], r[:dst.size], src_of[:dst.size]
+            if dst.size == 0:
+                return
+        st = ns.slots[tier]
+        st.leases[dst] += 1
+        ok = np.ones(todo.size, dtype=bool)
+        for src in (Tier.HBM, Tier.HOST, Tier.NVME):
+            m = src_of == src
+            if not m.any():
+                continue
+            if src is Tier.NVME:
+                ok[m] = persist.read_nvme(self, ns, r[m], st.pool, dst[m])
+            else:
+                st.pool.write(dst[m], _to_numpy(ns.slots[src].pool.read(cols["slot"][r[m], src])))
+            moved = int(m.sum())
+            c = self.counters.tiers[src]
+            c.hits += moved
+            c.bytes_read += moved * ns.block_bytes
+            if SERVE_ORDER.index(src) > SERVE_ORDER.index(tier):
+                self.counters.tiers[tier].promotions += moved
+        bad = ~ok
+        if bad.any():
+            st.leases[dst[bad]] -= 1
+            self._free_slots(ns, tier, dst[bad])
+            found[todo[bad]] = False
+        good = ok
+        self._set_copy(ns, r[good], tier, dst[good], cols["version"][r[good]])
+        slots[todo[good]] = dst[good]
+
+    def release(self, lease_id: int, owner: int = 0) -> None:
+        with self.lock:
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.owner != owner:
+                raise LeaseError(f"lease {lease_id} is unknown, already released, expired or not "
+                                 "yours")
+            del self.leases[lease_id]
+            self._end_lease(lease, HoldState.RELEASED)
+
+    def _end_lease(self, lease: Lease, state: HoldState) -> None:
+        lease.state = state
+        ns = lease.ns
+        self._unpin(ns, lease.tier, lease.slots)
+        cols = ns.table.cols
+        live = (lease.rows < ns.table.n_rows)
+        rows = lease.rows[live]
+        same = cols["version"][rows] == lease.versions[live]
+        r = rows[same]
+        np.subtract.at(cols["leases"], r, np.minimum(cols["leases"][r], 1))
+
+    def release_owner(self, owner: int) -> int:
+        """End every lease and reservation of a disconnected client. Returns how many."""
+        with self.lock:
+            n = 0
+            for lid in [k for k, v in self.leases.items() if v.owner == owner]:
+                self._end_lease(self.leases.pop(lid), HoldState.RELEASED)
+                n += 1
+            for rid in [k for k, v in self.reservations.items() if v.owner == owner]:
+                self._end_reservation(self.reservations.pop(rid), HoldState.RELEASED)
+                n += 1
+            return n
+
+    def reap(self, now: float | None = None) -> int:
+        """Expire reservations and leases past their deadline. Returns how many."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            n = 0
+            for rid in [k for k, v in self.reservations.items() if v.deadline < now]:
+                self._end_reservation(self.reservations.pop(rid), HoldState.EXPIRED)
+                self.counters.expired_reservations += 1
+                n += 1
+            for lid in [k for k, v in self.leases.items() if v.deadline < now]:
+                self._end_lease(self.leases.pop(lid), HoldState.EXPIRED)
+                self.counters.expired_leases += 1
+                n += 1
+            return n
+
+    # ------------------------------------------------------------------ other ops
+
+    def read(self, namespace: str, keys: Any) -> tuple[np.ndarray, np.ndarray]:
+        """get + copy + release, for in-process readers: (found mask, n x block_bytes array)."""
+        with self.lock:
+            res = self.get(namespace, keys)
+            ns = self.namespace(namespace)
+            out = np.zeros((res.found.size, ns.block_bytes), dtype=np.uint8)
+            idx = np.flatnonzero(res.found)
+            out[idx] = ns.slots[Tier.HOST].pool.read(res.slots[idx])
+            self.release(res.lease_id)
+            return res.found, out
+
+    def match_prefix(self, namespace: str, keys: Any) -> int:
+        """How many leading keys have a current copy in some local tier."""
+        with self.lock:
+            ns = self.namespace(namespace)
+            karr = ns.table.keys_array(keys)
+            rows = ns.table.lookup(karr)
+            cols = ns.table.cols
+            ok = rows >= 0
+            r = rows[ok]
+            local = [t for t in SERVE_ORDER if t is not Tier.REMOTE]
+            cur = (cols["copy_ver"][r][:, local] == cols["version"][r, None]).any(axis=1)
+            ok[ok] = cur & (cols["version"][r] > 0)
+            miss = np.flatnonzero(~ok)
+            return int(miss[0]) if miss.size else int(ok.size)
+
+    def delete(self, namespace: str, keys: Any) -> int:
+        """Forget keys in every tier (LMDB included). Leased slots are freed on release."""
+        with self.lock:
+            ns = self.namespace(namespace)
+            rows = ns.table.lookup(self._check_keys(ns, keys))
+            rows = np.unique(rows[rows >= 0])
+            if rows.size == 0:
+                return 0
+            for t in list(ns.slots):
+                self._drop_copies(ns, rows, t)
+            persist.drop_nvme(self, ns, rows)
+            next_states(ns.table.cols["state"][rows], Event.DELETE)
+            ns.table.remove(rows)
+            return int(rows.size)
+
+    def flush(self, namespace: str | None = None) -> int:
+        """Write every dirty version to NVMe and LMDB. Returns the blocks flushed."""
+        with self.lock:
+            targets = [self.namespace(namespace)] if namespace else list(self.namespaces.values())
+            done = 0
+            for ns in targets:
+                if ns.log is None:
+                    continue
+                st = ns.table.cols["state"][: ns.table.n_rows]
+                done += persist.flush_rows(self, ns, np.flatnonzero(st == BlockState.DIRTY))
+            return done
+
+    def entry(self, namespace: str, key: bytes) -> dict[str, Any] | None:
+        with self.lock:
+            ns = self.namespace(namespace)
+            if len(key) != ns.key_width:
+                raise BadRequest(f"key is {len(key)} bytes; namespace {namespace!r} uses "
+                                 f"{ns.key_width}-byte keys")
+            row = int(ns.table.lookup(key)[0])
+            if row < 0 or ns.table.cols["version"][row] == 0:
+                return None
+            e = ns.table.entry(row)
+            return {"key": e.key.hex(), "version": e.version, "size": e.size,
+                    "checksum": f"{e.checksum:016x}", "state": BlockState(e.state).name.lower(),
+                    "dirty": e.state == BlockState.DIRTY, "copies": e.copies, "leases": e.leases,
+                    "parent": e.parent.hex() if e.parent else None,
+                    "children": [c.hex() for c in e.children],
+                    "policy": {"last_access": e.last_access, "prev_access": e.prev_access,
+                               "freq": e.freq}}
+
+    def stats(self) -> dict[str, Any]:
+        from kvtier.coherence.report import engine_stats
+        with self.lock:
+            return engine_stats(self)
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def close(self, flush: bool = True) -> None:
+        """Flush dirty blocks (unless told not to), then close segments and LMDB."""
+        with self.lock:
+            if flush:
+                self.flush()
+            for ns in self.namespaces.values():
+                if ns.log is not None:
+                    ns.log.close()
+                for st in ns.slots.values():
+                    st.pool.close()
+            self.namespaces.clear()
+            self.catalog.close()
+
+
+def _last_occurrences(table: PageTable, karr: np.ndarray) -> np.ndarray:
+    """Positions of the last occurrence of each distinct key, ascending. The common case (no
+    repeats) is settled on the 64-bit hashes alone, which is several times cheaper than sorting
+    the keys."""
+    if np.unique(table._hash(karr)).size == karr.size:
+        return np.arange(karr.size)
+    _, last_rev = np.unique(karr[::-1], return_index=True)
+    return np.sort(karr.size - 1 - last_rev)
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """Device arrays (cupy) come back to the host; numpy passes through."""
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def _blocks_array(blocks: Any, n: int, block_bytes: int) -> np.ndarray:
+    if isinstance(blocks, (list, tuple)):
+        if len(blocks) != n:
+            raise BadRequest(f"{len(blocks)} blocks for {n} keys")
+        for b in blocks:
+            if len(memoryview(b).cast("B")) != block_bytes:
+                raise BadRequest(f"a block is {len(memoryview(b).cast('B'))} bytes; this "
+                                 f"namespace's blocks are {block_bytes} bytes")
+        return np.frombuffer(b"".join(bytes(b) for b in blocks), dtype=np.uint8).reshape(
+            n, block_bytes)
+    arr = np.asarray(blocks)
+    if arr.dtype != np.uint8:
+        arr = np.ascontiguousarray(arr).view(np.uint8)
+    if arr.size != n * block_bytes:
+        raise BadRequest(f"blocks hold {arr.size} bytes; expected {n} x {block_bytes}")
+    return arr.reshape(n, block_bytes)
+

@@ -1,0 +1,244 @@
+"""Settings: one table of defaults, read from flags, a TOML file and KVTIER_* variables.
+
+The table SETTINGS is the only list of settings. The CLI builds its flags from it, the README's
+configuration table is generated from it (``kvtier config --markdown``), and ``load`` validates
+every value at start-up, so a typo in a config file is an error that names the setting rather
+than a silently ignored key. Precedence, lowest first: defaults, TOML file, environment, flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from kvtier.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
+          "gib": 1024**3, "tib": 1024**4}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+WRITE_POLICIES = ("write_through", "write_back")
+EVICTION_POLICIES = ("lru", "lru_k_lfu", "s3fifo")
+
+
+def parse_size(value: str | int, name: str = "size") -> int:
+    """'4GiB' -> 4294967296. Plain integers are bytes. Raises ConfigError naming the setting."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size like 4GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name}: a size cannot be negative ({value})")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{name}: expected a size like 512MiB or 4GiB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_hostport(value: str, name: str = "admin") -> tuple[str, int]:
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}: expected HOST:PORT such as 127.0.0.1:8787, got {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any, str], str]:
+    def check(value: Any, name: str) -> str:
+        if value not in options:
+            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(options)}")
+        return str(value)
+    return check
+
+
+def _float(value: Any, name: str) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if out < 0:
+        raise ConfigError(f"{name}: must not be negative, got {value!r}")
+    return out
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+    if out < 0:
+        raise ConfigError(f"{name}: must not be negative, got {value!r}")
+    return out
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    return value
+
+
+def _uids(value: Any, name: str) -> tuple[int, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        return tuple(int(x) for x in items if str(x).strip() != "")
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected a list of numeric uids, got {value!r}") from None
+
+
+def _size(value: Any, name: str) -> int:
+    return parse_size(value, name)
+
+
+def _hostport(value: Any, name: str) -> str:
+    parse_hostport(value, name)
+    return str(value)
+
+
+@dataclass(slots=True, frozen=True)
+class Setting:
+    name: str
+    default: Any
+    parse: Callable[[Any, str], Any]
+    help: str
+    unit: str = ""
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("data_dir", "./kvtier-data", _str, "NVMe segments, LMDB and the admin token live here"),
+    Setting("socket", "", _str, "Unix socket path; empty: <data_dir>/run/kvtier.sock"),
+    Setting("admin", "127.0.0.1:8787", _hostport, "admin REST HOST:PORT; empty string disables"),
+    Setting("admin_token", "", _str, "bearer token for POST /v1/flush and /v1/evict"),
+    Setting("host_capacity", "1GiB", _size, "shared host-tier bytes, all namespaces", "bytes"),
+    Setting("nvme_capacity", "16GiB", _size, "NVMe log bytes, all namespaces; 0 disables", "bytes"),
+    Setting("hbm_capacity", "0", _size, "HBM pool bytes per GPU; ignored without CUDA", "bytes"),
+    Setting("write_policy", "write_through", _choice(WRITE_POLICIES),
+            "write_through: a put is on NVMe when acknowledged; write_back: flushed later"),
+    Setting("eviction", "lru", _choice(EVICTION_POLICIES), "eviction policy of every tier"),
+    Setting("eviction_host", "", _str, "host-tier policy; empty: the value of eviction"),
+    Setting("eviction_nvme", "", _str, "NVMe-tier policy; empty: the value of eviction"),
+    Setting("eviction_hbm", "", _str, "HBM-tier policy; empty: the value of eviction"),
+    Setting("flush_interval", 1.0, _float, "write_back: seconds between background flushes", "s"),
+    Setting("segment_bytes", "256MiB", _size, "size at which an NVMe segment file rolls over",
+            "bytes"),
+    Setting("compact_threshold", 0.5, _float,
+            "compact a segment when its live fraction falls below this", "fraction"),
+    Setting("reserve_timeout", 30.0, _float, "a put reservation not committed by then is reclaimed",
+            "s"),
+    Setting("lease_timeout", 600.0, _float, "a get lease not released by then is reclaimed", "s"),
+    Setting("io_threads", 4, _int, "threads issuing NVMe reads and writes"),
+    Setting("max_frame", "64MiB", _size, "largest socket frame accepted", "bytes"),
+    Setting("allowed_uids", (), _uids, "uids besides the service's own that may map host memory"),
+    Setting("socket_group", "", _str, "group that may use the socket (mode 0660); empty: 0600"),
+)
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass(slots=True, frozen=True)
+class Settings:
+    """Validated settings. Sizes are bytes, durations seconds."""
+
+    data_dir: str = "./kvtier-data"
+    socket: str = ""
+    admin: str = "127.0.0.1:8787"
+    admin_token: str = ""
+    host_capacity: int = 1 << 30
+    nvme_capacity: int = 16 << 30
+    hbm_capacity: int = 0
+    write_policy: str = "write_through"
+    eviction: str = "lru"
+    eviction_host: str = ""
+    eviction_nvme: str = ""
+    eviction_hbm: str = ""
+    flush_interval: float = 1.0
+    segment_bytes: int = 256 << 20
+    compact_threshold: float = 0.5
+    reserve_timeout: float = 30.0
+    lease_timeout: float = 600.0
+    io_threads: int = 4
+    max_frame: int = 64 << 20
+    allowed_uids: tuple[int, ...] = field(default_factory=tuple)
+    socket_group: str = ""
+
+    def policy_for(self, tier_label: str) -> str:
+        chosen = getattr(self, f"eviction_{tier_label}", "") or self.eviction
+        return _choice(EVICTION_POLICIES)(chosen, f"eviction_{tier_label}")
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.socket) if self.socket else Path(self.data_dir) / "run" / "kvtier.sock"
+
+    def replace(self, **changes: Any) -> "Settings":
+        return make_settings({**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def make_settings(values: dict[str, Any]) -> Settings:
+    """Validate raw values (strings from env or TOML, or typed) into Settings."""
+    out: dict[str, Any] = {}
+    for name, raw in values.items():
+        setting = _BY_NAME.get(name)
+        if setting is None:
+            raise ConfigError(f"unknown setting {name!r}; known: {', '.join(_BY_NAME)}")
+        out[name] = setting.parse(raw, name)
+    for s in SETTINGS:
+        out.setdefault(s.name, s.parse(s.default, s.name))
+    for tier in ("host", "nvme", "hbm"):
+        if out[f"eviction_{tier}"]:
+            _choice(EVICTION_POLICIES)(out[f"eviction_{tier}"], f"eviction_{tier}")
+    if out["segment_bytes"] < (1 << 20):
+        raise ConfigError("segment_bytes: must be at least 1MiB")
+    if out["max_frame"] < 4096:
+        raise ConfigError("max_frame: must be at least 4KiB")
+    if out["compact_threshold"] > 1:
+        raise ConfigError("compact_threshold: a fraction between 0 and 1")
+    if out["io_threads"] < 1:
+        raise ConfigError("io_threads: must be at least 1")
+    return Settings(**out)
+
+
+def load(config_file: str | None = None, env: dict[str, str] | None = None,
+         overrides: dict[str, Any] | None = None) -> Settings:
+    """Defaults < TOML file < KVTIER_* environment < explicit overrides (flags)."""
+    values: dict[str, Any] = {}
+    if config_file:
+        path = Path(config_file)
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+        data = data.get("kvtier", data)
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a table of settings")
+        values.update({k.replace("-", "_"): v for k, v in data.items()})
+    env = os.environ if env is None else env
+    for s in SETTINGS:
+        key = f"KVTIER_{s.name.upper()}"
+        if key in env:
+            values[s.name] = env[key]
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return make_settings(values)
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated from SETTINGS."""
+    lines = ["| setting | flag | env | default | unit | meaning |", "|---|---|---|---|---|---|"]
+    for s in SETTINGS:
+        default = s.default if s.default not in ("", ()) else "(empty)"
+        lines.append(f"| `{s.name}` | `--{s.name.replace('_', '-')}` | `KVTIER_{s.name.upper()}` "
+                     f"| `{default}` | {s.unit} | {s.help} |")
+    return "\n".join(lines)

@@ -1,0 +1,189 @@
+"""Persistence of the page table in LMDB: what is on NVMe, and the namespaces.
+
+Databases in one environment (``<data_dir>/meta``):
+
+    namespaces        name -> msgpack {id, block_bytes, key_width, layout}
+    ns:<id>           key -> fixed 40 + key_width bytes (RECORD below)
+
+A record is written only for a version whose bytes are already in a segment and fdatasync'ed
+(coherence.flush orders this); one write transaction per flush batch. Because every value of a
+namespace has one fixed size, restart reads a whole namespace with a cursor and turns it into
+numpy columns with one frombuffer: about a second per million entries on the development machine.
+
+MapFull is handled by doubling the map and retrying the transaction. LMDB is opened with
+``lock=True`` and must be opened after a fork, never inherited across one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import lmdb
+import msgpack
+import numpy as np
+
+from kvtier.errors import DataDirError, NamespaceError, StorageError
+
+T = TypeVar("T")
+
+_INITIAL_MAP = 64 << 20
+_MAX_NAMESPACES = 1000
+
+
+def record_dtype(key_width: int) -> np.dtype:
+    """The on-disk value of one NVMe record (little-endian, packed)."""
+    return np.dtype([
+        ("seg", "<u4"), ("off", "<u4"), ("size", "<u4"), ("flags", "<u4"),
+        ("version", "<u8"), ("checksum", "<u8"), ("reserved", "<u8"),
+        ("parent", f"V{key_width}"),
+    ])
+
+
+FLAG_PARENT = 1
+
+
+@dataclass(slots=True, frozen=True)
+class NamespaceRecord:
+    name: str
+    ns_id: int
+    block_bytes: int
+    key_width: int
+    layout: dict[str, Any]
+
+
+class Catalog:
+    """The LMDB environment of one data directory."""
+
+    def __init__(self, path: Path, map_size: int = _INITIAL_MAP) -> None:
+        self.path = Path(path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=_MAX_NAMESPACES + 1,
+                                 subdir=True, sync=True, metasync=True, lock=True)
+        except (OSError, lmdb.Error) as exc:
+            raise DataDirError(f"cannot open LMDB under {self.path}: {exc}; check that data_dir "
+                               "is writable and not on a network file system") from None
+        self._ns_db = self.env.open_db(b"namespaces")
+        self._dbs: dict[int, Any] = {}
+        self.map_grows = 0
+
+    # ------------------------------------------------------------------ transactions
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run fn in a write transaction; on MapFull double the map and run it again."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                self.map_grows += 1
+            except lmdb.Error as exc:
+                raise StorageError(f"LMDB write under {self.path} failed: {exc}") from None
+
+    def _db(self, ns_id: int) -> Any:
+        db = self._dbs.get(ns_id)
+        if db is None:
+            db = self._write(lambda txn: self.env.open_db(f"ns:{ns_id}".encode(), txn=txn))
+            self._dbs[ns_id] = db
+        return db
+
+    # ------------------------------------------------------------------ namespaces
+
+    def namespaces(self) -> list[NamespaceRecord]:
+        out = []
+        with self.env.begin(db=self._ns_db) as txn:
+            for name, raw in txn.cursor():
+                try:
+                    d = msgpack.unpackb(raw)
+                    out.append(NamespaceRecord(name.decode(), int(d["id"]), int(d["block_bytes"]),
+                                               int(d["key_width"]), dict(d.get("layout") or {})))
+                except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                    raise DataDirError(
+                        f"namespace record {name!r} in {self.path} is damaged; run "
+                        "`kvtier check --repair`") from None
+        return out
+
+    def add_namespace(self, name: str, block_bytes: int, key_width: int,
+                      layout: dict[str, Any]) -> NamespaceRecord:
+        existing = {r.name: r for r in self.namespaces()}
+        if name in existing:
+            return existing[name]
+        if len(existing) >= _MAX_NAMESPACES:
+            raise NamespaceError(f"at most {_MAX_NAMESPACES} namespaces per data directory")
+        ns_id = max((r.ns_id for r in existing.values()), default=0) + 1
+        rec = NamespaceRecord(name, ns_id, block_bytes, key_width, layout)
+        value = msgpack.packb({"id": ns_id, "block_bytes": block_bytes, "key_width": key_width,
+                               "layout": layout})
+        self._write(lambda txn: txn.put(name.encode(), value, db=self._ns_db))
+        return rec
+
+    # ------------------------------------------------------------------ records
+
+    def put_records(self, ns_id: int, keys: np.ndarray, records: np.ndarray) -> None:
+        """Write records (record_dtype) for keys (V{w}) in one transaction."""
+        db = self._db(ns_id)
+        kb = keys.tobytes()
+        rb = records.tobytes()
+        w, r = keys.dtype.itemsize, records.dtype.itemsize
+
+        def put_all(txn: lmdb.Transaction) -> None:
+            with txn.cursor(db=db) as cur:
+                cur.putmulti(((kb[i * w:(i + 1) * w], rb[i * r:(i + 1) * r])
+                              for i in range(len(keys))))
+        self._write(put_all)
+
+    def delete_records(self, ns_id: int, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        db = self._db(ns_id)
+
+        def delete_all(txn: lmdb.Transaction) -> None:
+            for k in keys:
+                txn.delete(k, db=db)
+        self._write(delete_all)
+
+    def load(self, ns_id: int, key_width: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """All records of a namespace: (keys V{w}, records, count of malformed entries skipped)."""
+        dt = record_dtype(key_width)
+        db = self._db(ns_id)
+        keys: list[bytes] = []
+        vals: list[bytes] = []
+        bad = 0
+        with self.env.begin(db=db) as txn:
+            for k, v in txn.cursor():
+                if len(k) != key_width or len(v) != dt.itemsize:
+                    bad += 1
+                    continue
+                keys.append(k)
+                vals.append(v)
+        karr = np.frombuffer(b"".join(keys), dtype=f"V{key_width}")
+        rarr = np.frombuffer(b"".join(vals), dtype=dt)
+        return karr, rarr, bad
+
+    def count(self, ns_id: int) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self._db(ns_id))["entries"]
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def check_writable(path: Path) -> None:
+    """Raise DataDirError with a clear message when path cannot be created or written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataDirError(f"cannot create data_dir {path}: {exc.strerror}; choose a writable "
+                           "directory with --data-dir or KVTIER_DATA_DIR") from None
+    if not path.is_dir():
+        raise DataDirError(f"data_dir {path} exists and is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise DataDirError(f"data_dir {path} is not writable by uid {os.getuid()}; fix its "
+                           "permissions or choose another with --data-dir")

@@ -1,0 +1,393 @@
+"""The unified page table of one namespace: one row per key, every tier's copy of it.
+
+Layout. Rows live in parallel numpy columns (struct-of-arrays), not in one Python object per
+block, so that 10 million entries fit in about 145 bytes each (bench/pagetable.py measures it)
+and every batch operation is a handful of vectorised numpy calls:
+
+    key          V{w}     the opaque key, w = key width of the namespace (16 by default)
+    version      uint64   latest committed version (0: the row is unused)
+    size         uint32   bytes of the latest version
+    checksum     uint64   xxh3-64 of the latest version
+    state        uint8    coherence.states.BlockState
+    slot         int32[3] slot of the copy in HBM and host, NVMe segment id (-1: no copy)
+    nvme_off     uint32   offset of the NVMe copy in its segment, in 4 KiB units
+    nvme_checksum uint64  checksum of the NVMe copy (it may hold an older version than the row)
+    copy_ver     uint64[4] version each tier's copy holds (HBM, host, NVMe, remote); 0: none
+    leases       uint16   readers holding the current version's copies
+    parent       int32    row of the parent block (-1: none or not cached)
+    first_child  int32    head of the children list, threaded through next_sib
+    next_sib     int32
+    last_access  uint64   policy metadata: logical clock of the last access
+    prev_access  uint64   ... and of the one before (LRU-K with K = 2)
+    freq         uint32   ... and the access count
+
+Index. Keys map to rows through an open-addressing hash table of int32 (linear probing, load at
+most 1/2, tombstones on delete). A batch of keys is hashed and probed with numpy, so a lookup of
+1,000 keys costs a few array passes rather than 1,000 dict operations on new bytes objects.
+Hashing does not trust the keys to be random: it mixes every 8-byte word with a multiply-xorshift.
+
+Only kvtier.coherence mutates a PageTable; everything else reads it. It is not thread-safe: the
+engine serialises access under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.types import NTIERS, Tier
+
+EMPTY = np.int32(-1)
+TOMBSTONE = np.int32(-2)
+NO_ROW = -1
+NVME_UNIT = 4096
+_MIX1 = np.uint64(0x9E3779B97F4A7C15)
+_MIX2 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX3 = np.uint64(0x94D049BB133111EB)
+_SLOT_TIERS = (Tier.HBM, Tier.HOST, Tier.NVME)
+
+
+def _columns(key_width: int) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
+    """Column name -> (dtype, trailing shape, fill value)."""
+    return {
+        "key": (np.dtype(f"V{key_width}"), (), 0),
+        "version": (np.dtype(np.uint64), (), 0),
+        "size": (np.dtype(np.uint32), (), 0),
+        "checksum": (np.dtype(np.uint64), (), 0),
+        "state": (np.dtype(np.uint8), (), 0),
+        "slot": (np.dtype(np.int32), (len(_SLOT_TIERS),), -1),
+        "nvme_off": (np.dtype(np.uint32), (), 0),
+        "nvme_checksum": (np.dtype(np.uint64), (), 0),
+        "copy_ver": (np.dtype(np.uint64), (NTIERS,), 0),
+        "leases": (np.dtype(np.uint16), (), 0),
+        "parent": (np.dtype(np.int32), (), -1),
+        "first_child": (np.dtype(np.int32), (), -1),
+        "next_sib": (np.dtype(np.int32), (), -1),
+        "last_access": (np.dtype(np.uint64), (), 0),
+        "prev_access": (np.dtype(np.uint64), (), 0),
+        "freq": (np.dtype(np.uint32), (), 0),
+    }
+
+
+@dataclass(slots=True, frozen=True)
+class Entry:
+    """A snapshot of one row, for the admin API and tests. Copies absent from a tier are omitted."""
+
+    key: bytes
+    version: int
+    size: int
+    checksum: int
+    state: int
+    copies: dict[str, dict[str, int]]
+    leases: int
+    parent: bytes | None
+    children: list[bytes]
+    last_access: int
+    prev_access: int
+    freq: int
+
+
+class PageTable:
+    """Rows of one namespace. See the module docstring for the layout and costs."""
+
+    def __init__(self, key_width: int, initial_rows: int = 1024) -> None:
+        self.key_width = key_width
+        self._spec = _columns(key_width)
+        self.capacity = 0
+        self.n_rows = 0          # high-water mark of rows ever handed out
+        self.live = 0
+        self._free_rows: list[int] = []
+        self.cols: dict[str, np.ndarray] = {}
+        self._grow(max(16, initial_rows))
+        self._index = np.full(1024, EMPTY, dtype=np.int32)
+        self._index_used = 0     # live + tombstones
+        self._words = (key_width + 7) // 8
+
+    # ------------------------------------------------------------------ columns
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        # Columns read as attributes (table.version, table.slot, ...). Only reached for names that
+        # are not real attributes, so the hot paths that use self.cols directly pay nothing.
+        cols = self.__dict__.get("cols")
+        if cols is not None and name in cols:
+            return cols[name]
+        raise AttributeError(name)
+
+    def _grow(self, capacity: int) -> None:
+        # np.full/zeros of a large array maps zero pages lazily, so capacity that is never touched
+        # costs no resident memory; bytes_per_entry in bench/pagetable.py counts what is touched.
+        for name, (dtype, shape, fill) in self._spec.items():
+            new = np.zeros((capacity, *shape), dtype=dtype) if fill == 0 else np.full(
+                (capacity, *shape), fill, dtype=dtype)
+            old = self.cols.get(name)
+            if old is not None:
+                new[: self.n_rows] = old[: self.n_rows]
+            self.cols[name] = new
+        self.capacity = capacity
+
+    # ------------------------------------------------------------------ hashing and probing
+
+    def keys_array(self, keys: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
+        """Packed keys (a buffer of n x key_width bytes) as a V{w} array, validated."""
+        arr = np.frombuffer(keys, dtype=np.uint8) if not isinstance(keys, np.ndarray) else keys
+        if arr.dtype != np.dtype(f"V{self.key_width}"):
+            arr = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+            if arr.size % self.key_width:
+                from kvtier.errors import BadRequest
+                raise BadRequest(
+                    f"packed keys are {arr.size} bytes, not a multiple of the namespace's key "
+                    f"width {self.key_width}; send keys as one buffer of fixed-width keys")
+            arr = arr.view(f"V{self.key_width}")
+        return arr
+
+    def _hash(self, karr: np.ndarray) -> np.ndarray:
+        n = karr.shape[0]
+        raw = karr.view(np.uint8).reshape(n, self.key_width)
+        pad = self._words * 8 - self.key_width
+        if pad:
+            raw = np.concatenate([raw, np.zeros((n, pad), dtype=np.uint8)], axis=1)
+        words = np.ascontiguousarray(raw).view(np.uint64)
+        h = np.full(n, self.key_width, dtype=np.uint64)
+        for j in range(self._words):
+            h = (h ^ words[:, j]) * _MIX1
+            h ^= h >> np.uint64(31)
+        h = (h ^ (h >> np.uint64(30))) * _MIX2
+        h = (h ^ (h >> np.uint64(27))) * _MIX3
+        return h ^ (h >> np.uint64(31))
+
+    def lookup(self, keys: bytes | np.ndarray) -> np.ndarray:
+        """Rows of a batch of packed keys (int64, -1 where absent). Cost: O(batch) numpy passes."""
+        karr = self.keys_array(keys)
+        return self._lookup(karr, self._hash(karr))
+
+    def _lookup(self, karr: np.ndarray, h: np.ndarray) -> np.ndarray:
+        n = karr.shape[0]
+        out = np.full(n, NO_ROW, dtype=np.int64)
+        if n == 0 or self.live == 0:
+            return out
+        index = self._index
+        mask = np.uint64(index.size - 1)
+        pos = (h & mask).astype(np.int64)
+        pending = np.arange(n)
+        keycol = self.cols["key"]
+        imask = index.size - 1
+        while pending.size:
+            r = index[pos[pending]]
+            hit = r >= 0
+            if hit.any():
+                hp = pending[hit]
+                match = keycol[r[hit]] == karr[hp]
+                out[hp[match]] = r[hit][match]
+                done = np.zeros(pending.size, dtype=bool)
+                done[np.flatnonzero(hit)[match]] = True
+            else:
+                done = np.zeros(pending.size, dtype=bool)
+            done |= r == EMPTY
+            pending = pending[~done]
+            pos[pending] = (pos[pending] + 1) & imask
+        return out
+
+    def insert(self, keys: bytes | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows for a batch of keys, creating the missing ones. Returns (rows, created mask).
+
+        A key repeated inside the batch gets one row. New rows start at version 0 (unused) with
+        every copy absent; the caller fills them in.
+        """
+        karr = self.keys_array(keys)
+        h = self._hash(karr)
+        rows = self._lookup(karr, h)
+        created = np.zeros(rows.size, dtype=bool)
+        missing = np.flatnonzero(rows < 0)
+        if missing.size == 0:
+            return rows, created
+        mk = karr[missing]
+        uniq, first, inverse = np.unique(mk.view(np.uint8).reshape(-1, self.key_width),
+                                         axis=0, return_index=True, return_inverse=True)
+        del uniq
+        inverse = inverse.reshape(-1)
+        new_rows = self._alloc_rows(first.size)
+        self.cols["key"][new_rows] = mk[first]
+        self._ensure_index_room(first.size)
+        self._index_insert(new_rows, h[missing[first]])
+        rows[missing] = new_rows[inverse]
+        created[missing[first]] = True
+        self.live += first.size
+        return rows, created
+
+    def _alloc_rows(self, n: int) -> np.ndarray:
+        take = min(n, len(self._free_rows))
+        reused = [self._free_rows.pop() for _ in range(take)]
+        fresh = n - take
+        if self.n_rows + fresh > self.capacity:
+            cap = self.capacity
+            while self.n_rows + fresh > cap:
+                cap *= 2
+            self._grow(cap)
+        out = np.empty(n, dtype=np.int64)
+        out[:take] = reused
+        out[take:] = np.arange(self.n_rows, self.n_rows + fresh)
+        self.n_rows += fresh
+        return out
+
+    def _ensure_index_room(self, extra: int) -> None:
+        need = self._index_used + extra
+        if need * 2 <= self._index.size:
+            return
+        size = self._index.size
+        while (self.live + extra) * 2 > size:
+            size *= 2
+        rows = self.live_rows()
+        self._index = np.full(size, EMPTY, dtype=np.int32)
+        self._index_used = 0
+        if rows.size:
+            self._index_insert(rows, self._hash(self.cols["key"][rows]))
+
+    def _index_insert(self, rows: np.ndarray, h: np.ndarray) -> None:
+        index = self._index
+        imask = index.size - 1
+        pos = (h & np.uint64(imask)).astype(np.int64)
+        pending = np.arange(rows.size)
+        while pending.size:
+            p = pos[pending]
+            free = index[p] < 0
+            cand = pending[free]
+            won = np.zeros(rows.size, dtype=bool)
+            if cand.size:
+                up, first = np.unique(p[free], return_index=True)
+                winners = cand[first]
+                index[up] = rows[winners]
+                won[winners] = True
+            pending = pending[~won[pending]]
+            pos[pending] = (pos[pending] + 1) & imask
+        self._index_used += rows.size
+
+    def remove(self, rows: np.ndarray) -> None:
+        """Forget rows entirely: index entry, chain links and columns. Rows must be live."""
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if rows.size == 0:
+            return
+        karr = self.cols["key"][rows]
+        h = self._hash(karr)
+        index = self._index
+        imask = index.size - 1
+        pos = (h & np.uint64(imask)).astype(np.int64)
+        pending = np.arange(rows.size)
+        while pending.size:
+            r = index[pos[pending]]
+            found = r == rows[pending]
+            index[pos[pending[found]]] = TOMBSTONE
+            pending = pending[~found]
+            pos[pending] = (pos[pending] + 1) & imask
+        for row in rows.tolist():
+            self._unlink(row)
+        for name, (dtype, _shape, fill) in self._spec.items():
+            self.cols[name][rows] = np.array(fill).astype(dtype) if fill else np.zeros((), dtype)
+        self._free_rows.extend(rows.tolist())
+        self.live -= rows.size
+
+    def live_rows(self) -> np.ndarray:
+        """Rows in use (key present in the index), ascending."""
+        used = np.ones(self.n_rows, dtype=bool)
+        if self._free_rows:
+            used[np.asarray(self._free_rows, dtype=np.int64)] = False
+        return np.flatnonzero(used)
+
+    # ------------------------------------------------------------------ chain links
+
+    def link(self, rows: np.ndarray, parents: np.ndarray) -> None:
+        """Make parents[i] the parent of rows[i] (parents[i] = -1 unlinks).
+
+        Rows that have no parent yet (new rows, a restart) are linked in one vectorised pass:
+        each parent's new children are chained together and put in front of its old list.
+        Rows that move to another parent are detached one by one (O(siblings)).
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        parents = np.asarray(parents, dtype=np.int64)
+        parent, first, nxt = self.cols["parent"], self.cols["first_child"], self.cols["next_sib"]
+        same = (parent[rows] == parents) | (rows == parents)
+        rows, parents = rows[~same], parents[~same]
+        moving = parent[rows] >= 0
+        for row in rows[moving].tolist():
+            self._detach(row)
+        keep = parents >= 0
+        rows, parents = rows[keep], parents[keep]
+        if rows.size == 0:
+            return
+        # A row listed twice keeps its last parent.
+        _, last = np.unique(rows[::-1], return_index=True)
+        pick = rows.size - 1 - last
+        rows, parents = rows[pick], parents[pick]
+        order = np.argsort(parents, kind="stable")
+        rows, parents = rows[order], parents[order]
+        group_end = np.r_[parents[1:] != parents[:-1], True]
+        group_start = np.r_[True, parents[1:] != parents[:-1]]
+        nxt[rows[:-1]] = rows[1:]
+        nxt[rows[group_end]] = first[parents[group_end]]
+        first[parents[group_start]] = rows[group_start]
+        parent[rows] = parents
+
+    def _detach(self, row: int) -> None:
+        par = int(self.cols["parent"][row])
+        first, nxt = self.cols["first_child"], self.cols["next_sib"]
+        if first[par] == row:
+            first[par] = nxt[row]
+        else:
+            cur = int(first[par])
+            while cur >= 0 and nxt[cur] != row:
+                cur = int(nxt[cur])
+            if cur >= 0:
+                nxt[cur] = nxt[row]
+        nxt[row] = -1
+        self.cols["parent"][row] = -1
+
+    def _unlink(self, row: int) -> None:
+        if self.cols["parent"][row] >= 0:
+            self._detach(row)
+        first, nxt, parent = self.cols["first_child"], self.cols["next_sib"], self.cols["parent"]
+        child = int(first[row])
+        while child >= 0:
+            following = int(nxt[child])
+            parent[child] = -1
+            nxt[child] = -1
+            child = following
+        first[row] = -1
+
+    def children(self, row: int) -> list[int]:
+        out = []
+        child = int(self.cols["first_child"][row])
+        while child >= 0:
+            out.append(child)
+            child = int(self.cols["next_sib"][child])
+        return out
+
+    # ------------------------------------------------------------------ views
+
+    def key_of(self, row: int) -> bytes:
+        return bytes(self.cols["key"][row])
+
+    def entry(self, row: int) -> Entry:
+        c = self.cols
+        copies: dict[str, dict[str, int]] = {}
+        for tier in Tier:
+            ver = int(c["copy_ver"][row, tier])
+            if ver == 0:
+                continue
+            copy = {"version": ver, "current": int(ver == c["version"][row])}
+            if tier in _SLOT_TIERS:
+                copy["slot"] = int(c["slot"][row, tier])
+            if tier is Tier.NVME:
+                copy["offset"] = int(c["nvme_off"][row]) * NVME_UNIT
+            copies[tier.label] = copy
+        par = int(c["parent"][row])
+        return Entry(
+            key=self.key_of(row), version=int(c["version"][row]), size=int(c["size"][row]),
+            checksum=int(c["checksum"][row]), state=int(c["state"][row]), copies=copies,
+            leases=int(c["leases"][row]), parent=self.key_of(par) if par >= 0 else None,
+            children=[self.key_of(ch) for ch in self.children(row)],
+            last_access=int(c["last_access"][row]), prev_access=int(c["prev_access"][row]),
+            freq=int(c["freq"][row]))
+
+    def nbytes(self) -> int:
+        """Bytes of the columns and the index as allocated (resident use may be lower)."""
+        return sum(a.nbytes for a in self.cols.values()) + self._index.nbytes

@@ -1,0 +1,355 @@
+"""The NVMe tier: an append-only log of segment files, one directory per namespace.
+
+On disk::
+
+    <data_dir>/nvme/ns-<id>/seg-00000001.kvt
+        [4 KiB header: magic, block_bytes, record_bytes, namespace id, segment id]
+        [record 0][record 1]...          each record_bytes = block_bytes rounded up to 4 KiB
+
+A record is a block's bytes and nothing else: the page table (LMDB) says which key and version
+lives where, and the xxh3-64 checksum kept there is checked on every read, so a record never has
+to describe itself. Records start on 4 KiB boundaries, and when block_bytes is a multiple of 4 KiB
+the segment is opened with O_DIRECT and host slots (page-aligned, see tiers.host) go to the device
+with no bounce copy. Other block sizes go through an aligned staging buffer and the page cache.
+
+Appends are batched: one pwritev per run of up to IOV_MAX records, one fdatasync per segment
+touched, and only then does the caller commit LMDB (coherence.flush). Reads merge records that are
+adjacent on disk into one preadv and spread runs over ``io_threads`` threads.
+
+The tier keeps per-segment live byte counts so that coherence can choose segments to compact. It
+holds no policy: what is live, and when to compact, is decided by coherence.
+
+Back-ends: ``PosixBackend`` (pread/pwrite) everywhere, and ``KvikioBackend`` (GDS, or its POSIX
+compat mode) when CUDA and kvikio are present; ``make_backend`` chooses.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from kvtier.errors import DataDirError, StorageError
+
+MAGIC = b"KVTSEG01"
+HEADER_BYTES = 4096
+ALIGN = 4096
+IOV_MAX = 1024
+_HEADER = struct.Struct("<8sIIII")
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class Backend(Protocol):
+    name: str
+
+    def open(self, path: Path, create: bool, direct: bool) -> int: ...
+    def pwritev(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int: ...
+    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int: ...
+    def sync(self, fd: int) -> None: ...
+    def close(self, fd: int) -> None: ...
+
+
+class PosixBackend:
+    """pread/pwrite through the kernel, with O_DIRECT where the file system allows it."""
+
+    name = "posix"
+
+    def open(self, path: Path, create: bool, direct: bool) -> int:
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        if direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # tmpfs and some others refuse O_DIRECT
+                    raise
+        return os.open(path, flags, 0o600)
+
+    def pwritev(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        return os.pwritev(fd, bufs, offset)
+
+    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        return os.preadv(fd, bufs, offset)
+
+    def sync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+
+def make_backend(prefer: str = "auto") -> Backend:
+    """kvikio when asked for or when CUDA is present and kvikio imports; POSIX otherwise."""
+    if prefer in ("auto", "kvikio"):
+        from kvtier.tiers.kvikio_backend import kvikio_backend
+        backend = kvikio_backend()
+        if backend is not None:
+            return backend
+        if prefer == "kvikio":
+            raise StorageError("nvme backend 'kvikio' needs CUDA and the kvikio package "
+                               "(pip install 'kvtier[gpu]'); use the posix backend otherwise")
+    return PosixBackend()
+
+
+@dataclass(slots=True)
+class Segment:
+    seg_id: int
+    path: Path
+    fd: int
+    size: int          # bytes written so far, header included
+    live: int = 0      # bytes of records that a page-table row points to
+
+
+class SegmentLog:
+    """The segment files of one namespace. Not thread-safe for appends; reads may run beside."""
+
+    def __init__(self, directory: Path, ns_id: int, block_bytes: int, segment_bytes: int,
+                 io_threads: int = 4, backend: Backend | None = None) -> None:
+        self.dir = Path(directory)
+        self.ns_id = ns_id
+        self.block_bytes = block_bytes
+        self.record_bytes = round_up(block_bytes)
+        self.segment_bytes = max(segment_bytes, HEADER_BYTES + self.record_bytes)
+        self.direct = block_bytes % ALIGN == 0
+        self.backend = backend or PosixBackend()
+        self.segments: dict[int, Segment] = {}
+        self.bytes_written = 0       # device bytes, padding and compaction included
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        self._io_threads = io_threads
+        self._staging: mmap.mmap | None = None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataDirError(f"cannot create NVMe directory {self.dir}: {exc.strerror}; "
+                               "check that data_dir exists and is writable") from None
+        self._open_existing()
+
+    # ------------------------------------------------------------------ segments
+
+    def _open_existing(self) -> None:
+        for path in sorted(self.dir.glob("seg-*.kvt")):
+            try:
+                seg_id = int(path.stem.split("-", 1)[1])
+            except ValueError:
+                continue
+            fd = self.backend.open(path, create=False, direct=self.direct)
+            buf = _aligned(HEADER_BYTES)
+            got = os.preadv(fd, [memoryview(buf)], 0)   # aligned, so O_DIRECT accepts it
+            hdr = bytes(buf[: _HEADER.size]) if got >= _HEADER.size else b""
+            if len(hdr) < _HEADER.size:
+                # A segment whose header never reached the disk holds nothing LMDB points to.
+                self.backend.close(fd)
+                path.unlink()
+                continue
+            magic, block_bytes, record_bytes, ns_id, sid = _HEADER.unpack(hdr)
+            if magic != MAGIC or block_bytes != self.block_bytes or sid != seg_id:
+                self.backend.close(fd)
+                raise DataDirError(
+                    f"{path} is not a kvtier segment of this namespace (bad header); move it out "
+                    "of the data directory or run `kvtier check --repair`")
+            size = os.fstat(fd).st_size
+            size = HEADER_BYTES + (size - HEADER_BYTES) // self.record_bytes * self.record_bytes
+            self.segments[seg_id] = Segment(seg_id, path, fd, max(size, HEADER_BYTES))
+
+    def _new_segment(self) -> Segment:
+        seg_id = max(self.segments, default=0) + 1
+        path = self.dir / f"seg-{seg_id:08d}.kvt"
+        try:
+            fd = self.backend.open(path, create=True, direct=self.direct)
+        except OSError as exc:
+            raise StorageError(f"cannot create segment {path}: {exc.strerror}") from None
+        header = _aligned(HEADER_BYTES)
+        header[: _HEADER.size] = _HEADER.pack(MAGIC, self.block_bytes, self.record_bytes,
+                                              self.ns_id, seg_id)
+        self._write_all(fd, [memoryview(header)], 0, path)
+        seg = Segment(seg_id, path, fd, HEADER_BYTES)
+        self.segments[seg_id] = seg
+        return seg
+
+    def _active(self) -> Segment:
+        if self.segments:
+            seg = self.segments[max(self.segments)]
+            if seg.size + self.record_bytes <= self.segment_bytes:
+                return seg
+        return self._new_segment()
+
+    @property
+    def active_id(self) -> int:
+        return max(self.segments, default=0)
+
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.segments.values())
+
+    def live_bytes(self) -> int:
+        return sum(s.live for s in self.segments.values())
+
+    # ------------------------------------------------------------------ append
+
+    def append(self, blocks: Sequence[memoryview]) -> tuple[np.ndarray, np.ndarray]:
+        """Write blocks at the end of the log, fdatasync, return (segment ids, offsets in 4 KiB).
+
+        Every block is exactly block_bytes. When this returns, the bytes are durable; the caller
+        then commits the LMDB records that point to them. Raises StorageError (disk full, I/O).
+        """
+        n = len(blocks)
+        segs = np.empty(n, dtype=np.int32)
+        offs = np.empty(n, dtype=np.uint32)
+        touched: dict[int, Segment] = {}
+        i = 0
+        with self._lock:
+            while i < n:
+                seg = self._active()
+                room = (self.segment_bytes - seg.size) // self.record_bytes
+                take = min(room, n - i, IOV_MAX)
+                chunk = blocks[i: i + take]
+                bufs = chunk if self.record_bytes == self.block_bytes else self._stage(chunk)
+                self._write_all(seg.fd, bufs, seg.size, seg.path)
+                segs[i: i + take] = seg.seg_id
+                offs[i: i + take] = (seg.size + np.arange(take) * self.record_bytes) // ALIGN
+                seg.size += take * self.record_bytes
+                self.bytes_written += take * self.record_bytes
+                touched[seg.seg_id] = seg
+                i += take
+            for seg in touched.values():
+                try:
+                    self.backend.sync(seg.fd)
+                except OSError as exc:
+                    raise StorageError(f"fdatasync of {seg.path} failed: {exc.strerror}") from None
+        return segs, offs
+
+    def _stage(self, chunk: Sequence[memoryview]) -> list[memoryview]:
+        need = len(chunk) * self.record_bytes
+        if self._staging is None or len(self._staging) < need:
+            self._staging = mmap.mmap(-1, max(need, 1 << 20))
+        out = []
+        view = memoryview(self._staging)
+        for k, block in enumerate(chunk):
+            rec = view[k * self.record_bytes: (k + 1) * self.record_bytes]
+            rec[: self.block_bytes] = block
+            out.append(rec)
+        return out
+
+    def _write_all(self, fd: int, bufs: Sequence[memoryview], offset: int, path: Path) -> None:
+        want = sum(len(b) for b in bufs)
+        try:
+            done = self.backend.pwritev(fd, bufs, offset)
+        except OSError as exc:
+            hint = "; free space or raise nvme_capacity" if exc.errno == errno.ENOSPC else ""
+            raise StorageError(f"write to {path} failed: {exc.strerror}{hint}") from None
+        if done != want:
+            raise StorageError(f"short write to {path} ({done} of {want} bytes); disk full?")
+
+    # ------------------------------------------------------------------ read
+
+    def read(self, segs: np.ndarray, offs: np.ndarray, outs: Sequence[memoryview]) -> np.ndarray:
+        """Read records into outs (block_bytes each). Returns a bool array: False where the record
+        lies past the end of its segment or its segment is gone (a truncated or deleted file).
+        Checksums are the caller's to verify."""
+        n = len(outs)
+        ok = np.ones(n, dtype=bool)
+        if n == 0:
+            return ok
+        order = np.lexsort((offs, segs))
+        runs: list[tuple[Segment, int, list[int]]] = []
+        prev_seg, prev_off = -1, -1
+        for k in order.tolist():
+            sid, off = int(segs[k]), int(offs[k]) * ALIGN
+            seg = self.segments.get(sid)
+            if seg is None or off < HEADER_BYTES or off + self.record_bytes > seg.size:
+                ok[k] = False
+                continue
+            if sid == prev_seg and off == prev_off + self.record_bytes and len(runs[-1][2]) < IOV_MAX:
+                runs[-1][2].append(k)
+            else:
+                runs.append((seg, off, [k]))
+            prev_seg, prev_off = sid, off
+        bad = self._run_reads(runs, outs)
+        ok[bad] = False
+        return ok
+
+    def _run_reads(self, runs: list[tuple[Segment, int, list[int]]],
+                   outs: Sequence[memoryview]) -> list[int]:
+        staged = self.record_bytes != self.block_bytes
+
+        def one(run: tuple[Segment, int, list[int]]) -> list[int]:
+            seg, off, ks = run
+            if staged:
+                tmp = _aligned(self.record_bytes * len(ks))
+                bufs = [memoryview(tmp)]
+            else:
+                bufs = [outs[k] for k in ks]
+            want = self.record_bytes * len(ks)
+            try:
+                got = self.backend.preadv(seg.fd, bufs, off)
+            except OSError:
+                return ks
+            if got != want:
+                return ks
+            if staged:
+                for j, k in enumerate(ks):
+                    outs[k][:] = tmp[j * self.record_bytes: j * self.record_bytes + self.block_bytes]
+            return []
+
+        self.bytes_read += self.record_bytes * sum(len(r[2]) for r in runs)
+        if len(runs) <= 2 or self._io_threads == 1:
+            return [k for run in runs for k in one(run)]
+        return [k for bad in self._pool.map(one, runs) for k in bad]
+
+    # ------------------------------------------------------------------ accounting
+
+    def add_live(self, segs: np.ndarray, sign: int = 1) -> None:
+        """Count records as live (sign=1) or dead (sign=-1)."""
+        if len(segs) == 0:
+            return
+        ids, counts = np.unique(np.asarray(segs), return_counts=True)
+        for sid, cnt in zip(ids.tolist(), counts.tolist()):
+            seg = self.segments.get(sid)
+            if seg is not None:
+                seg.live += sign * cnt * self.record_bytes
+
+    def compaction_candidates(self, threshold: float) -> list[int]:
+        """Sealed segments whose live fraction is below threshold, emptiest first."""
+        active = self.active_id
+        out = []
+        for seg in self.segments.values():
+            body = seg.size - HEADER_BYTES
+            if seg.seg_id != active and body > 0 and seg.live < threshold * body:
+                out.append((seg.live / body, seg.seg_id))
+        return [sid for _, sid in sorted(out)]
+
+    def remove(self, seg_id: int) -> int:
+        """Delete a segment file; returns the bytes freed."""
+        with self._lock:
+            seg = self.segments.pop(seg_id, None)
+            if seg is None:
+                return 0
+            self.backend.close(seg.fd)
+            try:
+                seg.path.unlink()
+            except FileNotFoundError:
+                pass
+            return seg.size
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for seg in self.segments.values():
+                self.backend.close(seg.fd)
+            self.segments.clear()
+
+
+def _aligned(n: int) -> mmap.mmap:
+    """A page-aligned, zero-filled buffer (anonymous mmap) usable with O_DIRECT."""
+    return mmap.mmap(-1, round_up(max(n, 1)))
