@@ -237,10 +237,12 @@ class Engine:
             covered |= cols["copy_ver"][rows, t] == ver
         if not lowers:
             covered[:] = True
-        if not covered.all() and Tier.NVME in lowers:
-            dirty = rows[~covered]
-            persist.flush_rows(self, ns, dirty)
-            covered |= cols["copy_ver"][rows, Tier.NVME] == ver
+        if not covered.all():
+            # Write the uncovered copies back one tier down first (a demotion).
+            self._write_down(ns, tier, lowers[0], rows[~covered])
+            covered = np.zeros(rows.size, dtype=bool)
+            for t in lowers:
+                covered |= cols["copy_ver"][rows, t] == ver
         rows = rows[covered]
         if rows.size == 0:
             return 0
@@ -252,6 +254,24 @@ class Engine:
             self.counters.tiers[lowers[0]].demotions += victims.size
         self._forget_empty(ns, victims)
         return int(victims.size)
+
+    def _write_down(self, ns: Namespace, tier: Tier, lower: Tier, rows: np.ndarray) -> None:
+        if lower is Tier.NVME:
+            persist.flush_rows(self, ns, rows)
+            return
+        cols = ns.table.cols
+        src = ns.slots[tier]
+        # Pin the sources: making room below must not evict them from under us.
+        src_slots = cols["slot"][rows, tier].astype(np.int64)
+        src.leases[src_slots] += 1
+        try:
+            dst = self._alloc(ns, lower, rows.size, partial=True)
+        finally:
+            src.leases[src_slots] -= 1
+        rows = rows[: dst.size]
+        ns.slots[lower].pool.write(dst, _to_numpy(src.pool.read(src_slots[: dst.size])))
+        self._set_copy(ns, rows, lower, dst, cols["copy_ver"][rows, tier])
+        self.counters.tiers[lower].bytes_written += int(dst.size) * ns.block_bytes
 
     def _choose(self, ns: Namespace, tier: Tier, rows: np.ndarray, n: int) -> np.ndarray:
         cols = ns.table.cols
@@ -372,42 +392,43 @@ class Engine:
         """
         with self.lock:
             res = self._take_reservation(rid, owner)
-            ns, tier, slots = res.ns, res.tier, res.slots
-            st = ns.slots[tier]
-            sums = checksums_of(st.pool, slots) if tier is Tier.HOST else None
-            if tier is not Tier.HOST:
-                # A GPU write: write it through to host first; the checksum is the host copy's.
-                host_slots = self._alloc(ns, Tier.HOST, slots.size)
-                ns.slots[Tier.HOST].pool.write(host_slots, _to_numpy(st.pool.read(slots)))
-                sums = checksums_of(ns.slots[Tier.HOST].pool, host_slots)
-            if checksums is not None:
-                given = np.asarray(checksums, dtype=np.uint64)
-                if given.shape != sums.shape or not np.array_equal(given, sums):
-                    if tier is not Tier.HOST:
-                        self._free_slots(ns, Tier.HOST, host_slots)
-                    self._end_reservation(res, HoldState.RELEASED)
-                    from kvtier.errors import ChecksumError
-                    raise ChecksumError("a reserved slot does not match its checksum (torn or "
-                                        "overlapping write); the batch was not committed")
+            ns, tier, slots, karr = res.ns, res.tier, res.slots, res.keys
+            # Within one batch, the last write of a key wins; earlier duplicates are dropped.
+            keep = _last_occurrences(ns.table, karr)
+            host_slots = None
+            try:
+                if tier is Tier.HOST:
+                    sums = checksums_of(ns.slots[Tier.HOST].pool, slots[keep])
+                else:
+                    # A GPU write: written through to host; the checksum is the host copy's.
+                    host_slots = self._alloc(ns, Tier.HOST, keep.size)
+                    ns.slots[Tier.HOST].pool.write(
+                        host_slots, _to_numpy(ns.slots[tier].pool.read(slots[keep])))
+                    sums = checksums_of(ns.slots[Tier.HOST].pool, host_slots)
+                if checksums is not None:
+                    given = np.asarray(checksums, dtype=np.uint64).reshape(-1)
+                    if given.size != karr.size or not np.array_equal(given[keep], sums):
+                        from kvtier.errors import ChecksumError
+                        raise ChecksumError(
+                            "a reserved slot does not match its checksum (torn or overlapping "
+                            "write); the batch was not committed")
+            except BaseException:
+                if host_slots is not None:
+                    self._free_slots(ns, Tier.HOST, host_slots)
+                self._end_reservation(res, HoldState.RELEASED)
+                raise
             self._unpin(ns, tier, slots)
             res.state = HoldState.COMMITTED
-            # Within one batch, the last write of a key wins; earlier duplicates are freed.
-            karr = res.keys
-            keep = _last_occurrences(ns.table, karr)
             dup = np.setdiff1d(np.arange(karr.size), keep)
             if dup.size:
                 self._free_slots(ns, tier, slots[dup])
-                if tier is not Tier.HOST:
-                    self._free_slots(ns, Tier.HOST, host_slots[dup])
-            rows = self._install(ns, karr[keep], tier, slots[keep], sums[keep],
-                                 None if res.parents is None else res.parents[keep],
-                                 None if tier is Tier.HOST else host_slots[keep])
+            rows = self._install(ns, karr[keep], tier, slots[keep], sums,
+                                 None if res.parents is None else res.parents[keep], host_slots)
             versions_by_pos = np.zeros(karr.size, dtype=np.uint64)
             versions_by_pos[keep] = ns.table.cols["version"][rows]
             if dup.size:
                 # A duplicate's version is the one its key ended with.
-                lookup = ns.table.lookup(karr[dup])
-                versions_by_pos[dup] = ns.table.cols["version"][lookup]
+                versions_by_pos[dup] = ns.table.cols["version"][ns.table.lookup(karr[dup])]
             self.counters.puts += int(karr.size)
             self.counters.tiers[tier].bytes_written += int(karr.size) * ns.block_bytes
             if self.settings.write_policy == "write_through" and ns.log is not None:
@@ -423,6 +444,7 @@ class Engine:
         for t in list(ns.slots):
             self._drop_copies(ns, rows, t)
         cols["version"][rows] += 1
+        cols["leases"][rows] = 0          # readers of the old version hold old slots, not this
         cols["size"][rows] = ns.block_bytes
         cols["checksum"][rows] = sums
         cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
