@@ -23,15 +23,10 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
 from kvtier.errors import CapacityError
-from kvtier.tiers.host import SlotPool
 from kvtier.types import Tier
+from tests.conftest import hbm_standin
 
 KEYS = [bytes([i]) * 16 for i in range(1, 9)]
-
-
-def hbm_standin(name: str, block_bytes: int, n_slots: int) -> SlotPool:
-    """The in-memory HBM stand-in: a slot pool in anonymous memory. Tests only."""
-    return SlotPool(name, block_bytes, n_slots, shared=False)
 
 
 class EngineModel(RuleBasedStateMachine):

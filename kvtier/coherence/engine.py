@@ -338,6 +338,9 @@ class Engine:
         karr = ns.table.keys_array(keys)
         if karr.size == 0:
             raise BadRequest("empty key batch; send at least one key")
+        if (karr == np.zeros(1, dtype=karr.dtype)[0]).any():
+            raise BadRequest("the all-zero key is reserved (it means 'no parent'); hash your "
+                             "keys so that none is all zeros")
         return karr
 
     def reserve(self, namespace: str, keys: Any, parents: Any = None, tier: Tier = Tier.HOST,

@@ -184,6 +184,13 @@ def check_writable(path: Path) -> None:
                            "directory with --data-dir or KVTIER_DATA_DIR") from None
     if not path.is_dir():
         raise DataDirError(f"data_dir {path} exists and is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise DataDirError(f"data_dir {path} is not writable by uid {os.getuid()}; fix its "
-                           "permissions or choose another with --data-dir")
+    # Try a real write rather than os.access(): root passes access() on a read-only mount or an
+    # immutable directory, and then fails later with a less helpful error.
+    probe = path / ".kvtier-write-probe"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise DataDirError(f"data_dir {path} is not writable by uid {os.getuid()} "
+                           f"({exc.strerror}); fix its permissions or choose another with "
+                           "--data-dir") from None

@@ -206,9 +206,10 @@ class PageTable:
                                          axis=0, return_index=True, return_inverse=True)
         del uniq
         inverse = inverse.reshape(-1)
+        # Grow the index before the new rows exist, so that a rebuild does not index them twice.
+        self._ensure_index_room(first.size)
         new_rows = self._alloc_rows(first.size)
         self.cols["key"][new_rows] = mk[first]
-        self._ensure_index_room(first.size)
         self._index_insert(new_rows, h[missing[first]])
         rows[missing] = new_rows[inverse]
         created[missing[first]] = True

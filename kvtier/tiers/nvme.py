@@ -214,7 +214,8 @@ class SegmentLog:
                 room = (self.segment_bytes - seg.size) // self.record_bytes
                 take = min(room, n - i, IOV_MAX)
                 chunk = blocks[i: i + take]
-                bufs = chunk if self.record_bytes == self.block_bytes else self._stage(chunk)
+                direct_ok = self.record_bytes == self.block_bytes and all(map(_is_aligned, chunk))
+                bufs = chunk if direct_ok else self._stage(chunk)
                 self._write_all(seg.fd, bufs, seg.size, seg.path)
                 segs[i: i + take] = seg.seg_id
                 offs[i: i + take] = (seg.size + np.arange(take) * self.record_bytes) // ALIGN
@@ -281,10 +282,11 @@ class SegmentLog:
 
     def _run_reads(self, runs: list[tuple[Segment, int, list[int]]],
                    outs: Sequence[memoryview]) -> list[int]:
-        staged = self.record_bytes != self.block_bytes
+        padded = self.record_bytes != self.block_bytes
 
         def one(run: tuple[Segment, int, list[int]]) -> list[int]:
             seg, off, ks = run
+            staged = padded or not all(_is_aligned(outs[k]) for k in ks)
             if staged:
                 tmp = _aligned(self.record_bytes * len(ks))
                 bufs = [memoryview(tmp)]
@@ -348,6 +350,11 @@ class SegmentLog:
             for seg in self.segments.values():
                 self.backend.close(seg.fd)
             self.segments.clear()
+
+
+def _is_aligned(buf: memoryview) -> bool:
+    """True when buf starts on a 4 KiB boundary (O_DIRECT needs it; slots of aligned blocks do)."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data % ALIGN == 0
 
 
 def _aligned(n: int) -> mmap.mmap:

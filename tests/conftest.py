@@ -1,0 +1,56 @@
+"""Shared fixtures: a data directory per test and engines on tiny capacities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+from kvtier.coherence.engine import Engine
+from kvtier.config import Settings, make_settings
+from kvtier.tiers.host import SlotPool
+
+
+def hbm_standin(name: str, block_bytes: int, n_slots: int) -> SlotPool:
+    """The in-memory HBM stand-in (tests only; never offered to users)."""
+    return SlotPool(name, block_bytes, n_slots, shared=False)
+
+
+def key(i: int, width: int = 16) -> bytes:
+    """A test key; i is offset by one because the all-zero key is reserved."""
+    return (i + 1).to_bytes(width, "big")
+
+
+def keys(ids: range | list[int], width: int = 16) -> bytes:
+    return b"".join(key(i, width) for i in ids)
+
+
+def blocks(n: int, block_bytes: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+
+
+@pytest.fixture
+def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
+    made: list[Engine] = []
+
+    def make(hbm: bool = False, **overrides: Any) -> Engine:
+        values: dict[str, Any] = {"data_dir": str(tmp_path / "data"), "host_capacity": "64KiB",
+                                  "nvme_capacity": "4MiB", "segment_bytes": "1MiB"}
+        values.update(overrides)
+        if hbm:
+            values.setdefault("hbm_capacity", "16KiB")
+        eng = Engine(make_settings(values), hbm_pool_factory=hbm_standin if hbm else None)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        if eng.namespaces:
+            eng.close(flush=False)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return make_settings({"data_dir": str(tmp_path / "data")})

@@ -1,0 +1,311 @@
+"""Engine scenarios: coherence rules step by step, damage on disk, bad input, restart."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.coherence.engine import Engine
+from kvtier.config import make_settings
+from kvtier.errors import (BadRequest, CapacityError, ChecksumError, DataDirError, LeaseError,
+                           NamespaceError)
+from kvtier.types import Tier
+from tests.conftest import blocks, key, keys
+
+BB = 4096
+
+
+def _entry(eng: Engine, k: bytes) -> dict:
+    e = eng.entry("m", k)
+    assert e is not None
+    return e
+
+
+def test_gpu_write_is_exclusive_dirty_written_through_to_host_and_stales_nvme(make_engine):
+    eng = make_engine(hbm=True, write_policy="write_back")
+    eng.create_namespace("m", BB)
+    eng.put("m", key(1), blocks(1, BB, 1))
+    eng.flush()
+    e = _entry(eng, key(1))
+    assert e["state"] == "clean" and e["copies"]["nvme"]["version"] == 1
+    eng.put("m", key(1), blocks(1, BB, 2), tier=Tier.HBM)
+    e = _entry(eng, key(1))
+    assert e["version"] == 2 and e["dirty"]
+    assert e["copies"]["hbm"] == {"version": 2, "current": 1, "slot": e["copies"]["hbm"]["slot"]}
+    assert e["copies"]["host"]["version"] == 2            # written through to host
+    assert e["copies"]["nvme"]["current"] == 0            # the NVMe copy is now stale
+    found, out = eng.read("m", key(1))
+    assert found[0] and (out[0] == blocks(1, BB, 2)[0]).all()
+
+
+def test_read_is_served_from_nvme_with_copy_on_read(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    eng.put("m", key(1), blocks(1, BB))
+    eng.evict(Tier.HOST, 1)
+    assert "host" not in _entry(eng, key(1))["copies"]
+    found, out = eng.read("m", key(1))
+    assert found[0] and (out[0] == blocks(1, BB)[0]).all()
+    assert _entry(eng, key(1))["copies"]["host"]["current"] == 1     # copy-on-read installed it
+    assert eng.counters.tiers[Tier.HOST].promotions == 1
+
+
+def test_flush_goes_in_version_order_and_clears_dirty_only_after_lmdb(make_engine):
+    eng = make_engine(write_policy="write_back")
+    eng.create_namespace("m", BB)
+    eng.put("m", key(2), blocks(1, BB, 0))
+    eng.put("m", key(1), blocks(1, BB, 1))
+    eng.put("m", key(2), blocks(1, BB, 2))        # key 2 is now at version 2
+    assert eng.flush() == 2
+    e1, e2 = _entry(eng, key(1)), _entry(eng, key(2))
+    # key 1 (version 1) was appended before key 2 (version 2): log order follows versions.
+    assert e1["copies"]["nvme"]["offset"] < e2["copies"]["nvme"]["offset"]
+    assert not e1["dirty"] and not e2["dirty"]
+    assert eng.catalog.count(eng.namespace("m").ns_id) == 2
+
+
+def test_eviction_never_drops_a_dirty_sole_copy(make_engine):
+    eng = make_engine(write_policy="write_back", host_capacity=4 * BB)
+    eng.create_namespace("m", BB)
+    eng.put("m", keys(range(4)), blocks(4, BB))
+    assert all(_entry(eng, key(i))["dirty"] for i in range(4))
+    eng.put("m", keys(range(4, 6)), blocks(2, BB, 9))      # forces two evictions
+    for i in range(4):
+        found, out = eng.read("m", key(i))
+        assert found[0] and (out[0] == blocks(4, BB)[i]).all()
+
+
+def test_leased_slot_is_never_overwritten_by_a_new_version(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    eng.put("m", key(1), blocks(1, BB, 1))
+    res = eng.get("m", key(1))
+    pool = eng.namespace("m").slots[Tier.HOST].pool
+    slot = int(res.slots[0])
+    before = pool.array[slot].copy()
+    for seed in range(2, 20):                       # many rewrites, small host tier
+        eng.put("m", key(1), blocks(1, BB, seed))
+    assert (pool.array[slot] == before).all()
+    assert int(eng.get("m", key(1)).slots[0]) != slot
+    eng.release(res.lease_id)
+    with pytest.raises(LeaseError):
+        eng.release(res.lease_id)                   # a double release is a typed error
+
+
+def test_lease_ends_with_its_owner(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    eng.put("m", keys(range(3)), blocks(3, BB))
+    eng.get("m", keys(range(3)), owner=7)
+    eng.reserve("m", key(9), owner=7)
+    assert eng.release_owner(7) == 2
+    assert not eng.leases and not eng.reservations
+    st = eng.namespace("m").slots[Tier.HOST]
+    assert st.leases.sum() == 0
+
+
+def test_stalled_reservation_expires_and_its_commit_is_refused(make_engine):
+    eng = make_engine(reserve_timeout=0.0)
+    eng.create_namespace("m", BB)
+    res = eng.reserve("m", key(1))
+    assert eng.reap() == 1
+    with pytest.raises(LeaseError, match="reserve again"):
+        eng.commit(res.rid)
+    assert eng.namespace("m").slots[Tier.HOST].pool.free_count == 16
+
+
+def test_torn_write_detected_by_checksum_is_not_committed(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    res = eng.reserve("m", key(1))
+    eng.namespace("m").slots[Tier.HOST].pool.write(res.slots, blocks(1, BB))
+    with pytest.raises(ChecksumError):
+        eng.commit(res.rid, checksums=np.array([12345], dtype=np.uint64))
+    assert eng.entry("m", key(1)) is None and not eng.reservations
+
+
+def test_bit_flip_in_a_segment_is_detected_dropped_and_counted(make_engine, tmp_path: Path):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    eng.put("m", keys(range(3)), blocks(3, BB))
+    e = _entry(eng, key(1))
+    eng.close(flush=False)
+    seg = next((tmp_path / "data" / "nvme").glob("ns-*/seg-*.kvt"))
+    with open(seg, "r+b") as fh:
+        fh.seek(e["copies"]["nvme"]["offset"] + 100)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0x10]))
+    eng = make_engine()
+    found, out = eng.read("m", keys(range(3)))
+    assert found.tolist() == [True, False, True]
+    assert eng.counters.checksum_failures == 1
+    assert eng.entry("m", key(1)) is None                 # dropped, never served
+    assert eng.catalog.count(eng.namespace("m").ns_id) == 2
+    assert (out[0] == blocks(3, BB)[0]).all() and (out[2] == blocks(3, BB)[2]).all()
+
+
+def test_truncated_segment_drops_records_past_the_end_at_restart(make_engine, tmp_path: Path):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    eng.put("m", keys(range(4)), blocks(4, BB))
+    eng.close(flush=False)
+    seg = next((tmp_path / "data" / "nvme").glob("ns-*/seg-*.kvt"))
+    os.truncate(seg, 4096 + 2 * BB)
+    eng = make_engine()
+    assert eng.counters.records_dropped == 2
+    found, _ = eng.read("m", keys(range(4)))
+    assert found.tolist() == [True, True, False, False]
+
+
+def test_restart_serves_every_flushed_version(make_engine):
+    eng = make_engine(write_policy="write_back")
+    eng.create_namespace("m", BB, layout={"dtype": "float16"})
+    eng.put("m", keys(range(5)), blocks(5, BB, 1))
+    eng.flush()
+    eng.put("m", keys(range(2)), blocks(2, BB, 2))     # rewritten, not flushed
+    eng.close(flush=False)
+    eng = make_engine(write_policy="write_back")
+    assert eng.namespace("m").layout == {"dtype": "float16"}
+    found, out = eng.read("m", keys(range(5)))
+    assert found.all() and (out == blocks(5, BB, 1)).all()
+    assert [_entry(eng, key(i))["version"] for i in range(5)] == [1] * 5
+
+
+def test_parent_links_survive_restart(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    parents = bytes(16) + keys(range(0, 3))
+    eng.put("m", keys(range(4)), blocks(4, BB), parents=parents)
+    assert _entry(eng, key(0))["children"] == [key(1).hex()]
+    eng.close(flush=False)
+    eng = make_engine()
+    assert _entry(eng, key(2))["parent"] == key(1).hex()
+    assert _entry(eng, key(2))["children"] == [key(3).hex()]
+
+
+def test_match_prefix_counts_only_the_leading_run(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    eng.put("m", keys([0, 1, 3]), blocks(3, BB))
+    assert eng.match_prefix("m", keys(range(5))) == 2
+    assert eng.match_prefix("m", keys([5, 0])) == 0
+    eng.delete("m", key(0))
+    assert eng.match_prefix("m", keys(range(5))) == 0
+
+
+def test_delete_removes_the_lmdb_record_too(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    eng.put("m", keys(range(2)), blocks(2, BB))
+    assert eng.delete("m", keys([0, 0, 7])) == 1
+    eng.close(flush=False)
+    eng = make_engine()
+    found, _ = eng.read("m", keys(range(2)))
+    assert found.tolist() == [False, True]
+
+
+def test_compaction_reclaims_segments_of_rewritten_blocks(make_engine):
+    eng = make_engine(host_capacity=64 * BB, compact_threshold=0.5)
+    eng.create_namespace("m", BB)
+    for seed in range(4):                               # 4 x 200 records of 4 KiB: 4 segments
+        for lo in range(0, 200, 50):
+            eng.put("m", keys(range(lo, lo + 50)), blocks(50, BB, seed * 10 + lo))
+    assert eng.counters.compactions > 0
+    log = eng.namespace("m").log
+    assert log.total_bytes() < 4 * 200 * BB
+    eng.evict(Tier.HOST, 64)
+    found, out = eng.read("m", keys(range(0, 50)))
+    assert found.all() and (out == blocks(50, BB, 30)).all()
+
+
+def test_nvme_full_keeps_puts_in_the_upper_tiers(make_engine):
+    eng = make_engine(host_capacity=32 * BB, nvme_capacity=8 * BB + 8192, segment_bytes="1MiB")
+    eng.create_namespace("m", BB)
+    for lo in range(0, 24, 4):
+        eng.put("m", keys(range(lo, lo + 4)), blocks(4, BB, lo))
+    assert eng.counters.nvme_full > 0 or eng.counters.tiers[Tier.NVME].evictions > 0
+    found, _ = eng.read("m", keys(range(20, 24)))
+    assert found.all()
+
+
+def test_map_full_grows_the_lmdb_map(tmp_path: Path):
+    from kvtier.pagetable.store import Catalog, record_dtype
+    cat = Catalog(tmp_path / "meta", map_size=64 * 1024)
+    ns = cat.add_namespace("m", BB, 16, {})
+    k = np.frombuffer(keys(range(5000)), dtype="V16")
+    cat.put_records(ns.ns_id, k, np.zeros(5000, dtype=record_dtype(16)))
+    assert cat.map_grows > 0 and cat.count(ns.ns_id) == 5000
+    cat.close()
+
+
+# ---------------------------------------------------------------------- bad input
+
+def test_wrong_block_size_unknown_key_and_unknown_namespace(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    with pytest.raises(BadRequest, match="4096"):
+        eng.put("m", key(1), [b"short"])
+    found, _ = eng.read("m", key(99))
+    assert not found[0]                                    # an unknown key is a miss
+    with pytest.raises(NamespaceError, match="create it first"):
+        eng.get("nope", key(1))
+    with pytest.raises(NamespaceError, match="exists with block_bytes"):
+        eng.create_namespace("m", 2 * BB)
+    with pytest.raises(BadRequest):
+        eng.create_namespace("x", 0)
+    with pytest.raises(NamespaceError):
+        eng.create_namespace("", BB)
+    with pytest.raises(BadRequest, match="all-zero key is reserved"):
+        eng.put("m", bytes(16), blocks(1, BB))
+    with pytest.raises(BadRequest, match="empty key batch"):
+        eng.get("m", b"")
+    with pytest.raises(CapacityError, match="smaller batches"):
+        eng.reserve("m", keys(range(17)))
+
+
+def test_missing_or_unwritable_data_dir_is_a_clear_error(tmp_path: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DataDirError, match="cannot create data_dir"):
+        Engine(make_settings({"data_dir": str(blocker / "sub")}))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.getuid() != 0:
+        ro.chmod(0o555)
+        with pytest.raises(DataDirError, match="not writable"):
+            Engine(make_settings({"data_dir": str(ro)}))
+        return
+    # Root ignores permission bits; an immutable directory stops even root (ext4, xfs).
+    if subprocess.run(["chattr", "+i", str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported on this file system")
+    try:
+        with pytest.raises(DataDirError, match="not writable"):
+            Engine(make_settings({"data_dir": str(ro)}))
+    finally:
+        subprocess.run(["chattr", "-i", str(ro)], check=True)
+
+
+def test_data_dir_that_is_a_file_is_a_clear_error(tmp_path: Path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(DataDirError, match="not a directory|cannot create"):
+        Engine(make_settings({"data_dir": str(f)}))
+
+
+def test_garbage_lmdb_record_is_skipped_and_counted(make_engine):
+    eng = make_engine()
+    eng.create_namespace("m", BB)
+    eng.put("m", key(1), blocks(1, BB))
+    ns_id = eng.namespace("m").ns_id
+    db = eng.catalog._db(ns_id)
+    with eng.catalog.env.begin(write=True) as txn:
+        txn.put(b"short-key", b"garbage", db=db)
+    eng.close(flush=False)
+    eng = make_engine()
+    assert eng.counters.records_dropped == 1
+    assert eng.read("m", key(1))[0][0]

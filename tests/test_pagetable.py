@@ -1,0 +1,86 @@
+"""The page table: batch insert, lookup, remove, chain links, and bad keys."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.errors import BadRequest
+from kvtier.pagetable.table import PageTable
+from tests.conftest import keys
+
+
+def test_insert_then_lookup_returns_the_same_rows():
+    t = PageTable(16)
+    rows, created = t.insert(keys(range(5000)))
+    assert created.all() and len(set(rows.tolist())) == 5000
+    assert (t.lookup(keys(range(5000))) == rows).all()
+    assert (t.lookup(keys(range(5000, 5100))) == -1).all()
+
+
+def test_repeated_key_in_one_batch_gets_one_row():
+    t = PageTable(16)
+    rows, created = t.insert(keys([7, 8, 7, 7]))
+    assert rows[0] == rows[2] == rows[3] != rows[1]
+    assert created.sum() == 2 and t.live == 2
+
+
+def test_remove_leaves_tombstones_that_lookups_probe_past():
+    t = PageTable(16)
+    rows, _ = t.insert(keys(range(2000)))
+    t.remove(rows[::2])
+    got = t.lookup(keys(range(2000)))
+    assert (got[::2] == -1).all() and (got[1::2] == rows[1::2]).all()
+    again, created = t.insert(keys(range(0, 2000, 2)))
+    assert created.all() and t.live == 2000
+    assert (t.lookup(keys(range(0, 2000, 2))) == again).all()
+
+
+def test_keys_that_are_not_random_still_spread():
+    # Keys that differ only in one trailing byte: the hash must mix every word.
+    t = PageTable(20)
+    ks = b"".join(b"\x00" * 19 + bytes([i]) for i in range(256))
+    rows, _ = t.insert(ks)
+    assert (t.lookup(ks) == rows).all()
+
+
+def test_odd_key_width_and_growth():
+    t = PageTable(5, initial_rows=16)
+    ks = keys(range(10000), width=5)
+    rows, _ = t.insert(ks)
+    assert t.capacity >= 10000
+    assert (t.lookup(ks) == rows).all()
+
+
+def test_chain_links_and_unlink_on_remove():
+    t = PageTable(16)
+    rows, _ = t.insert(keys(range(4)))
+    t.link(rows[1:], rows[:3])          # 0 <- 1 <- 2 <- 3
+    assert t.children(int(rows[0])) == [int(rows[1])]
+    t.link(rows[3:], rows[:1])          # 3 moves under 0
+    assert sorted(t.children(int(rows[0]))) == sorted([int(rows[1]), int(rows[3])])
+    assert t.children(int(rows[2])) == []
+    t.remove(rows[1:2])
+    assert t.cols["parent"][rows[2]] == -1
+    assert t.children(int(rows[0])) == [int(rows[3])]
+
+
+def test_bulk_link_of_many_children_of_one_parent():
+    t = PageTable(16)
+    rows, _ = t.insert(keys(range(100)))
+    t.link(rows[1:], np.full(99, rows[0]))
+    assert sorted(t.children(int(rows[0]))) == sorted(rows[1:].tolist())
+
+
+def test_packed_keys_of_the_wrong_width_are_refused():
+    t = PageTable(16)
+    with pytest.raises(BadRequest, match="multiple of the namespace's key width 16"):
+        t.lookup(b"x" * 17)
+
+
+def test_entry_shows_every_field():
+    t = PageTable(16)
+    rows, _ = t.insert(keys([1, 2]))
+    t.link(rows[1:], rows[:1])
+    e = t.entry(int(rows[0]))
+    assert e.key == keys([1]) and e.children == [keys([2])] and e.parent is None
