@@ -115,16 +115,20 @@ class PageTable:
         raise AttributeError(name)
 
     def _grow(self, capacity: int) -> None:
-        # np.full/zeros of a large array maps zero pages lazily, so capacity that is never touched
-        # costs no resident memory; bytes_per_entry in bench/pagetable.py counts what is touched.
-        for name, (dtype, shape, fill) in self._spec.items():
-            new = np.zeros((capacity, *shape), dtype=dtype) if fill == 0 else np.full(
-                (capacity, *shape), fill, dtype=dtype)
+        # np.empty of a large array maps pages lazily, so capacity that is never handed out costs
+        # no resident memory (np.full would touch every page: 16 B/entry more at 10M entries).
+        # Rows are set to their fill values when _alloc_rows hands them out.
+        for name, (dtype, shape, _fill) in self._spec.items():
+            new = np.empty((capacity, *shape), dtype=dtype)
             old = self.cols.get(name)
             if old is not None:
                 new[: self.n_rows] = old[: self.n_rows]
             self.cols[name] = new
         self.capacity = capacity
+
+    def _reset_rows(self, rows: np.ndarray | slice) -> None:
+        for name, (dtype, _shape, fill) in self._spec.items():
+            self.cols[name][rows] = np.array(fill).astype(dtype) if fill else np.zeros((), dtype)
 
     # ------------------------------------------------------------------ hashing and probing
 
@@ -228,6 +232,7 @@ class PageTable:
         out = np.empty(n, dtype=np.int64)
         out[:take] = reused
         out[take:] = np.arange(self.n_rows, self.n_rows + fresh)
+        self._reset_rows(slice(self.n_rows, self.n_rows + fresh))
         self.n_rows += fresh
         return out
 
@@ -282,8 +287,7 @@ class PageTable:
             pos[pending] = (pos[pending] + 1) & imask
         for row in rows.tolist():
             self._unlink(row)
-        for name, (dtype, _shape, fill) in self._spec.items():
-            self.cols[name][rows] = np.array(fill).astype(dtype) if fill else np.zeros((), dtype)
+        self._reset_rows(rows)
         self._free_rows.extend(rows.tolist())
         self.live -= rows.size
 
