@@ -97,6 +97,8 @@ def _size(value: Any, name: str) -> int:
 
 
 def _hostport(value: Any, name: str) -> str:
+    if value in ("", None):
+        return ""                      # disabled
     parse_hostport(value, name)
     return str(value)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import xxhash
@@ -498,54 +498,66 @@ class Engine:
     def get(self, namespace: str, keys: Any, owner: int = 0, tier: Tier = Tier.HOST) -> GetResult:
         """Lease the current version of each key in ``tier``, bringing it up if needed."""
         with self.lock:
-            ns = self.namespace(namespace)
-            if tier not in ns.slots:
-                raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
-            karr = self._check_keys(ns, keys)
-            cols = ns.table.cols
-            n = karr.size
-            rows = ns.table.lookup(karr)
-            found = rows >= 0
-            fr = rows[found]
-            found[found] = cols["version"][fr] > 0
-            st = ns.slots[tier]
-            slots = np.full(n, -1, dtype=np.int32)
-            idx = np.flatnonzero(found)
-            r = rows[idx]
-            ready = cols["copy_ver"][r, tier] == cols["version"][r]
-            ri = idx[ready]
-            slots[ri] = cols["slot"][rows[ri], tier]
-            # Pin what is already here before anything else can evict it.
-            np.add.at(st.leases, slots[ri].astype(np.int64), 1)
-            self.counters.tiers[tier].hits += int(ri.size)
-            todo = idx[~ready]
-            if todo.size:
-                # A key repeated in the batch is brought up once; its repeats share the slot.
-                _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
-                inv = inv.reshape(-1)
-                self._bring_up(ns, rows, todo[first], tier, slots, found)
-                rep = np.setdiff1d(np.arange(todo.size), first)
-                if rep.size:
-                    src = todo[first][inv[rep]]
-                    slots[todo[rep]] = slots[src]
-                    found[todo[rep]] = found[src]
-                    ok = todo[rep][found[todo[rep]]]
-                    np.add.at(st.leases, slots[ok].astype(np.int64), 1)
-            served = np.flatnonzero(found)
-            srows = rows[served]
-            cols["leases"][srows] += 1
-            self._touch(ns, np.unique(srows))
-            self.counters.gets += n
-            self.counters.get_hits += int(served.size)
-            self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
-            lid = self._new_id()
-            self.leases[lid] = Lease(lid, ns, tier, slots[served].astype(np.int64), srows,
-                                     cols["version"][srows].copy(), owner,
-                                     time.monotonic() + self.settings.lease_timeout)
-            return GetResult(found, slots, np.where(found, cols["version"][np.maximum(rows, 0)], 0)
-                             .astype(np.uint64),
-                             np.where(found, cols["checksum"][np.maximum(rows, 0)], 0)
-                             .astype(np.uint64), lid, tier)
+            return cast(GetResult, self._get(namespace, keys, owner, tier, io=True))
+
+    def try_get(self, namespace: str, keys: Any, owner: int = 0) -> GetResult | None:
+        """get() when every found block is already in the host tier; None when it would have
+        to move bytes between tiers (the caller then runs get() off the event loop)."""
+        with self.lock:
+            return self._get(namespace, keys, owner, Tier.HOST, io=False)
+
+    def _get(self, namespace: str, keys: Any, owner: int, tier: Tier,
+             io: bool) -> GetResult | None:
+        ns = self.namespace(namespace)
+        if tier not in ns.slots:
+            raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
+        karr = self._check_keys(ns, keys)
+        cols = ns.table.cols
+        n = karr.size
+        rows = ns.table.lookup(karr)
+        found = rows >= 0
+        fr = rows[found]
+        found[found] = cols["version"][fr] > 0
+        st = ns.slots[tier]
+        slots = np.full(n, -1, dtype=np.int32)
+        idx = np.flatnonzero(found)
+        r = rows[idx]
+        ready = cols["copy_ver"][r, tier] == cols["version"][r]
+        if not io and not ready.all():
+            return None
+        ri = idx[ready]
+        slots[ri] = cols["slot"][rows[ri], tier]
+        # Pin what is already here before anything else can evict it.
+        np.add.at(st.leases, slots[ri].astype(np.int64), 1)
+        self.counters.tiers[tier].hits += int(ri.size)
+        todo = idx[~ready]
+        if todo.size:
+            # A key repeated in the batch is brought up once; its repeats share the slot.
+            _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
+            inv = inv.reshape(-1)
+            self._bring_up(ns, rows, todo[first], tier, slots, found)
+            rep = np.setdiff1d(np.arange(todo.size), first)
+            if rep.size:
+                src = todo[first][inv[rep]]
+                slots[todo[rep]] = slots[src]
+                found[todo[rep]] = found[src]
+                ok = todo[rep][found[todo[rep]]]
+                np.add.at(st.leases, slots[ok].astype(np.int64), 1)
+        served = np.flatnonzero(found)
+        srows = rows[served]
+        cols["leases"][srows] += 1
+        self._touch(ns, np.unique(srows))
+        self.counters.gets += n
+        self.counters.get_hits += int(served.size)
+        self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
+        lid = self._new_id()
+        self.leases[lid] = Lease(lid, ns, tier, slots[served].astype(np.int64), srows,
+                                 cols["version"][srows].copy(), owner,
+                                 time.monotonic() + self.settings.lease_timeout)
+        return GetResult(found, slots, np.where(found, cols["version"][np.maximum(rows, 0)], 0)
+                         .astype(np.uint64),
+                         np.where(found, cols["checksum"][np.maximum(rows, 0)], 0)
+                         .astype(np.uint64), lid, tier)
 
     def _bring_up(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray, tier: Tier,
                   slots: np.ndarray, found: np.ndarray) -> None:
@@ -598,14 +610,31 @@ class Engine:
         self._set_copy(ns, r[good], tier, dst[good], cols["version"][r[good]])
         slots[todo[good]] = dst[good]
 
-    def release(self, lease_id: int, owner: int = 0) -> None:
+    def release(self, lease_id: int, owner: int = 0, slots: np.ndarray | None = None) -> None:
+        """End a lease, or with ``slots`` only the part of it holding those slots."""
         with self.lock:
             lease = self.leases.get(lease_id)
             if lease is None or lease.owner != owner:
                 raise LeaseError(f"lease {lease_id} is unknown, already released, expired or not "
                                  "yours")
-            del self.leases[lease_id]
-            self._end_lease(lease, HoldState.RELEASED)
+            if slots is None or len(slots) == 0:
+                del self.leases[lease_id]
+                self._end_lease(lease, HoldState.RELEASED)
+                return
+            slots = lease.ns.slots[lease.tier].pool.check_slots(np.asarray(slots))
+            keep = np.ones(lease.slots.size, dtype=bool)
+            for s in slots.tolist():
+                hit = np.flatnonzero((lease.slots == s) & keep)
+                if hit.size == 0:
+                    raise LeaseError(f"slot {s} is not held by lease {lease_id}; nothing released")
+                keep[hit[0]] = False
+            part = Lease(lease.lid, lease.ns, lease.tier, lease.slots[~keep], lease.rows[~keep],
+                         lease.versions[~keep], owner, lease.deadline)
+            lease.slots, lease.rows, lease.versions = (lease.slots[keep], lease.rows[keep],
+                                                       lease.versions[keep])
+            self._end_lease(part, HoldState.RELEASED)
+            if lease.slots.size == 0:
+                del self.leases[lease_id]
 
     def _end_lease(self, lease: Lease, state: HoldState) -> None:
         lease.state = state

@@ -50,7 +50,7 @@ class Namespace:
     log: SegmentLog | None
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "id": self.ns_id, "block_bytes": self.block_bytes,
+        return {"name": self.name, "ns_id": self.ns_id, "block_bytes": self.block_bytes,
                 "key_width": self.key_width, "layout": self.layout,
                 "blocks": int(self.table.live),
                 "host_slots": self.slots[Tier.HOST].pool.n_slots}

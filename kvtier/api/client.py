@@ -1,0 +1,392 @@
+"""The synchronous client: ``kvtier.Client``.
+
+    with kvtier.Client() as c:
+        ns = c.namespace("llama3-8b/tp0", block_bytes=65536)
+        ns.put(keys, blocks, parents=parents)       # keys: n x 16 bytes packed, or a list
+        found, data = ns.get(keys)                   # data: (n, block_bytes) uint8
+        n = ns.match_prefix(keys)
+
+Data path. ``namespace()`` maps the namespace's shared host segment once (its fd arrives over
+SCM_RIGHTS); from then on put writes straight into reserved slots and get copies straight out of
+leased slots, and only keys, slot numbers, versions and checksums cross the socket. Where the
+service refuses the mapping (another uid) or ``inline=True`` is asked for, bytes travel inside
+the frames instead: correct, but each byte is copied twice more and msgpack-framed, so expect a
+third or less of the mapped throughput (bench/api.py measures both).
+
+Verification. With ``verify=True`` (the default) put sends the xxh3-64 of each block, and the
+service refuses the commit if a slot does not hash to it (a torn or overlapping write); get
+hashes what it copied and raises ChecksumError on a mismatch. ``verify=False`` skips both
+hashes, for callers that verify elsewhere.
+
+Leases. ``get`` releases its lease once the bytes are copied (the release is pipelined, not
+waited for). ``get_leased`` returns a Lease whose ``views`` point into shared memory, valid until
+``release()`` or the end of a ``with`` block.
+
+Failures raise kvtier.errors types. After the service restarts, the next call reconnects and
+namespaces remap on their next use. Not thread-safe: use one Client per thread.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.api import protocol as P
+from kvtier.api.buffers import blocks_view, checksums, pack_keys
+from kvtier.config import Settings
+from kvtier.errors import BadRequest, ChecksumError, KvtierError, ServiceUnavailable
+
+_RECV = 1 << 20
+
+
+def default_socket() -> str:
+    env = os.environ.get("KVTIER_SOCKET")
+    if env:
+        return env
+    data_dir = os.environ.get("KVTIER_DATA_DIR", Settings().data_dir)
+    return str(Path(data_dir) / "run" / "kvtier.sock")
+
+
+@dataclass(slots=True)
+class GetReply:
+    found: np.ndarray
+    slots: np.ndarray
+    versions: np.ndarray
+    checksums: np.ndarray
+    lease: int
+
+    @classmethod
+    def decode(cls, r: dict[str, Any]) -> "GetReply":
+        return cls(np.frombuffer(r["found"], np.uint8).astype(bool),
+                   np.frombuffer(r["slots"], "<i4"), np.frombuffer(r["versions"], "<u8"),
+                   np.frombuffer(r["checksums"], "<u8"), int(r["lease"]))
+
+
+def copy_out(view: np.ndarray, rep: GetReply, out: np.ndarray, verify: bool) -> None:
+    """Copy leased slots into out's rows (zero where missing); verify checksums if asked."""
+    idx = np.flatnonzero(rep.found)
+    if idx.size == rep.found.size:
+        np.take(view, rep.slots.astype(np.intp), axis=0, out=out)
+    else:
+        out[~rep.found] = 0
+        out[idx] = view[rep.slots[idx]]
+    if verify and idx.size:
+        bad = np.flatnonzero(checksums(out[idx]) != rep.checksums[idx])
+        if bad.size:
+            raise ChecksumError(f"{bad.size} blocks did not match their checksum after the copy "
+                                "out of shared memory (a writer outside kvtier's protocol?)")
+
+
+class Lease:
+    """Blocks held in shared memory. views[i] is a read-only array of block i (found ones)."""
+
+    def __init__(self, ns: "Namespace", rep: GetReply) -> None:
+        self._ns = ns
+        self.found = rep.found
+        self.versions = rep.versions
+        self.checksums = rep.checksums
+        self.lease_id = rep.lease
+        view = ns._view()
+        self.views = [view[s] if f else None for s, f in zip(rep.slots.tolist(),
+                                                            rep.found.tolist())]
+        for v in self.views:
+            if v is not None:
+                v.flags.writeable = False
+
+    def release(self) -> None:
+        if self.lease_id:
+            self._ns._client._call("release", lease=self.lease_id)
+            self.lease_id = 0
+            self.views = []
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class Namespace:
+    """A handle on one namespace of a Client. Batch calls; keys packed or as a list."""
+
+    def __init__(self, client: "Client", info: dict[str, Any], inline: bool) -> None:
+        self._client = client
+        self.name: str = info["name"]
+        self.block_bytes: int = info["block_bytes"]
+        self.key_width: int = info["key_width"]
+        self.layout: dict[str, Any] = info.get("layout") or {}
+        self.inline = inline
+        self._map: mmap.mmap | None = None
+        self._arr: np.ndarray | None = None
+        self._generation = -1
+
+    def _view(self) -> np.ndarray:
+        c = self._client
+        if self._arr is None or self._generation != c.generation:
+            info, fd = c._open_mapped(self.name)
+            try:
+                size = info["map_bytes"]
+                self._map = mmap.mmap(fd, size, mmap.MAP_SHARED,
+                                      mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self._arr = np.frombuffer(self._map, dtype=np.uint8).reshape(-1, self.block_bytes)
+            self._generation = c.generation
+        return self._arr
+
+    def put(self, keys: Any, blocks: Any, parents: Any = None, verify: bool = True) -> np.ndarray:
+        """Store blocks under keys (two-phase: reserve, write, commit). Returns new versions."""
+        kb = pack_keys(keys, self.key_width)
+        n = len(kb) // self.key_width
+        src = blocks_view(blocks, n, self.block_bytes)
+        pb = None if parents is None else pack_keys(parents, self.key_width)
+        c = self._client
+        c._ensure()
+        if self.inline:
+            r = c._call("put", ns=self.name, keys=kb, data=src.tobytes(), parents=pb)
+            return np.frombuffer(r["versions"], "<u8")
+        view = self._view()
+        r = c._call("reserve", ns=self.name, keys=kb, parents=pb)
+        rid = r["rid"]
+        try:
+            slots = np.frombuffer(r["slots"], "<i4").astype(np.intp)
+            view[slots] = src
+            sums = P.arr(checksums(src), "<u8") if verify else None
+        except BaseException:
+            c._call("abort", rid=rid)
+            raise
+        r = c._call("commit", rid=rid, checksums=sums)
+        return np.frombuffer(r["versions"], "<u8")
+
+    def get(self, keys: Any, out: Any = None, verify: bool = True
+            ) -> tuple[np.ndarray, np.ndarray]:
+        """Copy the blocks of keys into out (or a new (n, block_bytes) array).
+
+        Returns (found mask, out as a uint8 array view). Missing blocks leave zeroed rows.
+        """
+        kb = pack_keys(keys, self.key_width)
+        n = len(kb) // self.key_width
+        dst = (np.empty((n, self.block_bytes), dtype=np.uint8) if out is None
+               else blocks_view(out, n, self.block_bytes, writable=True))
+        c = self._client
+        c._ensure()
+        if self.inline:
+            r = c._call("get", ns=self.name, keys=kb, inline=True)
+            rep = GetReply.decode(r)
+            dst[:] = np.frombuffer(r["data"], np.uint8).reshape(n, self.block_bytes)
+            if verify and rep.found.any():
+                idx = np.flatnonzero(rep.found)
+                if (checksums(dst[idx]) != rep.checksums[idx]).any():
+                    raise ChecksumError("inline blocks did not match their checksums")
+            return rep.found, dst
+        view = self._view()
+        rep = GetReply.decode(c._call("get", ns=self.name, keys=kb))
+        try:
+            copy_out(view, rep, dst, verify)
+        finally:
+            c._send_nowait("release", lease=rep.lease)
+        return rep.found, dst
+
+    def get_leased(self, keys: Any) -> Lease:
+        """Lease the blocks in place (zero-copy): read lease.views, then release()."""
+        if self.inline:
+            raise BadRequest("get_leased needs the mapped data path; this handle is inline")
+        self._client._ensure()
+        self._view()
+        kb = pack_keys(keys, self.key_width)
+        return Lease(self, GetReply.decode(self._client._call("get", ns=self.name, keys=kb)))
+
+    def match_prefix(self, keys: Any) -> int:
+        self._client._ensure()
+        return int(self._client._call("match_prefix", ns=self.name,
+                                      keys=pack_keys(keys, self.key_width))["n"])
+
+    def delete(self, keys: Any) -> int:
+        self._client._ensure()
+        return int(self._client._call("delete", ns=self.name,
+                                      keys=pack_keys(keys, self.key_width))["deleted"])
+
+    def flush(self) -> int:
+        self._client._ensure()
+        return int(self._client._call("flush", ns=self.name)["flushed"])
+
+    def close(self) -> None:
+        self._arr = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass          # a caller still holds a view; the mapping goes with it
+            self._map = None
+
+
+class Client:
+    """A connection to `kvtier serve`. See the module docstring."""
+
+    def __init__(self, path: str | os.PathLike | None = None, timeout: float = 30.0,
+                 name: str = "", connect: bool = True) -> None:
+        self.path = str(path or default_socket())
+        self.timeout = timeout
+        self.name = name or f"pid-{os.getpid()}"
+        self.generation = 0
+        self.release_errors = 0
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+        self._fds: list[int] = []
+        self._next = 0
+        self._discard: set[int] = set()
+        self._namespaces: dict[str, Namespace] = {}
+        self.server_info: dict[str, Any] = {}
+        if connect:
+            self.connect()
+
+    # ------------------------------------------------------------------ connection
+
+    def connect(self) -> None:
+        self.close_socket()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise ServiceUnavailable(f"cannot connect to kvtier at {self.path}: {exc.strerror}; "
+                                     "is `kvtier serve` running?") from None
+        self._sock = sock
+        self.generation += 1
+        self.server_info = self._call("hello", version=P.PROTOCOL_VERSION, client=self.name)
+
+    def close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._buf.clear()
+        self._discard.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def close(self) -> None:
+        for ns in self._namespaces.values():
+            ns.close()
+        self.close_socket()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ frames
+
+    def _ensure(self) -> None:
+        """Reconnect if the connection was lost. Only here, never inside a call: a namespace's
+        mapping must be refreshed (Namespace._view) before slots of a new service are used."""
+        if self._sock is None:
+            self.connect()
+
+    def _send(self, op: str, args: dict[str, Any]) -> int:
+        if self._sock is None:
+            raise ServiceUnavailable(f"not connected to kvtier at {self.path}")
+        self._next += 1
+        frame = P.pack({"id": self._next, "op": op, **{k: v for k, v in args.items()
+                                                       if v is not None}})
+        try:
+            self._sock.sendall(frame)
+        except OSError as exc:
+            self.close_socket()
+            raise ServiceUnavailable(f"kvtier at {self.path} went away: {exc}") from None
+        return self._next
+
+    def _send_nowait(self, op: str, **args: Any) -> None:
+        """Send a request whose reply is read and dropped later (pipelined)."""
+        self._discard.add(self._send(op, args))
+
+    def _recv_frame(self) -> dict[str, Any]:
+        while True:
+            if len(self._buf) >= 4:
+                (n,) = P.LENGTH.unpack_from(self._buf)
+                if len(self._buf) >= 4 + n:
+                    body = bytes(self._buf[4:4 + n])
+                    del self._buf[:4 + n]
+                    return P.unpack(body)
+            try:
+                data, anc, _flags, _addr = self._sock.recvmsg(
+                    _RECV, socket.CMSG_SPACE(4 * array.array("i").itemsize))
+            except socket.timeout:
+                self.close_socket()
+                raise ServiceUnavailable(f"no reply from kvtier within {self.timeout} s") from None
+            except OSError as exc:
+                self.close_socket()
+                raise ServiceUnavailable(f"kvtier at {self.path} went away: {exc}") from None
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                    self._fds.extend(fds)
+            if not data:
+                self.close_socket()
+                raise ServiceUnavailable(f"kvtier at {self.path} closed the connection")
+            self._buf += data
+
+    def _call(self, op: str, **args: Any) -> dict[str, Any]:
+        req_id = self._send(op, args)
+        while True:
+            reply = self._recv_frame()
+            rid = reply.get("id")
+            if rid in self._discard:
+                self._discard.discard(rid)
+                if not reply.get("ok"):
+                    self.release_errors += 1
+                continue
+            if rid != req_id:
+                raise P.raise_for(reply) if not reply.get("ok") else KvtierError(
+                    f"reply for request {rid} while waiting for {req_id}")
+            return P.raise_for(reply)
+
+    def _open_mapped(self, name: str) -> tuple[dict[str, Any], int]:
+        info = self._call("ns_open", name=name, map=True)
+        if not self._fds:
+            # The fd travels in the same sendmsg as the reply, so it is here by now.
+            raise ServiceUnavailable("the namespace's memory fd did not arrive with the reply")
+        return info, self._fds.pop(0)
+
+    # ------------------------------------------------------------------ API
+
+    def namespace(self, name: str, block_bytes: int | None = None, key_width: int = 16,
+                  layout: dict[str, Any] | None = None, inline: bool = False) -> Namespace:
+        """Open (with block_bytes: create or open) a namespace. inline=True: no shared memory."""
+        self._ensure()
+        if block_bytes is not None:
+            info = self._call("ns_create", name=name, block_bytes=block_bytes,
+                              key_width=key_width, layout=layout)
+        else:
+            info = self._call("ns_open", name=name)
+        ns = Namespace(self, info, inline)
+        if not inline:
+            ns._view()
+        self._namespaces[name] = ns
+        return ns
+
+    def stats(self) -> dict[str, Any]:
+        self._ensure()
+        return self._call("stats")
+
+    def flush(self) -> int:
+        self._ensure()
+        return int(self._call("flush")["flushed"])
+
+    def ping(self) -> float:
+        """Seconds for one hello round trip."""
+        self._ensure()
+        t0 = time.perf_counter()
+        self._call("hello", version=P.PROTOCOL_VERSION, client=self.name)
+        return time.perf_counter() - t0

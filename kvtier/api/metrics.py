@@ -1,0 +1,113 @@
+"""Prometheus metrics and the recent-latency windows behind /v1/stats and the dashboard.
+
+Names follow Prometheus conventions with units: ``kvtier_op_duration_seconds`` is a histogram
+per socket op, so ``histogram_quantile(0.99, rate(kvtier_op_duration_seconds_bucket[1m]))``
+works; tier figures are gauges and counters built from Engine.stats() at scrape time (a custom
+collector, so no second copy of the counters is kept).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+           0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+_TIER_COUNTERS = (("hits", "hits_total"), ("misses", "misses_total"),
+                  ("promotions", "promotions_total"), ("demotions", "demotions_total"),
+                  ("evictions", "evictions_total"), ("bytes_read", "read_bytes_total"),
+                  ("bytes_written", "written_bytes_total"))
+_TIER_GAUGES = (("capacity_bytes", "capacity_bytes"), ("used_bytes", "used_bytes"),
+                ("blocks", "blocks"))
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self._stats()
+        for key, name in _TIER_GAUGES:
+            g = GaugeMetricFamily(f"kvtier_tier_{name}", f"tier {key}", labels=["tier"])
+            for tier, d in s["tiers"].items():
+                g.add_metric([tier], float(d.get(key) or 0))
+            yield g
+        for key, name in _TIER_COUNTERS:
+            c = CounterMetricFamily(f"kvtier_tier_{name.removesuffix('_total')}",
+                                    f"tier {key}", labels=["tier"])
+            for tier, d in s["tiers"].items():
+                c.add_metric([tier], float(d.get(key) or 0))
+            yield c
+        for key in ("checksum_failures", "gets", "get_hits", "puts", "nvme_full",
+                    "flushed_blocks", "compactions", "records_dropped"):
+            yield CounterMetricFamily(f"kvtier_{key}", key.replace("_", " "), value=s[key])
+        yield GaugeMetricFamily("kvtier_hit_ratio", "get hits / gets since start",
+                                value=s["hit_ratio"] or 0.0)
+        yield GaugeMetricFamily("kvtier_leases", "leases held", value=s["leases"])
+        yield GaugeMetricFamily("kvtier_uptime_seconds", "seconds since start",
+                                value=s["uptime_s"])
+
+
+class Metrics:
+    """Op latencies (histogram + a window of recent samples) and the registry to expose."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.op_duration = Histogram("kvtier_op_duration_seconds", "socket op latency",
+                                     ["op"], buckets=BUCKETS, registry=self.registry)
+        self.op_errors = Counter("kvtier_op_errors_total", "socket ops answered with an error",
+                                 ["op"], registry=self.registry)
+        self._recent: dict[str, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=4096))
+        self._lock = threading.Lock()
+        self._collector: _EngineCollector | None = None
+
+    def bind(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._collector = _EngineCollector(stats)
+        self.registry.register(self._collector)
+
+    def observe(self, op: str, seconds: float, ok: bool) -> None:
+        self.op_duration.labels(op).observe(seconds)
+        if not ok:
+            self.op_errors.labels(op).inc()
+        with self._lock:
+            self._recent[op].append((time.monotonic(), seconds))
+
+    def latency(self, window: float = 60.0) -> dict[str, dict[str, float]]:
+        """p50/p99/max in ms and the count per op over the last window seconds."""
+        now = time.monotonic()
+        out = {}
+        with self._lock:
+            items = {op: [s for t, s in d if now - t <= window] for op, d in self._recent.items()}
+        for op, samples in items.items():
+            if samples:
+                a = np.asarray(samples) * 1000
+                out[op] = {"p50_ms": round(float(np.percentile(a, 50)), 4),
+                           "p99_ms": round(float(np.percentile(a, 99)), 4),
+                           "max_ms": round(float(a.max()), 4), "count": int(a.size)}
+        return out
+
+    def histogram(self) -> dict[str, Any]:
+        """Bucket counts of all ops together, for the dashboard's histogram and CDF."""
+        counts = np.zeros(len(BUCKETS) + 1, dtype=np.int64)
+        for metric in self.op_duration.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_bucket"):
+                    le = sample.labels["le"]
+                    i = len(BUCKETS) if le == "+Inf" else BUCKETS.index(float(le))
+                    counts[i] += int(sample.value)
+        cumulative = counts.tolist()
+        per_bucket = [cumulative[0]] + [cumulative[i] - cumulative[i - 1]
+                                        for i in range(1, len(cumulative))]
+        return {"le_seconds": [*BUCKETS, None], "counts": per_bucket, "cumulative": cumulative}
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,109 @@
+"""The worker protocol: length-prefixed msgpack frames over a Unix socket.
+
+    frame   = u32 little-endian body length, then the body
+    request = {"id": int, "op": str, ...arguments}
+    reply   = {"id": int, "ok": True, ...results}
+            | {"id": int, "ok": False, "error": {"code": str, "message": str}}
+
+Batches travel as packed arrays, never lists of small objects: ``keys`` is one bytes value of
+n x key_width bytes; ``slots`` int32, ``versions`` and ``checksums`` uint64 and ``found`` uint8
+are raw little-endian arrays. Replies carry the request's id, so a client may pipeline.
+
+Operations (PROTOCOL_VERSION 1):
+
+    hello          {version, client?}                  -> {version, server, pid, uid}
+    ns_create      {name, block_bytes, key_width?, layout?} -> namespace info
+    ns_open        {name, map?}                        -> info, and with map=True the host
+                                                          segment's fd over SCM_RIGHTS
+    reserve        {ns, keys, parents?}                -> {rid, slots}
+    commit         {rid, checksums?}                   -> {versions}
+    abort          {rid}                               -> {}
+    put            {ns, keys, data, parents?}          -> {versions}       (inline fallback)
+    get            {ns, keys, inline?}                 -> {lease, found, slots, versions,
+                                                           checksums, data?}
+    release        {lease, slots?}                     -> {}
+    match_prefix   {ns, keys}                          -> {n}
+    delete         {ns, keys}                          -> {deleted}
+    flush          {ns?}                               -> {flushed}
+    stats          {}                                  -> engine statistics
+
+A malformed body, an unknown op or bad arguments get an error reply; only broken framing (a
+length over max_frame, or a body that is not a msgpack map) closes the connection.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvtier.errors import BY_CODE, BadRequest, KvtierError, ProtocolError
+
+PROTOCOL_VERSION = 1
+LENGTH = struct.Struct("<I")
+OPS = ("hello", "ns_create", "ns_open", "reserve", "commit", "abort", "put", "get", "release",
+       "match_prefix", "delete", "flush", "stats")
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return LENGTH.pack(len(body)) + body
+
+
+def unpack(body: bytes) -> dict[str, Any]:
+    """Decode a body; ProtocolError when it is not a msgpack map."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError,
+            UnicodeDecodeError) as exc:
+        raise ProtocolError(f"frame body is not valid msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame body must be a msgpack map")
+    return obj
+
+
+def error_reply(req_id: Any, exc: KvtierError) -> dict[str, Any]:
+    return {"id": req_id, "ok": False, "error": {"code": exc.code, "message": str(exc)}}
+
+
+def raise_for(reply: dict[str, Any]) -> dict[str, Any]:
+    """Re-raise an error reply as its kvtier exception type; return ok replies."""
+    if reply.get("ok"):
+        return reply
+    err = reply.get("error") or {}
+    cls = BY_CODE.get(err.get("code", ""), KvtierError)
+    raise cls(err.get("message", "unknown error"))
+
+
+# ---------------------------------------------------------------------- argument helpers
+
+def arg(req: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """A typed argument; BadRequest naming it when missing or of the wrong type."""
+    if name not in req:
+        if default is ...:
+            raise BadRequest(f"missing argument {name!r}")
+        return default
+    value = req[name]
+    if isinstance(value, bool) and kind is int:
+        raise BadRequest(f"argument {name!r} must be an integer")
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise BadRequest(f"argument {name!r} must be {names}, got {type(value).__name__}")
+    return value
+
+
+def array_arg(req: dict[str, Any], name: str, dtype: str, default: Any = ...) -> np.ndarray | None:
+    raw = arg(req, name, bytes, default)
+    if raw is None:
+        return None
+    dt = np.dtype(dtype)
+    if len(raw) % dt.itemsize:
+        raise BadRequest(f"argument {name!r} is {len(raw)} bytes, not a whole number of "
+                         f"{dt.itemsize}-byte items")
+    return np.frombuffer(raw, dtype=dt)
+
+
+def arr(a: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(a, dtype=np.dtype(dtype)).tobytes()

@@ -1,0 +1,386 @@
+"""The socket server: a thin asyncio façade over the engine.
+
+Each connection is one worker (``owner`` = connection id): its leases and reservations end when
+it disconnects, so a crashed worker leaks nothing. Requests on a connection are answered in
+order; a client may pipeline them.
+
+Where engine calls run. The engine is synchronous and takes a lock. Calls that cannot touch the
+disk (a get whose blocks are all resident in the host tier, release, match_prefix) run inline on
+the loop when the lock is free at once; everything else (puts, flushes, gets that read NVMe) runs
+on a worker thread, so disk I/O never blocks the loop. Measured on the dev VM: the thread hop costs
+about 60 us, which is most of a single-block get's budget.
+
+Security. The socket is created mode 0600 (0660 with socket_group) in a directory that only the
+service's user may write. A namespace's shared memory fd is passed (SCM_RIGHTS) only to a peer
+whose SO_PEERCRED uid is the service's own or listed in allowed_uids; others may use the inline
+data path. Slots are chosen by the server, never accepted from clients except to release them,
+where they are checked against the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import grp
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from kvtier import __version__
+from kvtier.api import protocol as P
+from kvtier.coherence.engine import Engine
+from kvtier.config import Settings
+from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
+from kvtier.types import Tier
+
+log = logging.getLogger("kvtier.server")
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass(slots=True)
+class ClientInfo:
+    """Per-connection figures behind /v1/clients."""
+
+    cid: int
+    pid: int
+    uid: int
+    name: str = ""
+    connected: float = field(default_factory=time.time)
+    ops: int = 0
+    errors: int = 0
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2048))
+
+    def record(self, seconds: float, ok: bool) -> None:
+        self.ops += 1
+        self.errors += 0 if ok else 1
+        self.recent.append((time.monotonic(), seconds, ok))
+
+    def summary(self, window: float = 10.0) -> dict[str, Any]:
+        now = time.monotonic()
+        rec = [r for r in self.recent if now - r[0] <= window]
+        qps = len(rec) / window
+        lat = [r[1] for r in rec]
+        p99_ms = float(np.percentile(lat, 99) * 1000) if lat else 0.0
+        err = (sum(1 for r in rec if not r[2]) / len(rec)) if rec else 0.0
+        return {"id": self.cid, "pid": self.pid, "uid": self.uid, "name": self.name,
+                "connected_s": round(time.time() - self.connected, 1), "ops": self.ops,
+                "errors": self.errors, "qps": round(qps, 2), "p99_ms": round(p99_ms, 3),
+                "error_rate": round(err, 4),
+                "load_weight": round(qps * (1 + 0.1 * p99_ms) / (1 + err), 3)}
+
+
+class Server:
+    """Serve one engine on a Unix socket. start(), then serve until stop()."""
+
+    def __init__(self, engine: Engine, settings: Settings,
+                 on_op: Callable[[str, float, bool], None] | None = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.path = settings.socket_path
+        self.clients: dict[int, ClientInfo] = {}
+        self._next_cid = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtier-engine")
+        self._tasks: set[asyncio.Task] = set()
+        self._conns: set[asyncio.Task] = set()
+        self._on_op = on_op
+        self.allowed = {os.getuid(), *settings.allowed_uids}
+        self._ops: dict[str, Callable[..., Any]] = {op: getattr(self, f"op_{op}") for op in P.OPS}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _prepare_path(self) -> None:
+        parent = self.path.parent
+        if not parent.exists():
+            parent.mkdir(parents=True, mode=0o700)
+        st = parent.stat()
+        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                f"the socket directory {parent} must belong to uid {os.getuid()} and be "
+                "writable by it alone (chmod 700); choose another --socket path")
+        if self.path.is_symlink() or (self.path.exists() and not self.path.is_socket()):
+            raise ConfigError(f"{self.path} exists and is not a socket; remove it or choose "
+                              "another --socket path")
+        if self.path.exists():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(self.path))
+            except OSError:
+                self.path.unlink()          # stale socket of a service that died
+            else:
+                raise ConfigError(f"another kvtier serve is listening on {self.path}")
+            finally:
+                probe.close()
+
+    async def start(self) -> None:
+        self._prepare_path()
+        old = os.umask(0o177)
+        try:
+            self._server = await asyncio.start_unix_server(self._handle, path=str(self.path),
+                                                           limit=1 << 16)
+        finally:
+            os.umask(old)
+        mode = 0o600
+        if self.settings.socket_group:
+            try:
+                gid = grp.getgrnam(self.settings.socket_group).gr_gid
+            except KeyError:
+                raise ConfigError(f"socket_group {self.settings.socket_group!r} does not "
+                                  "exist") from None
+            os.chown(self.path, -1, gid)
+            mode = 0o660
+        os.chmod(self.path, mode)
+        self._spawn(self._housekeeping())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _housekeeping(self) -> None:
+        """Expire stalled reservations and leases; flush under write_back."""
+        loop = asyncio.get_running_loop()
+        last_flush = time.monotonic()
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await loop.run_in_executor(self._pool, self.engine.reap)
+                if (self.settings.write_policy == "write_back"
+                        and time.monotonic() - last_flush >= self.settings.flush_interval):
+                    last_flush = time.monotonic()
+                    await loop.run_in_executor(self._pool, self.engine.flush)
+            except KvtierError:
+                log.exception("housekeeping failed; retrying")
+
+    async def stop(self) -> None:
+        """Stop accepting, end connections, flush dirty blocks, close LMDB."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for t in list(self._conns) + list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._conns, *self._tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self.engine.close)
+        self._pool.shutdown(wait=True)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ connections
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._conns.add(task)
+        sock = writer.get_extra_info("socket")
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          _PEERCRED.size))
+        self._next_cid += 1
+        client = ClientInfo(self._next_cid, pid, uid)
+        self.clients[client.cid] = client
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    head = await reader.readexactly(4)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                (n,) = P.LENGTH.unpack(head)
+                if n > self.settings.max_frame:
+                    writer.write(P.pack(P.error_reply(None, ProtocolError(
+                        f"frame of {n} bytes exceeds max_frame {self.settings.max_frame}; "
+                        "closing"))))
+                    await writer.drain()
+                    return
+                try:
+                    body = await reader.readexactly(n)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                t0 = time.perf_counter()
+                reply, fd, op = await self._dispatch(client, body)
+                ok = bool(reply.get("ok"))
+                dt = time.perf_counter() - t0
+                client.record(dt, ok)
+                if self._on_op is not None:
+                    self._on_op(op, dt, ok)
+                data = P.pack(reply)
+                if fd is None:
+                    writer.write(data)
+                    if writer.transport.get_write_buffer_size() > (1 << 20):
+                        await writer.drain()
+                else:
+                    await writer.drain()
+                    await _send_with_fd(sock, data, fd)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self.clients.pop(client.cid, None)
+            self._conns.discard(task)
+            writer.close()
+            await loop.run_in_executor(self._pool, self.engine.release_owner, client.cid)
+
+    async def _dispatch(self, client: ClientInfo, body: bytes
+                        ) -> tuple[dict[str, Any], int | None, str]:
+        req_id: Any = None
+        op = "invalid"
+        try:
+            req = P.unpack(body)
+            req_id = req.get("id")
+            op = req.get("op")
+            if not isinstance(op, str) or op not in self._ops:
+                op = "invalid"
+                raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
+            result = await self._ops[op](client, req)
+            fd = result.pop("_fd", None)
+            return {**result, "id": req_id, "ok": True}, fd, op
+        except KvtierError as exc:
+            return P.error_reply(req_id, exc), None, op
+        except (ValueError, TypeError, OverflowError) as exc:
+            # Arguments that decode but make no sense (negative counts, wrong shapes).
+            return P.error_reply(req_id, BadRequest(f"bad arguments for {op}: {exc}")), None, op
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _fast(self, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+        """Run fn inline when the engine lock is free now (memory-only calls)."""
+        if not self.engine.lock.acquire(blocking=False):
+            return False, None
+        try:
+            return True, fn(*args)
+        finally:
+            self.engine.lock.release()
+
+    # ------------------------------------------------------------------ ops
+
+    async def op_hello(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        version = P.arg(req, "version", int)
+        if version != P.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} is not supported; this service "
+                                f"speaks {P.PROTOCOL_VERSION}: upgrade the client")
+        client.name = str(P.arg(req, "client", str, ""))[:100]
+        return {"version": P.PROTOCOL_VERSION, "server": f"kvtier {__version__}",
+                "pid": os.getpid(), "uid": os.getuid(), "client_id": client.cid}
+
+    async def op_ns_create(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        layout = P.arg(req, "layout", dict, None)
+        return await self._run(self.engine.create_namespace, P.arg(req, "name", str),
+                               P.arg(req, "block_bytes", int), P.arg(req, "key_width", int, 16),
+                               layout)
+
+    async def op_ns_open(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        ns = self.engine.namespace(P.arg(req, "name", str))
+        info = ns.info()
+        if P.arg(req, "map", bool, False):
+            if client.uid not in self.allowed:
+                raise AuthError(f"uid {client.uid} may not map namespace memory; add it to "
+                                "allowed_uids, or use the inline data path")
+            pool = ns.slots[Tier.HOST].pool
+            info["map_bytes"] = pool.n_slots * pool.block_bytes
+            info["_fd"] = pool.fd
+        return info
+
+    async def op_reserve(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        res = await self._run(self.engine.reserve, P.arg(req, "ns", str), P.arg(req, "keys", bytes),
+                              P.arg(req, "parents", bytes, None), Tier.HOST, client.cid)
+        return {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
+
+    async def op_commit(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        sums = P.array_arg(req, "checksums", "<u8", None)
+        versions = await self._run(self.engine.commit, P.arg(req, "rid", int), client.cid, sums)
+        return {"versions": P.arr(versions, "<u8")}
+
+    async def op_abort(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        await self._run(self.engine.abort, P.arg(req, "rid", int), client.cid)
+        return {}
+
+    async def op_put(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        ns = self.engine.namespace(P.arg(req, "ns", str))
+        keys = P.arg(req, "keys", bytes)
+        data = P.arg(req, "data", bytes)
+        n = len(keys) // ns.key_width if ns.key_width else 0
+        if len(data) != n * ns.block_bytes or len(keys) % ns.key_width:
+            raise BadRequest(f"inline put of {len(keys)} key bytes and {len(data)} data bytes; "
+                             f"expected n x {ns.key_width} and n x {ns.block_bytes}")
+        blocks = np.frombuffer(data, dtype=np.uint8).reshape(n, ns.block_bytes)
+        versions = await self._run(self.engine.put, ns.name, keys, blocks,
+                                   P.arg(req, "parents", bytes, None), Tier.HOST, client.cid)
+        return {"versions": P.arr(versions, "<u8")}
+
+    async def op_get(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        name = P.arg(req, "ns", str)
+        keys = P.arg(req, "keys", bytes)
+        inline = P.arg(req, "inline", bool, False)
+        done, res = self._fast(self.engine.try_get, name, keys, client.cid)
+        if not done or res is None:
+            res = await self._run(self.engine.get, name, keys, client.cid)
+        out = {"lease": res.lease_id, "found": P.arr(res.found, "u1"),
+               "slots": P.arr(res.slots, "<i4"), "versions": P.arr(res.versions, "<u8"),
+               "checksums": P.arr(res.checksums, "<u8")}
+        if inline:
+            # The inline fallback copies the bytes into the reply and ends the lease at once.
+            ns = self.engine.namespace(name)
+            idx = np.flatnonzero(res.found)
+            data = np.zeros((res.found.size, ns.block_bytes), dtype=np.uint8)
+            data[idx] = ns.slots[Tier.HOST].pool.read(res.slots[idx])
+            self.engine.release(res.lease_id, client.cid)
+            out["data"] = data.tobytes()
+            out["lease"] = 0
+        return out
+
+    async def op_release(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        lid = P.arg(req, "lease", int)
+        slots = P.array_arg(req, "slots", "<i4", None)
+        done, _ = self._fast(self.engine.release, lid, client.cid, slots)
+        if not done:
+            await self._run(self.engine.release, lid, client.cid, slots)
+        return {}
+
+    async def op_match_prefix(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        args = (P.arg(req, "ns", str), P.arg(req, "keys", bytes))
+        done, n = self._fast(self.engine.match_prefix, *args)
+        if not done:
+            n = await self._run(self.engine.match_prefix, *args)
+        return {"n": n}
+
+    async def op_delete(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        n = await self._run(self.engine.delete, P.arg(req, "ns", str), P.arg(req, "keys", bytes))
+        return {"deleted": n}
+
+    async def op_flush(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        n = await self._run(self.engine.flush, P.arg(req, "ns", str, None))
+        return {"flushed": n}
+
+    async def op_stats(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._run(self.engine.stats)
+
+
+async def _send_with_fd(sock: Any, data: bytes, fd: int) -> None:
+    """sendmsg with SCM_RIGHTS on a dup of the connection's socket (asyncio's transport has no
+    ancillary-data API). Called with the transport's buffer drained, so bytes stay in order."""
+    raw = socket.socket(fileno=os.dup(sock.fileno()))
+    try:
+        view = memoryview(data)
+        first = True
+        while view:
+            try:
+                if first:
+                    sent = socket.send_fds(raw, [view], [fd])
+                    first = False
+                else:
+                    sent = raw.send(view)
+                view = view[sent:]
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+    finally:
+        raw.close()
+
