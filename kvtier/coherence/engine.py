@@ -227,33 +227,32 @@ class Engine:
             return 0
         st = ns.slots[tier]
         cols = ns.table.cols
-        rows = st.slot_row[(st.slot_row >= 0) & (st.leases == 0)]
-        if rows.size == 0:
-            return 0
         lowers = [t for t in lower_tiers(tier) if t in ns.slots or (t is Tier.NVME and ns.log)]
-        ver = cols["copy_ver"][rows, tier]
-        covered = np.zeros(rows.size, dtype=bool)
-        for t in lowers:
-            covered |= cols["copy_ver"][rows, t] == ver
-        if not lowers:
-            covered[:] = True
-        if not covered.all():
-            # Write the uncovered copies back one tier down first (a demotion).
-            self._write_down(ns, tier, lowers[0], rows[~covered])
-            covered = np.zeros(rows.size, dtype=bool)
+        done = 0
+        # Writing copies down can itself evict, in the tier below, the copy that covered another
+        # one here; a few rounds settle it.
+        for _round in range(4):
+            rows = st.slot_row[(st.slot_row >= 0) & (st.leases == 0)]
+            if rows.size == 0:
+                break
+            ver = cols["copy_ver"][rows, tier]
+            covered = np.ones(rows.size, dtype=bool) if not lowers else np.zeros(rows.size, bool)
             for t in lowers:
                 covered |= cols["copy_ver"][rows, t] == ver
-        rows = rows[covered]
-        if rows.size == 0:
-            return 0
-        victims = self._choose(ns, tier, rows, n)
-        self._drop_copies(ns, victims, tier)
-        c = self.counters.tiers[tier]
-        c.evictions += victims.size
-        if lowers:
-            self.counters.tiers[lowers[0]].demotions += victims.size
-        self._forget_empty(ns, victims)
-        return int(victims.size)
+            if covered.any():
+                victims = self._choose(ns, tier, rows[covered], n - done)
+                self._drop_copies(ns, victims, tier)
+                self.counters.tiers[tier].evictions += victims.size
+                if lowers:
+                    self.counters.tiers[lowers[0]].demotions += victims.size
+                self._forget_empty(ns, victims)
+                done += int(victims.size)
+            if done >= n or covered.all():
+                break
+            # Write the policy's next victims back one tier down first (a demotion).
+            self._write_down(ns, tier, lowers[0],
+                             self._choose(ns, tier, rows[~covered], n - done))
+        return done
 
     def _write_down(self, ns: Namespace, tier: Tier, lower: Tier, rows: np.ndarray) -> None:
         if lower is Tier.NVME:
