@@ -54,3 +54,13 @@ def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     return make_settings({"data_dir": str(tmp_path / "data")})
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Any]:
+    """A real `kvtier serve` subprocess on small capacities."""
+    from tests.service import Service
+    svc = Service(tmp_path / "svc", host_capacity="8MiB", nvme_capacity="64MiB",
+                  segment_bytes="4MiB").start()
+    yield svc
+    svc.stop()

@@ -1,0 +1,314 @@
+"""The worker API against a real `kvtier serve` subprocess: every op, sharing, leases, restarts,
+bad frames and security."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kvtier
+from kvtier.api import protocol as P
+from kvtier.errors import (AuthError, BadRequest, LeaseError, NamespaceError, ProtocolError,
+                           ServiceUnavailable)
+from tests.conftest import blocks, keys
+from tests.service import Service
+
+BB = 65536
+
+
+def raw_call(path: Path, frames: list[bytes], read: bool = True) -> list[dict]:
+    """Send raw frames on a fresh connection; read one reply per frame."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(path))
+    for f in frames:
+        s.sendall(f)
+    out = []
+    buf = b""
+    while read and len(out) < len(frames):
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            break
+        buf += chunk
+        while len(buf) >= 4 and len(buf) >= 4 + P.LENGTH.unpack_from(buf)[0]:
+            n = P.LENGTH.unpack_from(buf)[0]
+            out.append(msgpack.unpackb(buf[4:4 + n]))
+            buf = buf[4 + n:]
+    s.close()
+    return out
+
+
+def test_round_trip_of_every_op(service):
+    with kvtier.Client(service.socket) as c:
+        assert c.server_info["version"] == P.PROTOCOL_VERSION
+        ns = c.namespace("llama/tp0", block_bytes=BB, layout={"dtype": "bf16", "layers": 2})
+        assert ns.layout == {"dtype": "bf16", "layers": 2}
+        data = blocks(8, BB)
+        parents = bytes(16) + keys(range(7))
+        v = ns.put(keys(range(8)), data, parents=parents)
+        assert v.tolist() == [1] * 8
+        assert ns.put(keys(range(2)), data[:2]).tolist() == [2, 2]      # rewrite
+        found, out = ns.get(keys(range(10)))
+        assert found.tolist() == [True] * 8 + [False] * 2
+        assert (out[:8] == data).all() and (out[8:] == 0).all()
+        assert ns.match_prefix(keys([0, 1, 2, 9, 3])) == 3
+        with ns.get_leased(keys(range(3))) as lease:
+            assert (lease.views[2] == data[2]).all()
+            assert c.stats()["leases"] == 1
+        assert c.stats()["leases"] == 0
+        inline = c.namespace("llama/tp0", inline=True)
+        inline.put(keys([20]), data[:1])
+        f, o = inline.get(keys([20, 21]))
+        assert f.tolist() == [True, False] and (o[0] == data[0]).all()
+        assert ns.delete(keys([0, 20, 99])) == 2
+        assert ns.match_prefix(keys(range(3))) == 0
+        assert ns.flush() >= 0 and c.flush() >= 0
+        s = c.stats()
+        assert s["puts"] == 11 and s["tiers"]["host"]["blocks"] == 7     # 9 keys, 2 deleted
+        # raw reserve / abort and a commit of an aborted reservation
+        r = c._call("reserve", ns="llama/tp0", keys=keys([30]))
+        c._call("abort", rid=r["rid"])
+        with pytest.raises(LeaseError):
+            c._call("commit", rid=r["rid"])
+
+
+def test_two_clients_share_blocks(service):
+    data = blocks(4, BB, seed=3)
+    with kvtier.Client(service.socket, name="writer") as a, \
+            kvtier.Client(service.socket, name="reader") as b:
+        a.namespace("m", block_bytes=BB).put(keys(range(4)), data)
+        found, out = b.namespace("m").get(keys(range(4)))
+        assert found.all() and (out == data).all()
+        b.namespace("m").put(keys([0]), data[3:4])                 # b rewrites, a sees it
+        assert (a.namespace("m").get(keys([0]))[1][0] == data[3]).all()
+
+
+def test_inputs_as_numpy_torch_and_lists(service):
+    torch = pytest.importorskip("torch")
+    with kvtier.Client(service.socket) as c:
+        ns = c.namespace("t", block_bytes=4096)
+        t = torch.arange(2048, dtype=torch.float16).reshape(2, 1024)
+        ns.put([keys([0]), keys([1])], t)
+        out = torch.empty(2, 1024, dtype=torch.float16)
+        found, _ = ns.get(keys(range(2)), out=out)
+        assert found.all() and torch.equal(out, t)
+        with pytest.raises(BadRequest, match="exactly the namespace's block_bytes"):
+            ns.put(keys([2]), torch.zeros(10))
+
+
+def _holder(path: Path) -> subprocess.Popen:
+    code = ("import kvtier, sys, time\n"
+            f"c = kvtier.Client({str(path)!r})\n"
+            "ns = c.namespace('m')\n"
+            f"lease = ns.get_leased({keys(range(4))!r})\n"
+            "print('held', flush=True)\n"
+            "time.sleep(60)\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_killed_client_gives_its_slots_back(service):
+    with kvtier.Client(service.socket) as c:
+        c.namespace("m", block_bytes=BB).put(keys(range(4)), blocks(4, BB))
+        holder = _holder(service.socket)
+        assert holder.stdout.readline().strip() == "held"
+        assert c.stats()["leases"] == 1
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        holder.stdout.close()
+        deadline = time.monotonic() + 10
+        while c.stats()["leases"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats()["leases"] == 0
+
+
+def test_restart_serves_flushed_blocks_and_the_client_reconnects(tmp_path: Path):
+    svc = Service(tmp_path / "svc", host_capacity="8MiB", nvme_capacity="64MiB").start()
+    data = blocks(6, BB, seed=5)
+    c = kvtier.Client(svc.socket)
+    ns = c.namespace("m", block_bytes=BB)
+    ns.put(keys(range(6)), data)                       # write_through: durable when acked
+    svc.kill()                                         # no chance to flush anything
+    with pytest.raises(ServiceUnavailable):
+        ns.get(keys(range(6)))
+    svc.start()
+    found, out = ns.get(keys(range(6)))                # reconnects and remaps the namespace
+    assert found.all() and (out == data).all()
+    assert svc.stop() == 0
+    assert "stopped" in svc.output()
+    c.close()
+
+
+def test_sigterm_flushes_write_back_blocks(tmp_path: Path):
+    svc = Service(tmp_path / "svc", write_policy="write_back", flush_interval=3600).start()
+    data = blocks(3, BB, seed=9)
+    with kvtier.Client(svc.socket) as c:
+        c.namespace("m", block_bytes=BB).put(keys(range(3)), data)
+    assert svc.stop(signal.SIGTERM) == 0
+    svc.start()
+    with kvtier.Client(svc.socket) as c:
+        found, out = c.namespace("m").get(keys(range(3)))
+        assert found.all() and (out == data).all()
+    assert svc.stop(signal.SIGINT) == 0
+
+
+# ---------------------------------------------------------------------- bad input
+
+def test_typed_errors_for_bad_requests(service):
+    with kvtier.Client(service.socket) as c:
+        ns = c.namespace("m", block_bytes=4096)
+        with pytest.raises(NamespaceError):
+            c.namespace("nope")
+        with pytest.raises(BadRequest, match="unknown op"):
+            c._call("frobnicate")
+        with pytest.raises(BadRequest, match="missing argument 'keys'"):
+            c._call("get", ns="m")
+        with pytest.raises(BadRequest, match="key width"):
+            c._call("get", ns="m", keys=b"123")
+        with pytest.raises(BadRequest, match="expected n x 16 and n x 4096"):
+            c._call("put", ns="m", keys=keys([1]), data=b"short")
+        with pytest.raises(ProtocolError, match="protocol version"):
+            c._call("hello", version=99)
+        ns.put(keys([1]), blocks(1, 4096))
+        g = c._call("get", ns="m", keys=keys([1]))
+        with pytest.raises(BadRequest, match="slot out of range"):
+            c._call("release", lease=g["lease"], slots=P.arr(np.array([10**6]), "<i4"))
+        with pytest.raises(LeaseError, match="not held"):
+            c._call("release", lease=g["lease"], slots=P.arr(np.array([0, 0]), "<i4"))
+        c._call("release", lease=g["lease"])
+        with pytest.raises(LeaseError):
+            c._call("release", lease=g["lease"])                # double release
+        with pytest.raises(LeaseError):
+            c._call("release", lease=123456789)
+        # the connection survived every one of these
+        assert c.namespace("m").get(keys([1]))[0].all()
+
+
+def test_expired_lease_is_reclaimed_and_its_release_refused(tmp_path: Path):
+    svc = Service(tmp_path / "svc", lease_timeout=0.2).start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("m", block_bytes=4096)
+            ns.put(keys([1]), blocks(1, 4096))
+            g = c._call("get", ns="m", keys=keys([1]))
+            deadline = time.monotonic() + 10
+            while c.stats()["leases"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.stats()["expired_leases"] == 1
+            with pytest.raises(LeaseError):
+                c._call("release", lease=g["lease"])
+    finally:
+        svc.stop()
+
+
+def test_malformed_body_gets_an_error_and_the_connection_stays(service):
+    frames = [P.LENGTH.pack(5) + b"\xc1\xc1\xc1\xc1\xc1",        # not msgpack
+              P.LENGTH.pack(3) + msgpack.packb([1, 2]),         # not a map
+              P.pack({"id": 7, "op": "hello", "version": 1})]
+    replies = raw_call(service.socket, frames)
+    assert [r["ok"] for r in replies] == [False, False, True]
+    assert replies[0]["error"]["code"] == "protocol" and replies[2]["id"] == 7
+
+
+def test_oversize_length_field_closes_only_that_connection(service):
+    replies = raw_call(service.socket, [P.LENGTH.pack(0xFFFFFFF0) + b"x"])
+    assert replies[0]["error"]["code"] == "protocol" and "max_frame" in replies[0]["error"]["message"]
+    with kvtier.Client(service.socket) as c:                    # others unaffected
+        assert c.ping() > 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.lists(st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda b: P.LENGTH.pack(len(b)) + b, st.binary(max_size=64)),
+    st.builds(lambda d: P.pack(d), st.dictionaries(
+        st.sampled_from(["id", "op", "ns", "keys", "version", "lease", "rid", "slots", "name",
+                         "block_bytes", "data", "inline", "map", "checksums", "parents"]),
+        st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.binary(max_size=40),
+                  st.text(max_size=10), st.booleans(), st.sampled_from(list(P.OPS))),
+        max_size=6))), min_size=1, max_size=8))
+def test_fuzzed_frames_never_break_the_service(service, garbage):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    s.connect(str(service.socket))
+    try:
+        s.sendall(b"".join(garbage))
+    except OSError:
+        pass
+    s.close()
+    with kvtier.Client(service.socket, timeout=10) as c:
+        assert c.server_info["version"] == P.PROTOCOL_VERSION
+
+
+# ---------------------------------------------------------------------- security
+
+def test_socket_is_private(service):
+    mode = stat.S_IMODE(os.stat(service.socket).st_mode)
+    assert mode == 0o600
+    parent = stat.S_IMODE(os.stat(service.socket.parent).st_mode)
+    assert parent & 0o022 == 0
+
+
+def test_a_socket_directory_others_can_write_is_refused(tmp_path: Path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    svc = Service(tmp_path / "svc", socket=str(shared / "k.sock"))
+    with pytest.raises(RuntimeError, match="writable by it alone"):
+        svc.start(timeout=20)
+
+
+def test_peer_of_another_uid_cannot_map_namespace_memory(tmp_path: Path):
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a peer as another uid")
+    import tempfile
+    sockdir = Path(tempfile.mkdtemp(prefix="kvtier-peer-"))      # reachable by uid 65534
+    sockdir.chmod(0o755)
+    svc = Service(tmp_path / "svc", socket_group="nogroup", socket=str(sockdir / "k.sock"))
+    svc.socket = sockdir / "k.sock"
+    svc.start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            c.namespace("m", block_bytes=4096)
+        assert stat.S_IMODE(os.stat(svc.socket).st_mode) == 0o660
+        frames = (P.pack({"id": 1, "op": "hello", "version": 1})
+                  + P.pack({"id": 2, "op": "ns_open", "name": "m", "map": True})
+                  + P.pack({"id": 3, "op": "ns_open", "name": "m"}))
+        child = ("import socket,sys,array\n"
+                 "s=socket.socket(socket.AF_UNIX); s.settimeout(10)\n"
+                 f"s.connect({str(svc.socket)!r}); s.sendall(bytes.fromhex({frames.hex()!r}))\n"
+                 "buf=b''; fds=[]\n"
+                 "while buf.count(b'ok')<3:\n"
+                 "    d,anc,_,_=s.recvmsg(65536, socket.CMSG_SPACE(16))\n"
+                 "    fds+=anc\n"
+                 "    if not d: break\n"
+                 "    buf+=d\n"
+                 "print(len(fds), buf.hex())\n")
+        out = subprocess.run(["/usr/bin/python3", "-c", child], user=65534, group=65534,
+                             capture_output=True, text=True, cwd="/", timeout=30)
+        assert out.returncode == 0, out.stderr
+        nfds, hexbuf = out.stdout.split()
+        assert nfds == "0"                                 # no fd ever reached that peer
+        raw = bytes.fromhex(hexbuf)
+        replies = []
+        while raw:
+            n = P.LENGTH.unpack_from(raw)[0]
+            replies.append(msgpack.unpackb(raw[4:4 + n]))
+            raw = raw[4 + n:]
+        assert replies[0]["ok"] and not replies[1]["ok"] and replies[2]["ok"]
+        assert replies[1]["error"]["code"] == AuthError.code
+        assert "allowed_uids" in replies[1]["error"]["message"]
+    finally:
+        svc.stop()
+        import shutil
+        shutil.rmtree(sockdir, ignore_errors=True)
