@@ -98,9 +98,9 @@ def test_inputs_as_numpy_torch_and_lists(service):
     torch = pytest.importorskip("torch")
     with kvtier.Client(service.socket) as c:
         ns = c.namespace("t", block_bytes=4096)
-        t = torch.arange(2048, dtype=torch.float16).reshape(2, 1024)
+        t = torch.arange(4096, dtype=torch.float16).reshape(2, 2048)
         ns.put([keys([0]), keys([1])], t)
-        out = torch.empty(2, 1024, dtype=torch.float16)
+        out = torch.empty(2, 2048, dtype=torch.float16)
         found, _ = ns.get(keys(range(2)), out=out)
         assert found.all() and torch.equal(out, t)
         with pytest.raises(BadRequest, match="exactly the namespace's block_bytes"):
