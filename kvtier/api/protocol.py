@@ -27,6 +27,9 @@ Operations (PROTOCOL_VERSION 1):
     flush          {ns?}                               -> {flushed}
     stats          {}                                  -> engine statistics
 
+Any request may carry ``release_first`` (uint64 lease ids): the service ends those leases before
+the op, which saves the client a round trip per get.
+
 A malformed body, an unknown op or bad arguments get an error reply; only broken framing (a
 length over max_frame, or a body that is not a msgpack map) closes the connection.
 """

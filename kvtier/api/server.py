@@ -239,6 +239,8 @@ class Server:
             if not isinstance(op, str) or op not in self._ops:
                 op = "invalid"
                 raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
+            if "release_first" in req:
+                await self._release_first(client, req)
             result = await self._ops[op](client, req)
             fd = result.pop("_fd", None)
             return {**result, "id": req_id, "ok": True}, fd, op
@@ -247,6 +249,18 @@ class Server:
         except (ValueError, TypeError, OverflowError) as exc:
             # Arguments that decode but make no sense (negative counts, wrong shapes).
             return P.error_reply(req_id, BadRequest(f"bad arguments for {op}: {exc}")), None, op
+
+    async def _release_first(self, client: ClientInfo, req: dict[str, Any]) -> None:
+        """Leases a client released by piggybacking on this request. An unknown one is counted,
+        not fatal: the request itself must still be answered."""
+        ids = P.array_arg(req, "release_first", "<u8")
+        for lid in ids.tolist():
+            try:
+                done, _ = self._fast(self.engine.release, lid, client.cid)
+                if not done:
+                    await self._run(self.engine.release, lid, client.cid)
+            except KvtierError:
+                client.errors += 1
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -1,0 +1,158 @@
+"""The worker API end to end: a real `kvtier serve` and a real redis-server, both started here.
+
+    python bench/api.py --json [--blocks 1024] [--rounds 5]
+
+For 64 KiB blocks in batches of 64, from a client process over the Unix socket:
+
+    get_gbps / put_gbps        kvtier.Client with the mapped (zero-copy) path and the default
+                               checksum verification; *_noverify without it
+    inline_get_gbps            the inline fallback (bytes inside frames)
+    redis_get_gbps             redis-py pipelined GETs of the same blocks from redis-server on a
+                               Unix socket, persistence off (its best case)
+    memcpy_gbps                numpy copy of the same batch into a preallocated array: the ceiling
+    p50_us / p99_us            single-block get latency (mapped, verified, lease released)
+
+Each figure is the median over rounds; ratios use medians from this same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import emit, header, percentiles  # noqa: E402
+
+BB = 64 * 1024
+
+
+def keyset(lo: int, n: int) -> bytes:
+    return b"".join((i + 1).to_bytes(16, "big") for i in range(lo, lo + n))
+
+
+def start_redis(tmp: str) -> tuple[subprocess.Popen, str]:
+    sock = os.path.join(tmp, "redis.sock")
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", sock,
+                             "--save", "", "--appendonly", "no", "--maxmemory", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        if os.path.exists(sock):
+            return proc, sock
+        time.sleep(0.025)
+    proc.kill()
+    raise SystemExit("redis-server did not start")
+
+
+def gbps(samples: list[float], nbytes: int) -> float:
+    return round(nbytes / float(np.median(samples)) / 1e9, 3)
+
+
+def run(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, ROOT)
+    from tests.service import Service
+    import kvtier
+    import redis
+
+    tmp = tempfile.mkdtemp(prefix="kvtier-api-")
+    n, b = args.blocks, args.batch
+    data = np.random.default_rng(0).integers(0, 256, (n, BB), dtype=np.uint8)
+    svc = Service(os.path.join(tmp, "svc"), admin=False, host_capacity=f"{2 * n * BB}",
+                  nvme_capacity="0", write_policy="write_back").start()
+    rproc, rsock = start_redis(tmp)
+    out: dict = {}
+    try:
+        c = kvtier.Client(svc.socket)
+        ns = c.namespace("bench", block_bytes=BB)
+        inline = c.namespace("bench", inline=True)
+        r = redis.Redis(unix_socket_path=rsock)
+        dst = np.empty((b, BB), dtype=np.uint8)
+        batches = list(range(0, n, b))
+        for lo in batches:                     # fill (and fault in) the shared pages once
+            ns.put(keyset(lo, b), data[lo:lo + b])
+        pipe = r.pipeline(transaction=False)
+        for i in range(n):
+            pipe.set(keyset(i, 1), data[i].tobytes())
+        pipe.execute()
+
+        res = {k: [] for k in ("put", "put_noverify", "get", "get_noverify", "inline_get",
+                               "redis_get", "redis_set", "memcpy")}
+        for _round in range(args.rounds):
+            for lo in batches:
+                kb = keyset(lo, b)
+                t0 = time.perf_counter(); ns.put(kb, data[lo:lo + b]); t1 = time.perf_counter()
+                ns.put(kb, data[lo:lo + b], verify=False); t2 = time.perf_counter()
+                ns.get(kb, out=dst); t3 = time.perf_counter()
+                ns.get(kb, out=dst, verify=False); t4 = time.perf_counter()
+                inline.get(kb, out=dst); t5 = time.perf_counter()
+                p = r.pipeline(transaction=False)
+                for i in range(lo, lo + b):
+                    p.get(keyset(i, 1))
+                vals = p.execute(); t6 = time.perf_counter()
+                p = r.pipeline(transaction=False)
+                for i in range(lo, lo + b):
+                    p.set(keyset(i, 1), data[i].tobytes())
+                p.execute(); t7 = time.perf_counter()
+                np.copyto(dst, data[lo:lo + b]); t8 = time.perf_counter()
+                for k, v in zip(res, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5,
+                                      t7 - t6, t8 - t7)):
+                    res[k].append(v)
+                if len(vals) != b or vals[0] != data[lo].tobytes():
+                    raise SystemExit("redis returned wrong bytes")
+        found, got = ns.get(keyset(0, b))
+        if not found.all() or not (got == data[:b]).all():
+            raise SystemExit("kvtier returned wrong bytes")
+        nbytes = b * BB
+        for k, v in res.items():
+            out[f"{k}_gbps"] = gbps(v, nbytes)
+        single = []
+        one = np.empty((1, BB), dtype=np.uint8)
+        for i in range(args.single):
+            kb = keyset(i % n, 1)
+            t0 = time.perf_counter()
+            ns.get(kb, out=one)
+            single.append(time.perf_counter() - t0)
+        lat = percentiles([s * 1e6 for s in single])
+        pings = percentiles([c.ping() * 1e6 for _ in range(500)])
+        out.update({
+            "p50_us": round(lat["p50"], 1), "p90_us": round(lat["p90"], 1),
+            "p99_us": round(lat["p99"], 1), "max_us": round(lat["max"], 1),
+            "hello_rtt_p50_us": round(pings["p50"], 1),
+            "ratio_get_vs_redis": round(out["get_gbps"] / out["redis_get_gbps"], 2),
+            "ratio_get_vs_memcpy": round(out["get_gbps"] / out["memcpy_gbps"], 3),
+            "ratio_put_vs_redis_set": round(out["put_gbps"] / out["redis_set_gbps"], 2),
+            "block_bytes": BB, "batch": b, "blocks": n, "rounds": args.rounds,
+        })
+        c.close()
+    finally:
+        rproc.kill()
+        rproc.wait()
+        svc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--single", type=int, default=3000)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    m = header("bench/api.py")
+    result = run(args)
+    result["machine"] = m
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
