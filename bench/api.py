@@ -85,28 +85,36 @@ def run(args: argparse.Namespace) -> dict:
 
         res = {k: [] for k in ("put", "put_noverify", "get", "get_noverify", "inline_get",
                                "redis_get", "redis_set", "memcpy")}
+        def redis_get(lo: int) -> None:
+            p = r.pipeline(transaction=False)
+            for i in range(lo, lo + b):
+                p.get(keyset(i, 1))
+            vals = p.execute()
+            if len(vals) != b or vals[0] != data[lo].tobytes():
+                raise SystemExit("redis returned wrong bytes")
+
+        def redis_set(lo: int) -> None:
+            p = r.pipeline(transaction=False)
+            for i in range(lo, lo + b):
+                p.set(keyset(i, 1), data[i].tobytes())
+            p.execute()
+
+        kinds = {
+            "put": lambda lo: ns.put(keyset(lo, b), data[lo:lo + b]),
+            "put_noverify": lambda lo: ns.put(keyset(lo, b), data[lo:lo + b], verify=False),
+            "get": lambda lo: ns.get(keyset(lo, b), out=dst),
+            "get_noverify": lambda lo: ns.get(keyset(lo, b), out=dst, verify=False),
+            "inline_get": lambda lo: inline.get(keyset(lo, b), out=dst),
+            "redis_get": redis_get, "redis_set": redis_set,
+            "memcpy": lambda lo: np.copyto(dst, data[lo:lo + b]),
+        }
+        # One pass over every batch per kind, so that no kind warms the caches for another.
         for _round in range(args.rounds):
-            for lo in batches:
-                kb = keyset(lo, b)
-                t0 = time.perf_counter(); ns.put(kb, data[lo:lo + b]); t1 = time.perf_counter()
-                ns.put(kb, data[lo:lo + b], verify=False); t2 = time.perf_counter()
-                ns.get(kb, out=dst); t3 = time.perf_counter()
-                ns.get(kb, out=dst, verify=False); t4 = time.perf_counter()
-                inline.get(kb, out=dst); t5 = time.perf_counter()
-                p = r.pipeline(transaction=False)
-                for i in range(lo, lo + b):
-                    p.get(keyset(i, 1))
-                vals = p.execute(); t6 = time.perf_counter()
-                p = r.pipeline(transaction=False)
-                for i in range(lo, lo + b):
-                    p.set(keyset(i, 1), data[i].tobytes())
-                p.execute(); t7 = time.perf_counter()
-                np.copyto(dst, data[lo:lo + b]); t8 = time.perf_counter()
-                for k, v in zip(res, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5,
-                                      t7 - t6, t8 - t7)):
-                    res[k].append(v)
-                if len(vals) != b or vals[0] != data[lo].tobytes():
-                    raise SystemExit("redis returned wrong bytes")
+            for kind, fn in kinds.items():
+                for lo in batches:
+                    t0 = time.perf_counter()
+                    fn(lo)
+                    res[kind].append(time.perf_counter() - t0)
         found, got = ns.get(keyset(0, b))
         if not found.all() or not (got == data[:b]).all():
             raise SystemExit("kvtier returned wrong bytes")

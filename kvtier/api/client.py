@@ -84,7 +84,8 @@ def copy_out(view: np.ndarray, rep: GetReply, out: np.ndarray, verify: bool) -> 
         out[~rep.found] = 0
         out[idx] = view[rep.slots[idx]]
     if verify and idx.size:
-        bad = np.flatnonzero(checksums(out[idx]) != rep.checksums[idx])
+        got = checksums(out) if idx.size == n else checksums(out[idx])   # no gather copy
+        bad = np.flatnonzero(got != rep.checksums[idx])
         if bad.size:
             raise ChecksumError(f"{bad.size} blocks did not match their checksum after the copy "
                                 "out of shared memory (a writer outside kvtier's protocol?)")
