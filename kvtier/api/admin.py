@@ -18,10 +18,11 @@ import secrets
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException, Path as PathParam
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
@@ -31,6 +32,8 @@ from kvtier.errors import ConfigError, KvtierError, NamespaceError
 from kvtier.types import Tier
 
 HISTORY_S = 300
+NOT_FOUND = {"description": "no such namespace, block or asset"}
+UNAUTHORIZED = {"description": "missing or wrong bearer token"}
 
 
 def _is_loopback(host: str) -> bool:
@@ -66,7 +69,7 @@ def admin_token(settings: Settings) -> str:
 
 
 class EvictRequest(BaseModel):
-    tier: str = Field("host", description="hbm, host or nvme")
+    tier: Literal["hbm", "host", "nvme"] = Field("host", description="the tier to evict from")
     count: int = Field(1, ge=1, le=1 << 31, description="copies to evict at most")
     namespace: str | None = Field(None, description="only this namespace; all when omitted")
 
@@ -125,6 +128,14 @@ def build_app(engine: Any, server: Any, settings: Settings, metrics: Metrics,
                                      "<data_dir>/admin.token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Any, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the raw input and fails (500) on a body that is not
+        # UTF-8; garbage must get a 422 like any other bad request.
+        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")),
+                   "type": str(e.get("type", ""))} for e in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
+
     @app.exception_handler(KvtierError)
     async def kvtier_error(_request: Any, exc: KvtierError) -> JSONResponse:
         status = 404 if isinstance(exc, NamespaceError) else 400
@@ -134,7 +145,7 @@ def build_app(engine: Any, server: Any, settings: Settings, metrics: Metrics,
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: {"description": "warm-up not finished"}})
     async def readyz() -> JSONResponse:
         ok = ready is None or ready.is_set()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
@@ -159,14 +170,15 @@ def build_app(engine: Any, server: Any, settings: Settings, metrics: Metrics,
     async def namespaces() -> list[dict[str, Any]]:
         return [ns.info() for ns in list(engine.namespaces.values())]
 
-    @app.get("/v1/blocks/{namespace:path}/{key_hex}")
-    async def block(namespace: str, key_hex: str) -> dict[str, Any]:
-        try:
-            key = bytes.fromhex(key_hex)
-        except ValueError:
-            raise HTTPException(400, f"key {key_hex!r} is not hex") from None
-        if not key:
-            raise HTTPException(400, "empty key")
+    @app.get("/v1/blocks/{namespace:path}/{key_hex}", responses={404: NOT_FOUND})
+    async def block(namespace: str, key_hex: str = PathParam(
+            ..., pattern="^([0-9a-fA-F]{2}){1,64}$",
+            description="the key in hex, key_width bytes")) -> dict[str, Any]:
+        ns = engine.namespaces.get(namespace)
+        key = bytes.fromhex(key_hex)
+        if ns is None or len(key) != ns.key_width:
+            raise HTTPException(404, f"no namespace {namespace!r}, or not a {namespace!r} key "
+                                     "(wrong width)")
         entry = await run(engine.entry, namespace, key)
         if entry is None:
             raise HTTPException(404, "no such block")
@@ -177,19 +189,21 @@ def build_app(engine: Any, server: Any, settings: Settings, metrics: Metrics,
         rows = [c.summary() for c in list(server.clients.values())]
         return sorted(rows, key=lambda r: -r["load_weight"])
 
-    @app.post("/v1/flush", dependencies=[Depends(need_token)])
+    @app.post("/v1/flush", dependencies=[Depends(need_token)],
+              responses={401: UNAUTHORIZED, 404: NOT_FOUND})
     async def flush(req: FlushRequest | None = None) -> dict[str, int]:
         ns = req.namespace if req else None
         return {"flushed": await run(engine.flush, ns)}
 
-    @app.post("/v1/evict", dependencies=[Depends(need_token)])
+    @app.post("/v1/evict", dependencies=[Depends(need_token)],
+              responses={401: UNAUTHORIZED, 404: NOT_FOUND})
     async def evict(req: EvictRequest) -> dict[str, int]:
         tier = Tier.parse(req.tier)
-        if tier is Tier.REMOTE:
-            raise HTTPException(400, "the remote tier is not evicted from here")
         return {"evicted": await run(engine.evict, tier, req.count, req.namespace)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "content": {"text/plain; version=0.0.4; charset=utf-8": {}},
+        "description": "Prometheus text exposition"}})
     async def prometheus() -> Response:
         body = await run(metrics.exposition)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -198,7 +212,8 @@ def build_app(engine: Any, server: Any, settings: Settings, metrics: Metrics,
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(_asset("dashboard.html"))
 
-    @app.get("/static/{name}")
+    @app.get("/static/{name}", response_class=Response, responses={404: NOT_FOUND, 200: {
+        "content": {"text/javascript": {}, "text/css": {}}, "description": "dashboard asset"}})
     async def static(name: str) -> Response:
         if name not in ("dashboard.js", "dashboard.css"):
             raise HTTPException(404, "no such asset")

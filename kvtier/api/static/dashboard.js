@@ -49,10 +49,13 @@ function drawLines(id, series, yMax, fmt) {
     const pts = s.points; if (!pts.length) continue;
     const n = pts.length;
     ctx.strokeStyle = s.color; ctx.lineWidth = 2; ctx.beginPath();
+    let pen = false;     // a null (no ops in that second) leaves a gap, not a fake zero
     pts.forEach((v, i) => {
+      if (v === null || v === undefined) { pen = false; return; }
       const x = pad.l + (w - pad.l - pad.r) * (n === 1 ? 1 : i / (n - 1));
-      const y = pad.t + (h - pad.t - pad.b) * (1 - Math.min(1, (v ?? 0) / (yMax || 1)));
-      i ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
+      const y = pad.t + (h - pad.t - pad.b) * (1 - Math.min(1, v / (yMax || 1)));
+      pen ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
+      pen = true;
     });
     ctx.stroke();
     ctx.fillStyle = s.color; ctx.fillText(s.name, legendX, h - 8); legendX += 70;
