@@ -92,6 +92,17 @@ def _uids(value: Any, name: str) -> tuple[int, ...]:
         raise ConfigError(f"{name}: expected a list of numeric uids, got {value!r}") from None
 
 
+def _bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: expected true or false, got {value!r}")
+
+
 def _size(value: Any, name: str) -> int:
     return parse_size(value, name)
 
@@ -126,6 +137,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("eviction_host", "", _str, "host-tier policy; empty: the value of eviction"),
     Setting("eviction_nvme", "", _str, "NVMe-tier policy; empty: the value of eviction"),
     Setting("eviction_hbm", "", _str, "HBM-tier policy; empty: the value of eviction"),
+    Setting("leaf_first", True, _bool,
+            "evict a block only after its cached children (prefix-aware eviction)"),
     Setting("flush_interval", 1.0, _float, "write_back: seconds between background flushes", "s"),
     Setting("segment_bytes", "256MiB", _size, "size at which an NVMe segment file rolls over",
             "bytes"),
@@ -159,6 +172,7 @@ class Settings:
     eviction_host: str = ""
     eviction_nvme: str = ""
     eviction_hbm: str = ""
+    leaf_first: bool = True
     flush_interval: float = 1.0
     segment_bytes: int = 256 << 20
     compact_threshold: float = 0.5

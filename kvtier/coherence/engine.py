@@ -275,6 +275,8 @@ class Engine:
     def _choose(self, ns: Namespace, tier: Tier, rows: np.ndarray, n: int) -> np.ndarray:
         cols = ns.table.cols
         score = self.policies[tier](cols, rows, self.clock)
+        if not self.settings.leaf_first:
+            return rows[np.argsort(score, kind="stable")[:n]]
         # Leaf-first: a row with a child cached in this tier goes after every leaf.
         parents = cols["parent"][rows]
         has_child = np.zeros(ns.table.n_rows, dtype=bool)
@@ -544,8 +546,8 @@ class Engine:
                 np.add.at(st.leases, slots[ok].astype(np.int64), 1)
         served = np.flatnonzero(found)
         srows = rows[served]
-        cols["leases"][srows] += 1
-        self._touch(ns, np.unique(srows))
+        np.add.at(cols["leases"], srows, 1)
+        self._touch(ns, srows)        # in batch order: the last key of a prefix is the newest
         self.counters.gets += n
         self.counters.get_hits += int(served.size)
         self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
