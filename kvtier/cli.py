@@ -118,17 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting_flags(c)
     c.set_defaults(fn=cmd_config)
 
-    for name, module, helptext in (
-            ("replay", "kvtier.replay", "replay a Mooncake trace through the engine"),
-            ("bench", "kvtier.fio", "fio-style benchmark of a tier"),
-            ("check", "kvtier.check", "offline consistency check of a data directory")):
-        sp = sub.add_parser(name, help=helptext, add_help=False)
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
-        sp.set_defaults(fn=lambda a, m=module: __import__(m, fromlist=["main"]).main(a.rest))
+    for name, (_module, helptext) in TOOLS.items():
+        sub.add_parser(name, help=helptext, add_help=False)
     return p
 
 
+# Tools with their own argument parsers: `kvtier NAME ...` hands the rest of argv to them.
+TOOLS = {"replay": ("kvtier.replay", "replay a Mooncake trace through the engine"),
+         "bench": ("kvtier.fio", "fio-style benchmark of a tier (fio's options and job files)"),
+         "check": ("kvtier.check", "offline consistency check of a data directory")}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:
+        import importlib
+        try:
+            return int(importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]) or 0)
+        except KvtierError as exc:
+            print(f"kvtier {argv[0]}: error: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

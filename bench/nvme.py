@@ -1,0 +1,126 @@
+"""kvtier's NVMe tier against fio, on the same file system in one run.
+
+    python bench/nvme.py --json [--size 1GiB] [--runtime 5] [--rounds 3] [--dir DIR]
+
+Three workloads, each run by kvtier's segment log (kvtier.tiers.nvme.SegmentLog: O_DIRECT,
+preadv of adjacent records merged, io_threads = iodepth) and by fio (libaio, direct=1, same
+bs, iodepth, size and runtime, on a file in the same directory):
+
+    seq_read    bs=1M   iodepth=16  direct      batches of 16 consecutive records
+    rand_read   bs=64k  iodepth=32  direct      batches of 32 random records
+    seq_write   bs=1M   iodepth=16  direct      appends of 16 records, fdatasync per batch
+                                                (fio: --fdatasync=16, the same sync rate)
+
+kvtier's figure is the tier's own throughput, without the engine's checksum verification or
+page-table work (bench/engine.py measures those). Each workload alternates kvtier and fio for
+--rounds rounds, so that the device's drift affects both; the medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import emit, header  # noqa: E402
+from kvtier.config import parse_size  # noqa: E402
+from kvtier.tiers.nvme import SegmentLog, _aligned  # noqa: E402
+
+WORKLOADS = {"seq_read": ("read", 1 << 20, 16), "rand_read": ("randread", 64 << 10, 32),
+             "seq_write": ("write", 1 << 20, 16)}
+
+
+def kvtier_run(kind: str, bs: int, depth: int, size: int, runtime: float, d: str) -> float:
+    """GB/s of the segment log for one workload."""
+    n = size // bs
+    log = SegmentLog(os.path.join(d, "kv"), 1, bs, max(size // 4, 64 << 20), io_threads=depth)
+    buf = _aligned(depth * bs)
+    views = [memoryview(buf)[i * bs:(i + 1) * bs] for i in range(depth)]
+    np.frombuffer(buf, dtype=np.uint8)[:] = 7
+    try:
+        if kind == "write":
+            done, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < runtime:
+                log.append(views)
+                done += depth
+            return done * bs / (time.perf_counter() - t0) / 1e9
+        segs, offs = [], []
+        for lo in range(0, n, depth):
+            s, o = log.append(views[: min(depth, n - lo)])
+            segs.append(s)
+            offs.append(o)
+        segs, offs = np.concatenate(segs), np.concatenate(offs)
+        rng = np.random.default_rng(0)
+        done, pos, t0 = 0, 0, time.perf_counter()
+        while time.perf_counter() - t0 < runtime:
+            idx = (rng.integers(0, n, depth) if kind == "randread"
+                   else (pos + np.arange(depth)) % n)
+            pos += depth
+            ok = log.read(segs[idx], offs[idx], views)
+            if not ok.all():
+                raise SystemExit("kvtier read failed")
+            done += depth
+        return done * bs / (time.perf_counter() - t0) / 1e9
+    finally:
+        log.close()
+        shutil.rmtree(os.path.join(d, "kv"), ignore_errors=True)
+
+
+def fio_run(kind: str, bs: int, depth: int, size: int, runtime: float, d: str) -> float:
+    args = ["fio", "--name", "x", "--filename", os.path.join(d, "fio.dat"), "--rw", kind,
+            "--bs", str(bs), "--iodepth", str(depth), "--size", str(size), "--direct", "1",
+            "--ioengine", "libaio", "--runtime", str(runtime), "--time_based",
+            "--output-format", "json"]
+    if kind == "write":
+        args += ["--fdatasync", str(depth)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=runtime + 300)
+    if out.returncode:
+        raise SystemExit(f"fio failed: {out.stderr[:300]}")
+    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    part = job["write" if kind == "write" else "read"]
+    os.unlink(os.path.join(d, "fio.dat"))
+    return part["bw_bytes"] / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="1GiB")
+    ap.add_argument("--runtime", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="", help="where the files go (default: a temp dir here)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    m = header("bench/nvme.py")
+    if shutil.which("fio") is None:
+        raise SystemExit("fio is not installed (apt-get install fio)")
+    size = parse_size(args.size)
+    d = tempfile.mkdtemp(prefix="kvtier-nvme-", dir=args.dir or os.getcwd())
+    out: dict = {"size_bytes": size, "runtime_s": args.runtime, "rounds": args.rounds}
+    try:
+        for name, (kind, bs, depth) in WORKLOADS.items():
+            kv, fi = [], []
+            for _ in range(args.rounds):
+                kv.append(kvtier_run(kind, bs, depth, size, args.runtime, d))
+                fi.append(fio_run(kind, bs, depth, size, args.runtime, d))
+            out[f"{name}_gbps"] = round(float(np.median(kv)), 3)
+            out[f"fio_{name}_gbps"] = round(float(np.median(fi)), 3)
+            out[f"ratio_{name}"] = round(out[f"{name}_gbps"] / out[f"fio_{name}_gbps"], 3)
+            out[f"{name}_rounds"] = {"kvtier": [round(x, 3) for x in kv],
+                                     "fio": [round(x, 3) for x in fi]}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    out["machine"] = m
+    emit(out, args.json)
+
+
+if __name__ == "__main__":
+    main()
