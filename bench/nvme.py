@@ -11,6 +11,11 @@ bs, iodepth, size and runtime, on a file in the same directory):
     seq_write   bs=1M   iodepth=16  direct      appends of 16 records, fdatasync per batch
                                                 (fio: --fdatasync=16, the same sync rate)
 
+Writes are one pass of --size bytes into new files for both (fio without --time_based): a log
+always writes new space, and overwriting an allocated file in place, as a time-based fio run
+does after its first pass, skips the block allocation that every append pays (measured here:
+3.4 GB/s overwriting vs 2.8 writing a new file).
+
 kvtier's figure is the tier's own throughput, without the engine's checksum verification or
 page-table work (bench/engine.py measures those). Each workload alternates kvtier and fio for
 --rounds rounds, so that the device's drift affects both; the medians are reported.
@@ -49,7 +54,7 @@ def kvtier_run(kind: str, bs: int, depth: int, size: int, runtime: float, d: str
     try:
         if kind == "write":
             done, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < runtime:
+            while done < n:
                 log.append(views)
                 done += depth
             return done * bs / (time.perf_counter() - t0) / 1e9
@@ -78,10 +83,11 @@ def kvtier_run(kind: str, bs: int, depth: int, size: int, runtime: float, d: str
 def fio_run(kind: str, bs: int, depth: int, size: int, runtime: float, d: str) -> float:
     args = ["fio", "--name", "x", "--filename", os.path.join(d, "fio.dat"), "--rw", kind,
             "--bs", str(bs), "--iodepth", str(depth), "--size", str(size), "--direct", "1",
-            "--ioengine", "libaio", "--runtime", str(runtime), "--time_based",
-            "--output-format", "json"]
+            "--ioengine", "libaio", "--output-format", "json"]
     if kind == "write":
-        args += ["--fdatasync", str(depth)]
+        args += ["--fdatasync", str(depth)]      # one pass over a new file, as kvtier's log
+    else:
+        args += ["--runtime", str(runtime), "--time_based"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=runtime + 300)
     if out.returncode:
         raise SystemExit(f"fio failed: {out.stderr[:300]}")

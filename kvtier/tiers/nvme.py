@@ -38,6 +38,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from kvtier.errors import DataDirError, StorageError
+from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, Aio
 
 MAGIC = b"KVTSEG01"
 HEADER_BYTES = 4096
@@ -108,6 +109,7 @@ class Segment:
     fd: int
     size: int          # bytes written so far, header included
     live: int = 0      # bytes of records that a page-table row points to
+    direct: bool = False   # opened with O_DIRECT (the file system allowed it)
 
 
 class SegmentLog:
@@ -129,6 +131,11 @@ class SegmentLog:
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._io_threads = io_threads
         self._staging: mmap.mmap | None = None
+        # Native AIO keeps a whole batch in flight from one thread (see tiers/aio.py); only for
+        # O_DIRECT files of the POSIX back-end, where it is truly asynchronous.
+        self._aio = None
+        if self.direct and type(self.backend) is PosixBackend and Aio.available():
+            self._aio = Aio(depth=256)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -161,7 +168,8 @@ class SegmentLog:
                     "of the data directory or run `kvtier check --repair`")
             size = os.fstat(fd).st_size
             size = HEADER_BYTES + (size - HEADER_BYTES) // self.record_bytes * self.record_bytes
-            self.segments[seg_id] = Segment(seg_id, path, fd, max(size, HEADER_BYTES))
+            self.segments[seg_id] = Segment(seg_id, path, fd, max(size, HEADER_BYTES),
+                                            direct=_is_direct(fd))
 
     def _new_segment(self) -> Segment:
         seg_id = max(self.segments, default=0) + 1
@@ -170,11 +178,12 @@ class SegmentLog:
             fd = self.backend.open(path, create=True, direct=self.direct)
         except OSError as exc:
             raise StorageError(f"cannot create segment {path}: {exc.strerror}") from None
+        _preallocate(fd, self.segment_bytes)
         header = _aligned(HEADER_BYTES)
         header[: _HEADER.size] = _HEADER.pack(MAGIC, self.block_bytes, self.record_bytes,
                                               self.ns_id, seg_id)
         self._write_all(fd, [memoryview(header)], 0, path)
-        seg = Segment(seg_id, path, fd, HEADER_BYTES)
+        seg = Segment(seg_id, path, fd, HEADER_BYTES, direct=_is_direct(fd))
         self.segments[seg_id] = seg
         return seg
 
@@ -216,7 +225,10 @@ class SegmentLog:
                 chunk = blocks[i: i + take]
                 direct_ok = self.record_bytes == self.block_bytes and all(map(_is_aligned, chunk))
                 bufs = chunk if direct_ok else self._stage(chunk)
-                self._write_all(seg.fd, bufs, seg.size, seg.path)
+                if self._aio is not None and seg.direct and len(bufs) > 1:
+                    self._write_aio(seg, bufs)
+                else:
+                    self._write_all(seg.fd, bufs, seg.size, seg.path)
                 segs[i: i + take] = seg.seg_id
                 offs[i: i + take] = (seg.size + np.arange(take) * self.record_bytes) // ALIGN
                 seg.size += take * self.record_bytes
@@ -229,6 +241,18 @@ class SegmentLog:
                 except OSError as exc:
                     raise StorageError(f"fdatasync of {seg.path} failed: {exc.strerror}") from None
         return segs, offs
+
+    def _write_aio(self, seg: Segment, bufs: Sequence[memoryview]) -> None:
+        """The chunk as up to 16 concurrent PWRITEVs of consecutive records."""
+        per = max(1, -(-len(bufs) // 16))
+        reqs = [(seg.fd, bufs[i: i + per], seg.size + i * self.record_bytes)
+                for i in range(0, len(bufs), per)]
+        res = self._aio.run(IOCB_CMD_PWRITEV, reqs)
+        for (_fd, b, _off), got in zip(reqs, res.tolist()):
+            if got != sum(len(x) for x in b):
+                hint = "; free space or raise nvme_capacity" if got == -errno.ENOSPC else ""
+                raise StorageError(f"write to {seg.path} failed "
+                                   f"({os.strerror(-got) if got < 0 else 'short write'}){hint}")
 
     def _stage(self, chunk: Sequence[memoryview]) -> list[memoryview]:
         need = len(chunk) * self.record_bytes
@@ -305,9 +329,35 @@ class SegmentLog:
             return []
 
         self.bytes_read += self.record_bytes * sum(len(r[2]) for r in runs)
+        if self._aio is not None and len(runs) > 1 and all(r[0].direct for r in runs):
+            return self._read_aio(runs, outs)
         if len(runs) <= 2 or self._io_threads == 1:
             return [k for run in runs for k in one(run)]
         return [k for bad in self._pool.map(one, runs) for k in bad]
+
+    def _read_aio(self, runs: list[tuple[Segment, int, list[int]]],
+                  outs: Sequence[memoryview]) -> list[int]:
+        padded = self.record_bytes != self.block_bytes
+        reqs, staged = [], []
+        for seg, off, ks in runs:
+            if padded or not all(_is_aligned(outs[k]) for k in ks):
+                tmp = _aligned(self.record_bytes * len(ks))
+                staged.append(tmp)
+                reqs.append((seg.fd, [memoryview(tmp)], off))
+            else:
+                staged.append(None)
+                reqs.append((seg.fd, [outs[k] for k in ks], off))
+        res = self._aio.run(IOCB_CMD_PREADV, reqs)
+        bad: list[int] = []
+        for (seg, off, ks), tmp, got in zip(runs, staged, res.tolist()):
+            if got != self.record_bytes * len(ks):
+                bad.extend(ks)
+                continue
+            if tmp is not None:
+                for j, k in enumerate(ks):
+                    outs[k][:] = tmp[j * self.record_bytes: j * self.record_bytes
+                                     + self.block_bytes]
+        return bad
 
     # ------------------------------------------------------------------ accounting
 
@@ -346,10 +396,26 @@ class SegmentLog:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._aio is not None:
+            self._aio.close()
         with self._lock:
             for seg in self.segments.values():
                 self.backend.close(seg.fd)
             self.segments.clear()
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Reserve the segment's blocks up front (fallocate with FALLOC_FL_KEEP_SIZE), so appends
+    do not allocate extents one batch at a time. The file size still grows only with appends,
+    which is what restart relies on. Best effort: file systems without fallocate skip it."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate(ctypes.c_int(fd), ctypes.c_int(1), ctypes.c_long(0), ctypes.c_long(nbytes))
+
+
+def _is_direct(fd: int) -> bool:
+    import fcntl
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 def _is_aligned(buf: memoryview) -> bool:
