@@ -1,0 +1,111 @@
+"""kvtier bench: fio options, job files, fio's JSON field names, baselines."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.fio import Job, apply_option, main, parse_jobfile, run_job
+
+
+def test_options_in_fio_units():
+    j = Job()
+    for k, v in (("rw", "randrw"), ("bs", "64k"), ("size", "1g"), ("iodepth", "32"),
+                 ("numjobs", "2"), ("runtime", "10s"), ("ramp_time", "500ms"), ("direct", "1"),
+                 ("random_distribution", "zipf:1.2"), ("tier", "nvme")):
+        j = apply_option(j, k, v)
+    assert (j.rw, j.bs, j.size, j.iodepth, j.numjobs) == ("randrw", 65536, 1 << 30, 32, 2)
+    assert (j.runtime, j.ramp_time, j.direct, j.zipf, j.tier) == (10.0, 0.5, True, 1.2, "nvme")
+    j.validate()
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("rw", "sideways", "rw="), ("bs", "huge", "bs"), ("iodepth", "x", "iodepth"),
+    ("random_distribution", "pareto:1", "zipf"), ("runtime", "soon", "runtime"),
+    ("tier", "tape", "tier="), ("frobnicate", "1", "unknown fio option"),
+])
+def test_bad_options_are_errors(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_option(Job(), key, value).validate()
+
+
+def test_job_file_global_and_sections():
+    jobs = parse_jobfile("""
+; a comment
+[global]
+bs=4k
+size=8m
+runtime=1
+tier=host
+ioengine=libaio
+
+[reader]
+rw=randread
+iodepth=8
+
+[writer]
+rw=write
+bs=16k
+direct
+""")
+    assert [j.name for j in jobs] == ["reader", "writer"]
+    assert (jobs[0].bs, jobs[0].iodepth, jobs[0].rw) == (4096, 8, "randread")
+    assert (jobs[1].bs, jobs[1].direct, jobs[1].size) == (16384, True, 8 << 20)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[global]\nbs=4k\n", "no job section"),
+    ("bs=4k\n", "job file"),
+    ("[j]\nrw=sometimes\n", "rw="),
+])
+def test_garbage_job_files(text, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_jobfile(text)
+
+
+def test_json_uses_fio_field_names(tmp_path: Path, capsys):
+    jf = tmp_path / "j.fio"
+    jf.write_text("[global]\nbs=4k\nsize=1m\nruntime=0.3\niodepth=4\n[r]\nrw=randread\n"
+                  "[w]\nrw=write\ntier=nvme\n")
+    assert main([str(jf), "--output-format=json", "--directory", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    r, w = out["jobs"]
+    assert r["jobname"] == "r" and r["error"] == 0
+    for side in ("read", "write"):
+        assert {"iops", "bw_bytes", "bw", "io_bytes", "runtime", "total_ios", "clat_ns"} <= set(r[side])
+    assert r["read"]["total_ios"] > 0 and r["write"]["total_ios"] == 0
+    assert {"min", "max", "mean", "stddev", "percentile"} <= set(r["read"]["clat_ns"])
+    assert "99.000000" in r["read"]["clat_ns"]["percentile"]
+    assert w["write"]["total_ios"] > 0 and w["kvtier"]["nvme_write_amplification"] >= 1.0
+    assert r["kvtier"]["hit_ratio"] == 1.0
+
+
+def test_text_report_and_memcpy_baseline(tmp_path: Path, capsys):
+    plot = tmp_path / "p.png"
+    assert main(["--rw=read", "--bs=4k", "--size=1m", "--runtime=0.3", "--compare",
+                 "--plot", str(plot)]) == 0
+    text = capsys.readouterr().out
+    assert "IOPS=" in text and "clat percentiles" in text and "x memcpy" in text
+    assert plot.stat().st_size > 1000
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is installed by .ci/run")
+def test_fio_baseline_in_the_same_run(tmp_path: Path, capsys):
+    assert main(["--rw=randread", "--bs=4k", "--size=4m", "--runtime=0.5", "--tier=nvme",
+                 "--direct=1", "--compare", "--output-format=json",
+                 "--directory", str(tmp_path)]) == 0
+    job = json.loads(capsys.readouterr().out)["jobs"][0]
+    assert job["kvtier"]["baseline"]["name"] == "fio"
+    assert job["kvtier"]["baseline"]["result"]["read"]["bw_bytes"] > 0
+    assert job["kvtier"]["ratio_read"] > 0
+
+
+def test_zipf_and_mixed_run_through_the_engine(tmp_path: Path):
+    job = Job(rw="randrw", bs=4096, size=1 << 20, runtime=0.3, iodepth=4, zipf=1.1,
+              directory=str(tmp_path), numjobs=2)
+    res = run_job(job)
+    assert res["read"]["total_ios"] > 0 and res["write"]["total_ios"] > 0 and res["error"] == 0
