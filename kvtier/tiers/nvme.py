@@ -116,8 +116,11 @@ class SegmentLog:
     """The segment files of one namespace. Not thread-safe for appends; reads may run beside."""
 
     def __init__(self, directory: Path, ns_id: int, block_bytes: int, segment_bytes: int,
-                 io_threads: int = 4, backend: Backend | None = None) -> None:
+                 io_threads: int = 4, backend: Backend | None = None,
+                 readonly: bool = False) -> None:
         self.dir = Path(directory)
+        self.readonly = readonly
+        self.foreign: list[Path] = []     # files skipped in readonly mode (kvtier check)
         self.ns_id = ns_id
         self.block_bytes = block_bytes
         self.record_bytes = round_up(block_bytes)
@@ -158,11 +161,15 @@ class SegmentLog:
             if len(hdr) < _HEADER.size:
                 # A segment whose header never reached the disk holds nothing LMDB points to.
                 self.backend.close(fd)
-                path.unlink()
+                if not self.readonly:
+                    path.unlink()
                 continue
             magic, block_bytes, record_bytes, ns_id, sid = _HEADER.unpack(hdr)
             if magic != MAGIC or block_bytes != self.block_bytes or sid != seg_id:
                 self.backend.close(fd)
+                if self.readonly:
+                    self.foreign.append(path)
+                    continue
                 raise DataDirError(
                     f"{path} is not a kvtier segment of this namespace (bad header); move it out "
                     "of the data directory or run `kvtier check --repair`")

@@ -1,0 +1,179 @@
+"""`kvtier check --data-dir D [--repair] [--json]`: offline consistency of LMDB and the segments.
+
+For every namespace in LMDB, every NVMe record is checked: its segment exists and has a valid
+header, the record lies inside the segment's written length, and its bytes hash (xxh3-64) to the
+checksum LMDB holds. Damage is listed record by record. With --repair the damaged records are
+deleted from LMDB (their blocks are lost; a restart would drop them on first read anyway) and
+segment files that no record points to are removed. A sound record is never touched.
+
+Run it with the service stopped: it opens LMDB for writing only with --repair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import DataDirError, KvtierError
+from kvtier.pagetable.store import Catalog
+from kvtier.tiers.nvme import ALIGN, HEADER_BYTES, SegmentLog, _aligned
+
+BATCH = 256
+
+
+@dataclass(slots=True)
+class Report:
+    namespaces: int = 0
+    records: int = 0
+    sound: int = 0
+    damage: list[dict[str, Any]] = field(default_factory=list)
+    orphan_segments: list[str] = field(default_factory=list)
+    foreign_files: list[str] = field(default_factory=list)
+    repaired: int = 0
+    removed_segments: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        kinds = Counter(d["problem"] for d in self.damage)
+        return {"namespaces": self.namespaces, "records": self.records, "sound": self.sound,
+                "damaged": len(self.damage), "by_problem": dict(kinds), "damage": self.damage,
+                "orphan_segments": self.orphan_segments, "foreign_files": self.foreign_files,
+                "repaired": self.repaired,
+                "removed_segments": self.removed_segments}
+
+
+def check(data_dir: str | Path, repair: bool = False) -> Report:
+    data_dir = Path(data_dir)
+    if not (data_dir / "meta").is_dir():
+        raise DataDirError(f"{data_dir} has no meta/ directory: not a kvtier data directory")
+    cat = Catalog(data_dir / "meta")
+    rep = Report()
+    try:
+        for ns in cat.namespaces():
+            rep.namespaces += 1
+            nsdir = data_dir / "nvme" / f"ns-{ns.ns_id}"
+            keys, recs, malformed = cat.load(ns.ns_id, ns.key_width)
+            rep.records += len(keys) + malformed
+            bad_keys: list[bytes] = []
+            if malformed:
+                rep.damage.append({"namespace": ns.name, "key": None, "problem": "malformed",
+                                   "detail": f"{malformed} LMDB entries of the wrong size"})
+                bad_keys.extend(_malformed_keys(cat, ns.ns_id, ns.key_width))
+            # readonly: a file that is not one of our segments is listed, never deleted, and
+            # the records that point into it count as missing_segment.
+            log = SegmentLog(nsdir, ns.ns_id, ns.block_bytes, 1 << 40, io_threads=4,
+                             readonly=True)
+            for path in log.foreign:
+                rep.foreign_files.append(str(path))
+            used = _check_records(ns.name, ns.block_bytes, log, keys, recs, rep, bad_keys)
+            for sid, seg in sorted(log.segments.items()):
+                if sid not in used:
+                    rep.orphan_segments.append(str(seg.path))
+            if repair:
+                for sid in [s for s in log.segments if s not in used]:
+                    log.remove(sid)
+                    rep.removed_segments += 1
+            log.close()
+            if repair and bad_keys:
+                cat.delete_records(ns.ns_id, bad_keys)
+                rep.repaired += len(bad_keys)
+    finally:
+        cat.close()
+    return rep
+
+
+def _malformed_keys(cat: Catalog, ns_id: int, key_width: int) -> list[bytes]:
+    from kvtier.pagetable.store import record_dtype
+    size = record_dtype(key_width).itemsize
+    out = []
+    with cat.env.begin(db=cat._db(ns_id)) as txn:
+        for k, v in txn.cursor():
+            if len(k) != key_width or len(v) != size:
+                out.append(bytes(k))
+    return out
+
+
+def _check_records(name: str, block_bytes: int, log: SegmentLog, keys: np.ndarray,
+                   recs: np.ndarray, rep: Report, bad_keys: list[bytes]) -> set[int]:
+    used: set[int] = set()
+    buf = _aligned(BATCH * block_bytes)
+    arr = np.frombuffer(buf, dtype=np.uint8).reshape(BATCH, block_bytes)
+    views = [memoryview(buf)[i * block_bytes:(i + 1) * block_bytes] for i in range(BATCH)]
+    for lo in range(0, len(keys), BATCH):
+        k, r = keys[lo: lo + BATCH], recs[lo: lo + BATCH]
+        n = len(k)
+        segs = r["seg"].astype(np.int32)
+        offs = r["off"]
+        ok = np.ones(n, dtype=bool)
+        problems = [""] * n
+        for i in range(n):
+            sid, start = int(segs[i]), int(offs[i]) * ALIGN
+            seg = log.segments.get(sid)
+            if r["size"][i] != block_bytes or r["version"][i] == 0:
+                ok[i], problems[i] = False, "bad_record"
+            elif seg is None:
+                ok[i], problems[i] = False, "missing_segment"
+            elif start < HEADER_BYTES or start + log.record_bytes > seg.size:
+                ok[i], problems[i] = False, "truncated"
+        idx = np.flatnonzero(ok)
+        if idx.size:
+            got = log.read(segs[idx], offs[idx], [views[j] for j in range(idx.size)])
+            for j, i in enumerate(idx.tolist()):
+                if not got[j]:
+                    ok[i], problems[i] = False, "unreadable"
+                elif xxhash.xxh3_64_intdigest(arr[j]) != int(r["checksum"][i]):
+                    ok[i], problems[i] = False, "checksum"
+        for i in range(n):
+            if ok[i]:
+                rep.sound += 1
+                used.add(int(segs[i]))
+            else:
+                rep.damage.append({"namespace": name, "key": bytes(k[i]).hex(),
+                                   "problem": problems[i], "segment": int(segs[i]),
+                                   "offset": int(offs[i]) * ALIGN,
+                                   "version": int(r["version"][i])})
+                bad_keys.append(bytes(k[i]))
+    return used
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier check", description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--repair", action="store_true",
+                    help="delete damaged records and unreferenced segments")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        rep = check(args.data_dir, args.repair)
+    except KvtierError as exc:
+        print(f"kvtier check: error: {exc}", file=sys.stderr)
+        return 2
+    d = rep.as_dict()
+    if args.json:
+        print(json.dumps(d))
+    else:
+        print(f"{d['namespaces']} namespaces, {d['records']} records: {d['sound']} sound, "
+              f"{d['damaged']} damaged {d['by_problem'] or ''}")
+        for item in d["damage"][:50]:
+            print(f"  {item['namespace']} {item['key']}: {item['problem']}")
+        if len(d["damage"]) > 50:
+            print(f"  ... {len(d['damage']) - 50} more (--json lists all)")
+        for path in d["foreign_files"]:
+            print(f"  not a segment of this namespace (left alone): {path}")
+        if d["orphan_segments"]:
+            print(f"{len(d['orphan_segments'])} segment files hold no live record"
+                  + (" (removed)" if args.repair else " (--repair removes them)"))
+        if args.repair:
+            print(f"repaired: {d['repaired']} records dropped")
+    return 1 if d["damaged"] and not args.repair else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
