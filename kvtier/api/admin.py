@@ -57,12 +57,15 @@ def admin_token(settings: Settings) -> str:
     if settings.admin_token:
         return settings.admin_token
     path = Path(settings.data_dir) / "admin.token"
-    if path.exists():
+    if path.exists() and not path.is_symlink():
         token = path.read_text().strip()
         if token:
             return token
     token = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror}; set admin_token instead") from None
     with os.fdopen(fd, "w") as fh:
         fh.write(token + "\n")
     return token

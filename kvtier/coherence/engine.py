@@ -71,6 +71,7 @@ class Engine:
         self.settings = settings
         self.data_dir = Path(settings.data_dir)
         check_writable(self.data_dir)
+        _refuse_links(self.data_dir)
         self.lock = threading.RLock()
         self.catalog = Catalog(self.data_dir / "meta")
         self.backend = nvme_backend or make_backend("auto")
@@ -769,6 +770,21 @@ class Engine:
                     st.pool.close()
             self.namespaces.clear()
             self.catalog.close()
+
+
+def _refuse_links(data_dir: Path) -> None:
+    """The service's own paths must not lead out of the data directory: a symlink planted at
+    meta/, nvme/, run/ or a namespace's segment directory would send writes elsewhere."""
+    from kvtier.errors import DataDirError
+    root = data_dir.resolve()
+    candidates = [data_dir / "meta", data_dir / "nvme", data_dir / "run", data_dir / "admin.token"]
+    nvme = data_dir / "nvme"
+    if nvme.is_dir() and not nvme.is_symlink():
+        candidates += list(nvme.iterdir())
+    for p in candidates:
+        if p.is_symlink() or (p.exists() and not p.resolve().is_relative_to(root)):
+            raise DataDirError(f"{p} is a symbolic link; kvtier does not follow links out of "
+                               "its data directory: replace it with a real directory")
 
 
 def _last_occurrences(table: PageTable, karr: np.ndarray) -> np.ndarray:

@@ -49,6 +49,8 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "compactions": c.compactions, "records_dropped": c.records_dropped,
         "expired_reservations": c.expired_reservations, "expired_leases": c.expired_leases,
         "leases": len(engine.leases), "reservations": len(engine.reservations),
+        "retired_slots": int(sum(int(st.retired.sum()) for ns in engine.namespaces.values()
+                                 for st in ns.slots.values())),
         "namespaces": len(engine.namespaces), "lmdb_map_grows": engine.catalog.map_grows,
         "write_policy": s.write_policy,
         "uptime_s": round(time.time() - engine.started, 3),

@@ -67,7 +67,9 @@ class PosixBackend:
     name = "posix"
 
     def open(self, path: Path, create: bool, direct: bool) -> int:
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        # O_NOFOLLOW: a segment that is a symlink is refused (ELOOP), never followed.
+        flags = (os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+                 | (os.O_CREAT | os.O_EXCL if create else 0))
         if direct:
             try:
                 return os.open(path, flags | os.O_DIRECT, 0o600)
@@ -154,7 +156,14 @@ class SegmentLog:
                 seg_id = int(path.stem.split("-", 1)[1])
             except ValueError:
                 continue
-            fd = self.backend.open(path, create=False, direct=self.direct)
+            try:
+                fd = self.backend.open(path, create=False, direct=self.direct)
+            except OSError as exc:
+                if self.readonly:
+                    self.foreign.append(path)
+                    continue
+                raise DataDirError(f"cannot open segment {path}: {exc.strerror} (a symbolic "
+                                   "link, or wrong permissions?)") from None
             buf = _aligned(HEADER_BYTES)
             got = os.preadv(fd, [memoryview(buf)], 0)   # aligned, so O_DIRECT accepts it
             hdr = bytes(buf[: _HEADER.size]) if got >= _HEADER.size else b""

@@ -1,0 +1,268 @@
+"""Crash harness: SIGKILL a real `kvtier serve` under load, restart it, check every key.
+
+    python bench/crash.py --iterations 200 --json [--clients 4] [--write-policy write_through]
+    python bench/crash.py --recovery-entries 1000000 --json      # restart time at 1M entries
+
+Each iteration: clients (threads, each its own kvtier.Client) run puts of new bytes to a small
+key space (so most puts are rewrites), gets, and flushes. Every put's bytes are derived from a
+fresh seed that is recorded before the put is sent (an *attempt*); its acknowledgement records
+the version (an *ack*); a flush's acknowledgement makes every put acknowledged before the flush
+was sent *durable* (under write_through, every ack is durable). At a random moment the service
+is SIGKILLed, restarted on the same data directory, and every key is read back:
+
+- acked_lost: a key whose last durable put is not served, or is served older than that put;
+- wrong_served: any get, during the load or after the restart, that returned bytes which were
+  not some attempted put of that key (torn, stale from another key, garbage) — also counted
+  when the served version contradicts the bytes.
+
+recovery_s is from the restart's exec to the first answered get. Both must-be-zero figures are
+checked by the harness itself (a mutation that acknowledges without flushing makes it report
+losses: see RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import emit, header  # noqa: E402
+
+BB = 4096
+
+
+def block_of(key_id: int, seed: int) -> np.ndarray:
+    return np.random.default_rng([key_id, seed]).integers(0, 256, BB, dtype=np.uint8)
+
+
+def key(i: int) -> bytes:
+    return (i + 1).to_bytes(16, "big")
+
+
+class Model:
+    """What was attempted, acknowledged and made durable, per key."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.attempts: dict[int, set[int]] = {}          # key -> seeds ever sent
+        self.acked: dict[int, list[tuple[int, int, int]]] = {}   # key -> [(seq, version, seed)]
+        self.durable: dict[int, tuple[int, int]] = {}    # key -> (version, seed)
+        self.seq = 0
+        self.wrong = 0
+        self.by_bytes: dict[int, dict[bytes, int]] = {}  # key -> {block digest: seed}
+
+    def attempt(self, k: int, seed: int, data: np.ndarray) -> None:
+        import xxhash
+        with self.lock:
+            self.attempts.setdefault(k, set()).add(seed)
+            self.by_bytes.setdefault(k, {})[xxhash.xxh3_128_digest(data)] = seed
+
+    def ack(self, k: int, version: int, seed: int, durable: bool) -> None:
+        with self.lock:
+            self.seq += 1
+            self.acked.setdefault(k, []).append((self.seq, version, seed))
+            if durable and (k not in self.durable or self.durable[k][0] <= version):
+                self.durable[k] = (version, seed)
+
+    def flush_sent(self) -> int:
+        with self.lock:
+            return self.seq
+
+    def flush_acked(self, upto: int) -> None:
+        with self.lock:
+            for k, acks in self.acked.items():
+                done = [a for a in acks if a[0] <= upto]
+                if done:
+                    _, v, s = max(done, key=lambda a: a[1])
+                    if k not in self.durable or self.durable[k][0] <= v:
+                        self.durable[k] = (v, s)
+
+    def served(self, k: int, data: np.ndarray) -> int | None:
+        """The seed whose bytes these are, or None (and a wrong_served) if none is."""
+        import xxhash
+        with self.lock:
+            seed = self.by_bytes.get(k, {}).get(xxhash.xxh3_128_digest(data))
+            if seed is None:
+                self.wrong += 1
+            return seed
+
+
+def load(sock: str, model: Model, stop: threading.Event, keyspace: int, cid: int,
+         write_back: bool) -> None:
+    import kvtier
+    from kvtier.errors import KvtierError
+    rng = random.Random(cid * 7919 + int(time.time() * 1e6))
+    try:
+        c = kvtier.Client(sock, timeout=10, name=f"crash-{cid}")
+        ns = c.namespace("crash", block_bytes=BB)
+    except KvtierError:
+        return
+    try:
+        while not stop.is_set():
+            op = rng.random()
+            if op < 0.55:
+                ks = rng.sample(range(keyspace), rng.randint(1, 8))
+                seeds = [rng.getrandbits(48) for _ in ks]
+                data = np.stack([block_of(k, s) for k, s in zip(ks, seeds)])
+                for k, s, d in zip(ks, seeds, data):
+                    model.attempt(k, s, d)
+                versions = ns.put(b"".join(key(k) for k in ks), data)
+                for k, s, v in zip(ks, seeds, versions.tolist()):
+                    model.ack(k, v, s, durable=not write_back)
+            elif op < 0.95:
+                ks = rng.sample(range(keyspace), rng.randint(1, 8))
+                found, out = ns.get(b"".join(key(k) for k in ks))
+                for k, f, d in zip(ks, found.tolist(), out):
+                    if f:
+                        model.served(k, d)
+            else:
+                upto = model.flush_sent()
+                c.flush()
+                model.flush_acked(upto)
+    except KvtierError:
+        pass          # the service was killed under us: expected
+    finally:
+        c.close()
+
+
+def verify(sock: str, model: Model, keyspace: int) -> int:
+    """Read every key back (versions included). Returns acked_lost."""
+    import kvtier
+    lost = 0
+    with kvtier.Client(sock, timeout=30) as c:
+        ns = c.namespace("crash", block_bytes=BB)
+        ids = list(range(keyspace))
+        for lo in range(0, keyspace, 256):
+            part = ids[lo:lo + 256]
+            with ns.get_leased(b"".join(key(k) for k in part)) as lease:
+                for k, f, v, view in zip(part, lease.found.tolist(), lease.versions.tolist(),
+                                         lease.views):
+                    want = model.durable.get(k)
+                    if not f:
+                        lost += want is not None
+                        continue
+                    seed = model.served(k, np.array(view))
+                    if want is not None and (v < want[0] or (v == want[0] and seed != want[1])):
+                        lost += 1
+    return lost
+
+
+def iteration(svc, model: Model, args: argparse.Namespace, rng: random.Random) -> tuple[int, float]:
+    stop = threading.Event()
+    threads = [threading.Thread(target=load, args=(str(svc.socket), model, stop, args.keys, i,
+                                                   args.write_policy == "write_back"))
+               for i in range(args.clients)]
+    for t in threads:
+        t.start()
+    time.sleep(rng.uniform(0.05, args.max_run))
+    svc.kill()
+    stop.set()
+    for t in threads:
+        t.join()
+    t0 = time.perf_counter()
+    svc.start()
+    import kvtier
+    with kvtier.Client(svc.socket, timeout=30) as c:
+        c.namespace("crash", block_bytes=BB).get(key(0))
+    recovery = time.perf_counter() - t0
+    lost = verify(str(svc.socket), model, args.keys)
+    # After a restart, what was served is what the model now knows as durable.
+    with model.lock:
+        for k in list(model.acked):
+            model.acked[k] = []
+    return lost, recovery
+
+
+def recovery_at(entries: int, base: str) -> dict:
+    """Fill a service with `entries` NVMe blocks, SIGKILL it, time the restart."""
+    import kvtier
+    from tests.service import Service
+    svc = Service(os.path.join(base, "big"), admin=False, host_capacity="64MiB",
+                  nvme_capacity=f"{entries * 4096 * 2 + (1 << 30)}", write_policy="write_back",
+                  flush_interval=3600, segment_bytes="1GiB").start()
+    data = np.zeros((1024, 512), dtype=np.uint8)
+    with kvtier.Client(svc.socket, timeout=120) as c:
+        ns = c.namespace("big", block_bytes=512)
+        t0 = time.perf_counter()
+        for lo in range(0, entries, 1024):
+            n = min(1024, entries - lo)
+            ns.put(b"".join(key(i) for i in range(lo, lo + n)), data[:n], verify=False)
+            if (lo // 1024) % 64 == 63:
+                c.flush()
+        c.flush()
+        fill_s = time.perf_counter() - t0
+        nvme_blocks = c.stats()["tiers"]["nvme"]["blocks"]
+    svc.kill()
+    t0 = time.perf_counter()
+    svc.start(timeout=120)
+    with kvtier.Client(svc.socket, timeout=120) as c:
+        found, _ = c.namespace("big").get(key(entries - 1))
+    recovery = time.perf_counter() - t0
+    svc.stop()
+    return {"recovery_entries": nvme_blocks, "recovery_s_at_entries": round(recovery, 3),
+            "fill_s": round(fill_s, 1), "last_key_served": bool(found[0])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--keys", type=int, default=512)
+    ap.add_argument("--max-run", type=float, default=1.0, help="longest load before the kill, s")
+    ap.add_argument("--write-policy", default="write_through",
+                    choices=("write_through", "write_back"))
+    ap.add_argument("--recovery-entries", type=int, default=0,
+                    help="also time a restart with this many NVMe entries")
+    ap.add_argument("--mutant", action="store_true",
+                    help="self-test: run the service write_back while the model believes every "
+                         "ack is durable; the harness must then report losses")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    m = header("bench/crash.py")
+    from tests.service import Service
+    base = tempfile.mkdtemp(prefix="kvtier-crash-", dir=os.getcwd())
+    rng = random.Random(args.seed)
+    model = Model()
+    out: dict = {"iterations": 0, "acked_lost": 0, "wrong_served": 0, "clients": args.clients,
+                 "keys": args.keys, "write_policy": args.write_policy, "mutant": args.mutant}
+    recoveries = []
+    try:
+        if args.iterations:
+            policy = "write_back" if args.mutant else args.write_policy
+            svc = Service(os.path.join(base, "svc"), admin=False, host_capacity="2MiB",
+                          nvme_capacity="256MiB", segment_bytes="4MiB", write_policy=policy,
+                          flush_interval=3600 if args.mutant else 0.2).start()
+            for _ in range(args.iterations):
+                lost, rec = iteration(svc, model, args, rng)
+                out["iterations"] += 1
+                out["acked_lost"] += lost
+                recoveries.append(rec)
+            svc.stop(signal.SIGTERM)
+            out["wrong_served"] = model.wrong
+            out["max_recovery_s"] = round(max(recoveries), 3)
+            out["median_recovery_s"] = round(float(np.median(recoveries)), 3)
+            out["acked_puts_checked"] = len(model.durable)
+        if args.recovery_entries:
+            out.update(recovery_at(args.recovery_entries, base))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    out["machine"] = m
+    emit(out, args.json)
+    if (out["acked_lost"] or out["wrong_served"]) and not args.mutant:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
