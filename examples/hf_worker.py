@@ -1,0 +1,160 @@
+"""A real inference worker (Hugging Face transformers) that reuses prefix KV through kvtier.
+
+    python examples/hf_worker.py --check --json          # starts its own kvtier serve
+    python examples/hf_worker.py --check --socket PATH   # or uses a running one
+
+The model is a small Llama-architecture causal LM with random weights (fixed seed; nothing is
+downloaded). For each prompt the worker:
+
+1. splits the tokens into blocks of 16 and computes chained block keys (kvtier.kvcache);
+2. asks kvtier how many leading blocks are cached (match_prefix) and fetches them (get);
+3. turns those blocks into the model's KV cache and runs the forward pass only on the rest;
+4. stores the new full blocks, each with its parent key, so the next prompt can reuse them.
+
+--check runs one prompt of --prompt-tokens tokens whose first --cached-tokens tokens were stored
+by an earlier prompt, and prints the reused block count, the largest absolute difference of the
+next-token logits between reuse and full recompute, and both times to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kvtier  # noqa: E402
+from kvtier.kvcache import (BlockLayout, blocks_to_layer_kv, cache_to_blocks, chain_keys,  # noqa: E402
+                            from_dynamic_cache, parents_of, to_dynamic_cache)
+
+
+def build_model(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                vocab: int = 1000, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                seed: int = 0) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=65536)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    return model
+
+
+class PrefixWorker:
+    """Prefill with prefix reuse through one kvtier namespace."""
+
+    def __init__(self, client: kvtier.Client, model: Any, namespace: str,
+                 tokens_per_block: int = 16) -> None:
+        self.model = model
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.layout = BlockLayout.from_config(model.config, tokens_per_block, dtype)
+        self.ns = client.namespace(namespace, block_bytes=self.layout.block_bytes,
+                                   layout=self.layout.as_layout())
+        self.salt = namespace.encode()
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
+        out = self.model(ids, cache=cache, use_cache=True) if cache is not None else \
+            self.model(ids, use_cache=True)
+        # transformers 5 names the returned cache `cache`; older releases `past_key_values`.
+        return out.logits[0, -1], out["cache"] if "cache" in out else out["past_key_values"]
+
+    def recompute(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([token_ids], device=self.model.device)
+        return self.forward(ids)[0]
+
+    def prefill(self, token_ids: list[int], store: bool = True) -> tuple[torch.Tensor, dict]:
+        """Next-token logits for the prompt, reusing cached prefix blocks. Returns (logits,
+        stats: reused_blocks, stored_blocks)."""
+        t = self.layout.tokens_per_block
+        keys = chain_keys(token_ids, t, self.salt)
+        # Keep at least one token to run: the logits come from the last position.
+        usable = min(len(keys), (len(token_ids) - 1) // t)
+        n = self.ns.match_prefix(b"".join(keys[:usable])) if usable else 0
+        cache = None
+        if n:
+            found, data = self.ns.get(b"".join(keys[:n]))
+            # Only the leading run is usable (a block may have gone since match_prefix).
+            n = int(np.argmin(found)) if not found.all() else n
+            if n:
+                kv = blocks_to_layer_kv(torch.from_numpy(data[:n]), self.layout,
+                                        device=self.model.device)
+                cache = to_dynamic_cache(kv, self.model.config)
+        ids = torch.tensor([token_ids[n * t:]], device=self.model.device)
+        logits, past = self.forward(ids, cache)
+        stored = 0
+        if store and len(keys) > n:
+            layer_kv = from_dynamic_cache(past)
+            new = cache_to_blocks(layer_kv, self.layout, n, len(keys) - n)
+            self.ns.put(b"".join(keys[n:]), new,
+                        parents=parents_of(keys[n:], keys[n - 1] if n else None))
+            stored = len(keys) - n
+        return logits, {"reused_blocks": n, "stored_blocks": stored}
+
+
+def _ms(fn: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t0) * 1000
+
+
+def check(args: argparse.Namespace) -> dict[str, Any]:
+    svc = None
+    sock = args.socket
+    if not sock:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from tests.service import Service
+        svc = Service(tempfile.mkdtemp(prefix="kvtier-hf-") + "/svc", admin=False,
+                      host_capacity="2GiB", nvme_capacity="8GiB").start()
+        sock = str(svc.socket)
+    try:
+        dtype = getattr(torch, args.dtype)
+        model = build_model(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                            kv_heads=args.kv_heads, dtype=dtype, device=args.device)
+        rng = np.random.default_rng(1)
+        prompt = rng.integers(0, 1000, args.prompt_tokens).tolist()
+        with kvtier.Client(sock, timeout=300) as c:
+            worker = PrefixWorker(c, model, f"hf-check/{args.layers}x{args.hidden}/{args.dtype}")
+            worker.prefill(prompt[: args.cached_tokens])           # an earlier prompt
+            full, ttft_full = _ms(lambda: worker.recompute(prompt))
+            full, ttft_full = _ms(lambda: worker.recompute(prompt))   # warm
+            (reused, stats), ttft_reuse = _ms(lambda: worker.prefill(prompt, store=False))
+        diff = float((full.float() - reused.float()).abs().max())
+        return {"prompt_tokens": args.prompt_tokens, "cached_tokens": args.cached_tokens,
+                "reused_blocks": stats["reused_blocks"], "max_abs_diff": diff,
+                "ttft_recompute_ms": round(ttft_full, 2), "ttft_reuse_ms": round(ttft_reuse, 2),
+                "speedup": round(ttft_full / ttft_reuse, 2), "dtype": args.dtype,
+                "device": args.device, "layers": args.layers, "hidden": args.hidden}
+    finally:
+        if svc is not None:
+            svc.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", required=True)
+    ap.add_argument("--socket", default="")
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--cached-tokens", type=int, default=3584)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    res = check(args)
+    print(json.dumps(res) if args.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
+
+
+if __name__ == "__main__":
+    main()
