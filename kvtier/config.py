@@ -149,6 +149,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lease_timeout", 600.0, _float, "a get lease not released by then is reclaimed", "s"),
     Setting("io_threads", 4, _int, "threads issuing NVMe reads and writes"),
     Setting("max_frame", "64MiB", _size, "largest socket frame accepted", "bytes"),
+    Setting("redis", "", _str, "shared remote tier: a Redis URL, or several comma-separated "
+            "(sharded by consistent hashing); empty disables it"),
+    Setting("redis_cluster", False, _bool, "the redis URL is a Redis Cluster node"),
+    Setting("redis_ttl", 0.0, _float, "TTL of remote blocks; 0 keeps them", "s"),
+    Setting("redis_timeout", 2.0, _float, "per-call timeout of the remote tier", "s"),
     Setting("allowed_uids", (), _uids, "uids besides the service's own that may map host memory"),
     Setting("socket_group", "", _str, "group that may use the socket (mode 0660); empty: 0600"),
 )
@@ -180,6 +185,10 @@ class Settings:
     lease_timeout: float = 600.0
     io_threads: int = 4
     max_frame: int = 64 << 20
+    redis: str = ""
+    redis_cluster: bool = False
+    redis_ttl: float = 0.0
+    redis_timeout: float = 2.0
     allowed_uids: tuple[int, ...] = field(default_factory=tuple)
     socket_group: str = ""
 

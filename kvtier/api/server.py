@@ -361,7 +361,8 @@ class Server:
 
     async def op_match_prefix(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         args = (P.arg(req, "ns", str), P.arg(req, "keys", bytes))
-        done, n = self._fast(self.engine.match_prefix, *args)
+        done, n = (False, 0) if self.engine.remote is not None else \
+            self._fast(self.engine.match_prefix, *args)     # the remote tier is network I/O
         if not done:
             n = await self._run(self.engine.match_prefix, *args)
         return {"n": n}

@@ -67,7 +67,7 @@ class Engine:
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
-                 nvme_backend: Backend | None = None) -> None:
+                 nvme_backend: Backend | None = None, remote: Any = None) -> None:
         self.settings = settings
         self.data_dir = Path(settings.data_dir)
         check_writable(self.data_dir)
@@ -86,6 +86,7 @@ class Engine:
         self.started = time.time()
         self.policies = {t: POLICIES[settings.policy_for(t.label)]
                          for t in (Tier.HBM, Tier.HOST, Tier.NVME)}
+        self.remote = remote if remote is not None else remote_from_settings(settings)
         for rec in self.catalog.namespaces():
             ns = self._open_namespace(rec)
             persist.load_namespace(self, ns)
@@ -436,8 +437,11 @@ class Engine:
                 versions_by_pos[dup] = ns.table.cols["version"][ns.table.lookup(karr[dup])]
             self.counters.puts += int(karr.size)
             self.counters.tiers[tier].bytes_written += int(karr.size) * ns.block_bytes
-            if self.settings.write_policy == "write_through" and ns.log is not None:
-                persist.flush_rows(self, ns, rows)
+            if self.settings.write_policy == "write_through":
+                if ns.log is not None:
+                    persist.flush_rows(self, ns, rows)
+                if self.remote is not None:
+                    self._push_remote(ns, rows)
             return versions_by_pos
 
     def _install(self, ns: Namespace, karr: np.ndarray, tier: Tier, slots: np.ndarray,
@@ -525,7 +529,7 @@ class Engine:
         idx = np.flatnonzero(found)
         r = rows[idx]
         ready = cols["copy_ver"][r, tier] == cols["version"][r]
-        if not io and not ready.all():
+        if not io and (not ready.all() or (self.remote is not None and not found.all())):
             return None
         ri = idx[ready]
         slots[ri] = cols["slot"][rows[ri], tier]
@@ -545,6 +549,8 @@ class Engine:
                 found[todo[rep]] = found[src]
                 ok = todo[rep][found[todo[rep]]]
                 np.add.at(st.leases, slots[ok].astype(np.int64), 1)
+        if self.remote is not None and not found.all():
+            self._from_remote(ns, karr, rows, found, slots, tier)
         served = np.flatnonzero(found)
         srows = rows[served]
         np.add.at(cols["leases"], srows, 1)
@@ -611,6 +617,63 @@ class Engine:
         good = ok
         self._set_copy(ns, r[good], tier, dst[good], cols["version"][r[good]])
         slots[todo[good]] = dst[good]
+
+    # ------------------------------------------------------------------ remote tier
+
+    def _push_remote(self, ns: Namespace, rows: np.ndarray) -> None:
+        """Write rows' current versions to the remote tier (from their host copies)."""
+        cols = ns.table.cols
+        rows = rows[cols["copy_ver"][rows, Tier.HOST] == cols["version"][rows]]
+        if rows.size == 0:
+            return
+        pool = ns.slots[Tier.HOST].pool
+        views = [pool.array[s] for s in cols["slot"][rows, Tier.HOST].tolist()]
+        ok = self.remote.put_many(ns.name, [bytes(k) for k in cols["key"][rows]],
+                                  cols["version"][rows], cols["checksum"][rows], views)
+        cols["copy_ver"][rows[ok], Tier.REMOTE] = cols["version"][rows[ok]]
+
+    def _from_remote(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray,
+                     found: np.ndarray, slots: np.ndarray, tier: Tier) -> None:
+        """Fill local misses from the remote tier, checksummed; install a host copy, leased."""
+        miss = np.flatnonzero(~found)
+        got, versions, sums, data = self.remote.get_many(
+            ns.name, [bytes(k) for k in karr[miss]], ns.block_bytes)
+        if not got.any() or tier is not Tier.HOST:
+            return
+        cols = ns.table.cols
+        pos = miss[got]
+        new_rows, _ = ns.table.insert(karr[pos])
+        vr = versions[got]
+        # A remote version older than what this host knows is stale here: never served.
+        fresh = vr >= cols["version"][new_rows]
+        pos, new_rows, vr = pos[fresh], new_rows[fresh], vr[fresh]
+        blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
+        if pos.size == 0:
+            return
+        dst = self._alloc(ns, Tier.HOST, pos.size, partial=True)
+        pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
+            blobs[:dst.size]
+        if dst.size == 0:
+            return
+        ns.slots[Tier.HOST].leases[dst] += 1
+        for t in list(ns.slots):
+            self._drop_copies(ns, new_rows, t)
+        ns.slots[Tier.HOST].pool.write(dst, np.frombuffer(b"".join(blobs), np.uint8)
+                                       .reshape(dst.size, ns.block_bytes))
+        cols["state"][new_rows] = next_states(cols["state"][new_rows], Event.COMMIT)
+        cols["version"][new_rows] = vr
+        cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
+        cols["size"][new_rows] = ns.block_bytes
+        cols["leases"][new_rows] = 0
+        self._set_copy(ns, new_rows, Tier.HOST, dst, vr)
+        cols["copy_ver"][new_rows, Tier.REMOTE] = vr
+        rows[pos] = new_rows
+        slots[pos] = dst
+        found[pos] = True
+        self.counters.tiers[Tier.REMOTE].hits += int(pos.size)
+        self.counters.tiers[Tier.HOST].promotions += int(pos.size)
+        if self.settings.write_policy == "write_through" and ns.log is not None:
+            persist.flush_rows(self, ns, new_rows)
 
     def release(self, lease_id: int, owner: int = 0, slots: np.ndarray | None = None) -> None:
         """End a lease, or with ``slots`` only the part of it holding those slots."""
@@ -702,13 +765,21 @@ class Engine:
             cur = (cols["copy_ver"][r][:, local] == cols["version"][r, None]).any(axis=1)
             ok[ok] = cur & (cols["version"][r] > 0)
             miss = np.flatnonzero(~ok)
-            return int(miss[0]) if miss.size else int(ok.size)
+            n = int(miss[0]) if miss.size else int(ok.size)
+            if self.remote is not None and n < karr.size:
+                there = self.remote.exists_many(ns.name, [bytes(k) for k in karr[n:]])
+                gap = np.flatnonzero(~there)
+                n += int(gap[0]) if gap.size else int(there.size)
+            return n
 
     def delete(self, namespace: str, keys: Any) -> int:
         """Forget keys in every tier (LMDB included). Leased slots are freed on release."""
         with self.lock:
             ns = self.namespace(namespace)
-            rows = ns.table.lookup(self._check_keys(ns, keys))
+            karr = self._check_keys(ns, keys)
+            if self.remote is not None:
+                self.remote.delete_many(ns.name, [bytes(k) for k in karr])
+            rows = ns.table.lookup(karr)
             rows = np.unique(rows[rows >= 0])
             if rows.size == 0:
                 return 0
@@ -725,6 +796,12 @@ class Engine:
             targets = [self.namespace(namespace)] if namespace else list(self.namespaces.values())
             done = 0
             for ns in targets:
+                if self.remote is not None:
+                    c = ns.table.cols
+                    n = ns.table.n_rows
+                    self._push_remote(ns, np.flatnonzero(
+                        (c["version"][:n] > 0) & (c["copy_ver"][:n, Tier.REMOTE]
+                                                  < c["version"][:n])))
                 if ns.log is None:
                     continue
                 st = ns.table.cols["state"][: ns.table.n_rows]
@@ -770,6 +847,24 @@ class Engine:
                     st.pool.close()
             self.namespaces.clear()
             self.catalog.close()
+            if self.remote is not None:
+                self.remote.close()
+
+
+def remote_from_settings(settings: Settings) -> Any:
+    """The remote tier the settings ask for, or None."""
+    urls = [u.strip() for u in settings.redis.split(",") if u.strip()]
+    if not urls:
+        return None
+    from redis.exceptions import RedisError
+
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.remote import RemoteStore, RemoteTier
+    try:
+        return RemoteTier(RemoteStore(urls, cluster=settings.redis_cluster,
+                                      ttl=settings.redis_ttl, timeout=settings.redis_timeout))
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise ConfigError(f"redis: cannot reach {settings.redis}: {exc}") from None
 
 
 def _refuse_links(data_dir: Path) -> None:

@@ -40,6 +40,10 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
                          "write_amplification": round(written / logical, 4) if logical else None}
     for name, d in tiers.items():
         d.update(c.tiers[Tier.parse(name)].as_dict())
+    if engine.remote is not None:
+        r = engine.remote.stats()
+        tiers["remote"] = {"capacity_bytes": 0, "used_bytes": 0, "blocks": 0,
+                           "promotions": 0, "demotions": 0, "evictions": 0, **r}
     return {
         "tiers": tiers,
         "hit_ratio": (c.get_hits / c.gets) if c.gets else None,

@@ -1,0 +1,330 @@
+"""The shared remote tier on Redis or Valkey, through redis-py's asyncio client.
+
+Layout. A block is one Redis hash ``kvtier:{namespace}:{key hex}`` with fields ``v`` (version),
+``c`` (xxh3-64 checksum) and ``d`` (the bytes). Writes go through a Lua script that sets the
+fields only when the stored version is older, so two hosts racing on a key end with the higher
+version, and a value that is not ours (another type, or a hash without our fields) is never
+overwritten. Reads check the version, the size and the checksum; anything else is a miss and a
+counter, never a wrong block. Blocks carry a TTL (``redis_ttl``) when one is set.
+
+Modes. One URL: a single server. Several URLs: independent servers sharded by consistent
+hashing (ring.py, 160 virtual nodes). ``cluster=True``: Redis Cluster; the cluster client
+discovers the topology and routes keys (slot -> primary), and each primary is then spoken to
+over its own connection, so that each has its own circuit breaker.
+
+Shards. Each shard (server, or cluster primary) has a CircuitBreaker: while it is open, its
+keys count as remote misses without a network call, and the local tiers keep serving.
+
+The async store runs on its own event loop in a daemon thread (RemoteTier), so the synchronous
+engine can call it; every call has a timeout (``redis_timeout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+from redis import asyncio as aioredis
+from redis.exceptions import OutOfMemoryError, RedisError
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.remote.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.remote.ring import HashRing
+
+# KEYS[1] = block key; ARGV = version, checksum, data, ttl_ms. Returns 1 written, 0 older.
+PUT_SCRIPT = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'none' and t ~= 'hash' then return -1 end
+local cur = redis.call('HGET', KEYS[1], 'v')
+if t == 'hash' and not cur then return -1 end
+if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'c', ARGV[2], 'd', ARGV[3])
+if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+return 1
+"""
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    stale_puts: int = 0          # refused by the version guard: the remote had newer
+    errors: int = 0              # connection errors, timeouts, OOM
+    skipped: int = 0             # keys not asked because their shard's breaker was open
+    foreign: int = 0             # a value under our key that is not ours
+    checksum_failures: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class Shard:
+    name: str
+    client: Any
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    script: Any = None
+
+
+def redis_key(ns: str, key: bytes) -> bytes:
+    return f"kvtier:{ns}:".encode() + key.hex().encode()
+
+
+class RemoteStore:
+    """Async access to the remote tier. Use through RemoteTier from synchronous code."""
+
+    def __init__(self, urls: Sequence[str], cluster: bool = False, ttl: float = 0.0,
+                 timeout: float = 2.0, cooldown: float = 5.0) -> None:
+        if not urls:
+            raise ConfigError("redis: give at least one URL, e.g. redis://127.0.0.1:6379/0")
+        self.urls = list(urls)
+        self.cluster = cluster
+        self.ttl_ms = int(ttl * 1000)
+        self.timeout = timeout
+        self.cooldown = cooldown
+        self.counters = RemoteCounters()
+        self.shards: list[Shard] = []
+        self._ring: HashRing | None = None
+        self._cluster: Any = None
+
+    def _client(self, url: str) -> Any:
+        return aioredis.Redis.from_url(url, socket_timeout=self.timeout,
+                                       socket_connect_timeout=self.timeout,
+                                       retry_on_timeout=False)
+
+    def _shard(self, name: str, client: Any) -> Shard:
+        s = Shard(name, client, CircuitBreaker(cooldown=self.cooldown))
+        s.script = client.register_script(PUT_SCRIPT)
+        return s
+
+    async def connect(self) -> None:
+        if self.cluster:
+            from redis.asyncio.cluster import RedisCluster
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+            self._cluster = RedisCluster.from_url(self.urls[0], socket_timeout=self.timeout,
+                                                  socket_connect_timeout=self.timeout,
+                                                  retry=Retry(NoBackoff(), 1))
+            await self._cluster.initialize()
+            for node in self._cluster.get_primaries():
+                self.shards.append(self._shard(node.name, aioredis.Redis(
+                    host=node.host, port=node.port, socket_timeout=self.timeout,
+                    socket_connect_timeout=self.timeout)))
+        else:
+            for url in self.urls:
+                self.shards.append(self._shard(url, self._client(url)))
+            if len(self.shards) > 1:
+                self._ring = HashRing([s.name for s in self.shards])
+
+    def _route(self, rkeys: list[bytes]) -> np.ndarray:
+        if self._cluster is not None:
+            index = {s.name: i for i, s in enumerate(self.shards)}
+            return np.array([index.get(self._cluster.get_node_from_key(k).name, 0)
+                             for k in rkeys], dtype=np.int64)
+        if self._ring is not None:
+            return self._ring.lookup(rkeys)
+        return np.zeros(len(rkeys), dtype=np.int64)
+
+    async def _per_shard(self, rkeys: list[bytes], fn: Any) -> list[Any]:
+        """Run fn(shard, positions) for each shard's keys; None where its breaker is open or
+        the call failed. Results are aligned with the shards."""
+        route = self._route(rkeys)
+        jobs = []
+        for si, shard in enumerate(self.shards):
+            pos = np.flatnonzero(route == si)
+            if pos.size == 0:
+                continue
+            jobs.append((shard, pos))
+
+        async def one(shard: Shard, pos: np.ndarray) -> Any:
+            if not shard.breaker.allow():
+                self.counters.skipped += int(pos.size)
+                return pos, None
+            try:
+                res = await asyncio.wait_for(fn(shard, pos), self.timeout * 2)
+            except (RedisError, OSError, asyncio.TimeoutError):
+                shard.breaker.record(False)
+                self.counters.errors += 1
+                return pos, None
+            shard.breaker.record(True)
+            return pos, res
+
+        return await asyncio.gather(*(one(s, p) for s, p in jobs))
+
+    async def put_many(self, ns: str, keys: Sequence[bytes], versions: np.ndarray,
+                       sums: np.ndarray, blocks: Sequence[Any]) -> np.ndarray:
+        """Write blocks whose stored version is older. Returns True where the remote now holds
+        this version (written, or refused because it had this one or newer)."""
+        rkeys = [redis_key(ns, k) for k in keys]
+        out = np.zeros(len(keys), dtype=bool)
+
+        async def put(shard: Shard, pos: np.ndarray) -> list[Any]:
+            pipe = shard.client.pipeline(transaction=False)
+            for i in pos.tolist():
+                await shard.script(keys=[rkeys[i]], args=[int(versions[i]), int(sums[i]),
+                                                          bytes(blocks[i]), self.ttl_ms],
+                                   client=pipe)
+            return await pipe.execute(raise_on_error=False)
+
+        for pos, res in await self._per_shard(rkeys, put):
+            if res is None:
+                continue
+            for i, r in zip(pos.tolist(), res):
+                if isinstance(r, OutOfMemoryError):
+                    self.counters.errors += 1       # maxmemory with noeviction: Redis is full
+                elif isinstance(r, Exception) or r == -1:
+                    self.counters.foreign += 1
+                elif r == 0:
+                    self.counters.stale_puts += 1
+                    out[i] = True
+                else:
+                    self.counters.puts += 1
+                    self.counters.bytes_written += len(blocks[i])
+                    out[i] = True
+        return out
+
+    async def get_many(self, ns: str, keys: Sequence[bytes], block_bytes: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bytes | None]]:
+        """(found, versions, checksums, data) for keys; a miss for anything not sound."""
+        n = len(keys)
+        rkeys = [redis_key(ns, k) for k in keys]
+        found = np.zeros(n, dtype=bool)
+        versions = np.zeros(n, dtype=np.uint64)
+        sums = np.zeros(n, dtype=np.uint64)
+        data: list[bytes | None] = [None] * n
+
+        async def get(shard: Shard, pos: np.ndarray) -> list[Any]:
+            pipe = shard.client.pipeline(transaction=False)
+            for i in pos.tolist():
+                pipe.hgetall(rkeys[i])      # {} when absent; other fields mean not ours
+            return await pipe.execute(raise_on_error=False)
+
+        for pos, res in await self._per_shard(rkeys, get):
+            if res is None:
+                continue
+            for i, r in zip(pos.tolist(), res):
+                if isinstance(r, Exception):
+                    self.counters.foreign += 1
+                    continue
+                if not r:
+                    continue
+                v, c, d = r.get(b"v"), r.get(b"c"), r.get(b"d")
+                try:
+                    vi, ci = int(v), int(c)
+                except (TypeError, ValueError):
+                    self.counters.foreign += 1
+                    continue
+                if d is None or len(d) != block_bytes or vi <= 0 or not 0 <= ci < 2**64:
+                    self.counters.foreign += 1
+                    continue
+                if xxhash.xxh3_64_intdigest(d) != ci:
+                    self.counters.checksum_failures += 1
+                    continue
+                found[i], versions[i], sums[i], data[i] = True, vi, ci, d
+        self.counters.hits += int(found.sum())
+        self.counters.misses += int(n - found.sum())
+        self.counters.bytes_read += int(found.sum()) * block_bytes
+        return found, versions, sums, data
+
+    async def exists_many(self, ns: str, keys: Sequence[bytes]) -> np.ndarray:
+        rkeys = [redis_key(ns, k) for k in keys]
+        out = np.zeros(len(keys), dtype=bool)
+
+        async def exists(shard: Shard, pos: np.ndarray) -> list[Any]:
+            pipe = shard.client.pipeline(transaction=False)
+            for i in pos.tolist():
+                pipe.hexists(rkeys[i], "v")
+            return await pipe.execute(raise_on_error=False)
+
+        for pos, res in await self._per_shard(rkeys, exists):
+            if res is not None:
+                for i, r in zip(pos.tolist(), res):
+                    out[i] = r is True or r == 1
+        return out
+
+    async def delete_many(self, ns: str, keys: Sequence[bytes]) -> int:
+        rkeys = [redis_key(ns, k) for k in keys]
+
+        async def delete(shard: Shard, pos: np.ndarray) -> Any:
+            return await shard.client.delete(*[rkeys[i] for i in pos.tolist()])
+
+        return sum(int(res) for _pos, res in await self._per_shard(rkeys, delete)
+                   if res is not None)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters.as_dict(),
+                "mode": "cluster" if self.cluster else ("sharded" if self._ring else "single"),
+                "breakers": {s.name: s.breaker.snapshot() for s in self.shards},
+                "open_breakers": sum(s.breaker.state is not BreakerState.CLOSED
+                                     for s in self.shards)}
+
+    async def close(self) -> None:
+        for s in self.shards:
+            await s.client.aclose()
+        if self._cluster is not None:
+            await self._cluster.aclose()
+
+
+class RemoteTier:
+    """A RemoteStore on its own event loop thread, with synchronous methods for the engine."""
+
+    def __init__(self, store: RemoteStore) -> None:
+        self.store = store
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-remote",
+                                        daemon=True)
+        self._thread.start()
+        self._call(store.connect(), timeout=max(10.0, store.timeout * 3))
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result(timeout or self.store.timeout * 4 + 1)
+
+    def put_many(self, ns: str, keys: Sequence[bytes], versions: np.ndarray, sums: np.ndarray,
+                 blocks: Sequence[Any]) -> np.ndarray:
+        try:
+            return self._call(self.store.put_many(ns, keys, versions, sums, blocks))
+        except TimeoutError:
+            self.store.counters.errors += 1
+            return np.zeros(len(keys), dtype=bool)
+
+    def get_many(self, ns: str, keys: Sequence[bytes], block_bytes: int):
+        try:
+            return self._call(self.store.get_many(ns, keys, block_bytes))
+        except TimeoutError:
+            self.store.counters.errors += 1
+            n = len(keys)
+            return (np.zeros(n, bool), np.zeros(n, np.uint64), np.zeros(n, np.uint64),
+                    [None] * n)
+
+    def exists_many(self, ns: str, keys: Sequence[bytes]) -> np.ndarray:
+        try:
+            return self._call(self.store.exists_many(ns, keys))
+        except TimeoutError:
+            self.store.counters.errors += 1
+            return np.zeros(len(keys), dtype=bool)
+
+    def delete_many(self, ns: str, keys: Sequence[bytes]) -> int:
+        try:
+            return self._call(self.store.delete_many(ns, keys))
+        except TimeoutError:
+            self.store.counters.errors += 1
+            return 0
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        try:
+            self._call(self.store.close(), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()

@@ -1,0 +1,256 @@
+"""The shared remote tier against real redis-server processes: a single server, independent
+shards, a 3-node Redis Cluster, and two `kvtier serve` processes sharing one Redis."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+import kvtier
+from kvtier.coherence.engine import Engine
+from kvtier.config import make_settings
+from kvtier.tiers.remote import RemoteStore, RemoteTier
+from kvtier.tiers.remote.breaker import (TRANSITIONS, BreakerEvent, BreakerState,
+                                         CircuitBreaker)
+from kvtier.tiers.remote.ring import HashRing
+from kvtier.tiers.remote.store import redis_key
+from tests.conftest import blocks, key, keys
+from tests.redis_servers import RedisServer, start_cluster
+from tests.service import Service
+
+BB = 4096
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    s = RedisServer(tmp_path).start()
+    yield s
+    s.stop()
+
+
+def _sums(data: np.ndarray) -> np.ndarray:
+    return np.array([xxhash.xxh3_64_intdigest(r) for r in data], dtype=np.uint64)
+
+
+# ---------------------------------------------------------------------- ring and breaker
+
+def test_adding_a_server_moves_about_one_in_n_keys():
+    ks = [key(i) for i in range(20000)]
+    four = HashRing([f"redis://h{i}:6379" for i in range(4)]).lookup(ks)
+    five = HashRing([f"redis://h{i}:6379" for i in range(5)]).lookup(ks)
+    moved = float((four != five).mean())
+    assert 0.12 < moved < 0.30                     # ideal 1/5 = 0.20
+    assert ((five == 4) | (four == five)).all()    # keys only ever move to the new server
+    counts = np.bincount(five, minlength=5) / len(ks)
+    assert counts.min() > 0.12 and counts.max() < 0.30
+
+
+def test_breaker_transition_table():
+    assert set(TRANSITIONS) == {(BreakerState.CLOSED, BreakerEvent.TRIP),
+                                (BreakerState.OPEN, BreakerEvent.COOLDOWN),
+                                (BreakerState.HALF_OPEN, BreakerEvent.SUCCESS),
+                                (BreakerState.HALF_OPEN, BreakerEvent.FAILURE)}
+
+
+def test_breaker_opens_at_half_errors_with_twenty_calls_and_half_open_probes_close_it():
+    now = [0.0]
+    b = CircuitBreaker(cooldown=5.0, clock=lambda: now[0])
+    for ok in itertools.islice(itertools.cycle([True, False]), 19):
+        b.record(ok)
+    assert b.state is BreakerState.CLOSED           # 19 calls: too few to judge
+    b.record(False)
+    assert b.state is BreakerState.OPEN and not b.allow()
+    now[0] = 6.0
+    assert b.allow() and b.state is BreakerState.HALF_OPEN
+    assert not b.allow()                            # one probe at a time
+    b.record(False)
+    assert b.state is BreakerState.OPEN
+    now[0] = 12.0
+    assert b.allow()
+    b.record(True)
+    assert b.state is BreakerState.CLOSED and b.allow()
+
+
+def test_breaker_window_forgets_old_calls():
+    now = [0.0]
+    b = CircuitBreaker(clock=lambda: now[0])
+    for _ in range(15):
+        b.record(False)
+    now[0] = 61.0
+    for _ in range(10):
+        b.record(False)
+    assert b.state is BreakerState.CLOSED           # only 10 calls in the last 60 s
+
+
+# ---------------------------------------------------------------------- store
+
+def test_round_trip_version_guard_and_ttl(redis_server):
+    tier = RemoteTier(RemoteStore([redis_server.url], ttl=60))
+    try:
+        data = blocks(3, BB)
+        ok = tier.put_many("m", [key(i) for i in range(3)], np.array([5, 5, 5], np.uint64),
+                           _sums(data), list(data))
+        assert ok.all()
+        # another host racing with an older version does not win
+        old = blocks(1, BB, seed=9)
+        tier.put_many("m", [key(0)], np.array([4], np.uint64), _sums(old), list(old))
+        newer = blocks(1, BB, seed=8)
+        tier.put_many("m", [key(1)], np.array([6], np.uint64), _sums(newer), list(newer))
+        found, versions, _sums_, got = tier.get_many("m", [key(i) for i in range(4)], BB)
+        assert found.tolist() == [True, True, True, False]
+        assert versions.tolist()[:3] == [5, 6, 5]
+        assert got[0] == data[0].tobytes() and got[1] == newer[0].tobytes()
+        assert tier.stats()["stale_puts"] == 1
+        ttl = int(redis_server.cli("PTTL", redis_key("m", key(0)).decode()))
+        assert 0 < ttl <= 60000
+        assert tier.exists_many("m", [key(2), key(7)]).tolist() == [True, False]
+    finally:
+        tier.close()
+
+
+def test_foreign_values_and_bad_checksums_are_misses(redis_server):
+    tier = RemoteTier(RemoteStore([redis_server.url]))
+    try:
+        redis_server.cli("SET", redis_key("m", key(0)).decode(), "not ours")
+        redis_server.cli("HSET", redis_key("m", key(1)).decode(), "x", "1")
+        data = blocks(1, BB)
+        tier.put_many("m", [key(2)], np.array([1], np.uint64), _sums(data), list(data))
+        redis_server.cli("HSET", redis_key("m", key(2)).decode(), "d", "y" * BB)   # corrupted
+        found, *_ = tier.get_many("m", [key(0), key(1), key(2)], BB)
+        assert not found.any()
+        s = tier.stats()
+        assert s["foreign"] == 2 and s["checksum_failures"] == 1
+        ok = tier.put_many("m", [key(0)], np.array([1], np.uint64), _sums(data), list(data))
+        assert not ok[0]                                    # never overwrites a foreign value
+        assert redis_server.cli("GET", redis_key("m", key(0)).decode()).strip() == "not ours"
+    finally:
+        tier.close()
+
+
+def test_full_slow_and_dropped_redis_give_misses_not_crashes(tmp_path: Path):
+    full = RedisServer(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction",
+                       "--enable-debug-command", "local").start()
+    tier = RemoteTier(RemoteStore([full.url], timeout=0.5))
+    try:
+        data = blocks(64, BB * 4, seed=1)
+        ok = tier.put_many("m", [key(i) for i in range(64)], np.arange(1, 65, dtype=np.uint64),
+                           _sums(data), list(data))
+        assert 0 < ok.sum() < 64 and tier.stats()["errors"] > 0      # OOM counted
+        full.cli("CLIENT", "KILL", "TYPE", "normal")                 # drop our connection
+        found, *_ = tier.get_many("m", [key(0)], BB * 4)
+        found, *_ = tier.get_many("m", [key(0)], BB * 4)             # reconnects
+        assert found[0]
+        slow = subprocess_debug_sleep(full, 2)
+        found, *_ = tier.get_many("m", [key(0)], BB * 4)             # times out: a miss
+        assert not found[0]
+        slow.wait()
+    finally:
+        tier.close()
+        full.stop()
+
+
+def subprocess_debug_sleep(server: RedisServer, seconds: float):
+    """Make the server stall (DEBUG SLEEP) and return once it has stopped answering."""
+    import socket
+    import subprocess
+    proc = subprocess.Popen(["redis-cli", "-p", str(server.port), "DEBUG", "SLEEP",
+                             str(seconds)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.settimeout(0.2)
+            s.sendall(b"PING\r\n")
+            try:
+                s.recv(16)
+            except TimeoutError:
+                return proc                  # no answer: it is asleep
+    proc.kill()
+    proc.wait()
+    pytest.fail("redis-server never went to sleep (DEBUG SLEEP refused?)")
+
+
+def test_sharded_mode_spreads_keys_over_independent_servers(tmp_path: Path):
+    servers = [RedisServer(tmp_path).start() for _ in range(3)]
+    tier = RemoteTier(RemoteStore([s.url for s in servers]))
+    try:
+        data = blocks(60, BB)
+        assert tier.put_many("m", [key(i) for i in range(60)], np.ones(60, np.uint64),
+                             _sums(data), list(data)).all()
+        per = [int(s.cli("DBSIZE")) for s in servers]
+        assert sum(per) == 60 and min(per) > 5
+        found, _, _, got = tier.get_many("m", [key(i) for i in range(60)], BB)
+        assert found.all() and got[59] == data[59].tobytes()
+        servers[1].stop()                                            # one shard dies
+        for _ in range(25):
+            tier.get_many("m", [key(i) for i in range(60)], BB)
+        st = tier.stats()
+        assert st["open_breakers"] == 1 and st["skipped"] > 0
+        found, *_ = tier.get_many("m", [key(i) for i in range(60)], BB)
+        assert 30 < found.sum() < 60                                 # the live shards answer
+    finally:
+        tier.close()
+        for s in servers:
+            s.stop()
+
+
+# ---------------------------------------------------------------------- through the engine
+
+def test_two_services_share_one_redis(tmp_path: Path, redis_server):
+    a = Service(tmp_path / "a", redis=redis_server.url).start()
+    b = Service(tmp_path / "b", redis=redis_server.url).start()
+    try:
+        data = blocks(8, BB, seed=3)
+        with kvtier.Client(a.socket) as ca:
+            ca.namespace("shared", block_bytes=BB).put(keys(range(8)), data,
+                                                       parents=bytes(16) + keys(range(7)))
+        with kvtier.Client(b.socket) as cb:
+            ns = cb.namespace("shared", block_bytes=BB)
+            assert ns.match_prefix(keys(range(10))) == 8     # host b has none of them locally
+            found, out = ns.get(keys(range(8)))
+            assert found.all() and (out == data).all()
+            s = cb.stats()
+            assert s["tiers"]["remote"]["hits"] == 8 and s["tiers"]["host"]["blocks"] == 8
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_cluster_node_death_opens_the_breaker_and_local_tiers_keep_serving(tmp_path: Path):
+    nodes = start_cluster(tmp_path)
+    eng = None
+    try:
+        eng = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "4MiB",
+                                    "nvme_capacity": "64MiB", "redis": nodes[0].url,
+                                    "redis_cluster": True, "redis_timeout": 0.5}))
+        eng.remote.store.cooldown = 1.0
+        for s in eng.remote.store.shards:
+            s.breaker.cooldown = 1.0
+        eng.create_namespace("m", BB)
+        data = blocks(48, BB, seed=5)
+        eng.put("m", keys(range(48)), data)
+        assert sum(int(n.cli("DBSIZE")) for n in nodes) == 48     # written through
+        victim = nodes[2]
+        victim.stop()
+        # Gets of keys this host does not have go to the remote tier; the dead node's share
+        # fails until its breaker opens. Locally cached keys are served throughout.
+        for i in range(30):
+            found, out = eng.read("m", keys(range(48)) + keys(range(100 + i * 8, 108 + i * 8)))
+            assert found[:48].all() and (out[:48] == data).all()
+        st = eng.stats()["tiers"]["remote"]
+        assert st["open_breakers"] == 1 and st["errors"] >= 1
+        victim.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and eng.stats()["tiers"]["remote"]["open_breakers"]:
+            eng.read("m", keys(range(200, 216)))
+            time.sleep(0.2)
+        assert eng.stats()["tiers"]["remote"]["open_breakers"] == 0
+    finally:
+        if eng is not None:
+            eng.close(flush=False)
+        for n in nodes:
+            n.stop()
