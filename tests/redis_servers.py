@@ -52,9 +52,18 @@ class RedisServer:
             self.proc = None
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is a valid port too."""
+    while True:
+        port = free_port()
+        if port + 10000 <= 65535:
+            return port
+
+
 def start_cluster(workdir: Path, n: int = 3) -> list[RedisServer]:
     nodes = [RedisServer(workdir, "--cluster-enabled", "yes", "--cluster-config-file",
-                         "nodes.conf", "--cluster-node-timeout", "2000").start()
+                         "nodes.conf", "--cluster-node-timeout", "2000",
+                         port=_cluster_port()).start()
              for _ in range(n)]
     out = subprocess.run(["redis-cli", "--cluster", "create",
                           *[f"127.0.0.1:{s.port}" for s in nodes], "--cluster-replicas", "0",

@@ -658,8 +658,9 @@ class Engine:
         ns.slots[Tier.HOST].leases[dst] += 1
         for t in list(ns.slots):
             self._drop_copies(ns, new_rows, t)
-        ns.slots[Tier.HOST].pool.write(dst, np.frombuffer(b"".join(blobs), np.uint8)
-                                       .reshape(dst.size, ns.block_bytes))
+        pool = ns.slots[Tier.HOST].pool
+        for slot, blob in zip(dst.tolist(), blobs):
+            pool.array[slot] = np.frombuffer(blob, dtype=np.uint8)
         cols["state"][new_rows] = next_states(cols["state"][new_rows], Event.COMMIT)
         cols["version"][new_rows] = vr
         cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
