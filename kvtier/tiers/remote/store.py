@@ -87,6 +87,12 @@ class Shard:
     script: Any = None
 
 
+def _no_retry() -> Any:
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    return Retry(NoBackoff(), 0)
+
+
 def redis_key(ns: str, key: bytes) -> bytes:
     return f"kvtier:{ns}:".encode() + key.hex().encode()
 
@@ -109,9 +115,11 @@ class RemoteStore:
         self._cluster: Any = None
 
     def _client(self, url: str) -> Any:
+        # No client-side retries: a failing shard must surface at once, so that its breaker
+        # counts it; the breaker's half-open probe is the retry.
         return aioredis.Redis.from_url(url, socket_timeout=self.timeout,
                                        socket_connect_timeout=self.timeout,
-                                       retry_on_timeout=False)
+                                       retry=_no_retry())
 
     def _shard(self, name: str, client: Any) -> Shard:
         return Shard(name, client, CircuitBreaker(cooldown=self.cooldown))
@@ -128,7 +136,7 @@ class RemoteStore:
             for node in self._cluster.get_primaries():
                 self.shards.append(self._shard(node.name, aioredis.Redis(
                     host=node.host, port=node.port, socket_timeout=self.timeout,
-                    socket_connect_timeout=self.timeout)))
+                    socket_connect_timeout=self.timeout, retry=_no_retry())))
         else:
             for url in self.urls:
                 self.shards.append(self._shard(url, self._client(url)))
@@ -160,8 +168,7 @@ class RemoteStore:
                 self.counters.skipped += int(pos.size)
                 return pos, None
             try:
-                # The connections' socket_timeout bounds every read and write.
-                res = await fn(shard, pos)
+                res = await asyncio.wait_for(fn(shard, pos), self.timeout * 2)
             except (RedisError, OSError, asyncio.TimeoutError):
                 shard.breaker.record(False)
                 self.counters.errors += 1
@@ -319,7 +326,11 @@ class RemoteTier:
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result(timeout or self.store.timeout * 4 + 1)
+        try:
+            return fut.result(timeout or self.store.timeout * 4 + 1)
+        except TimeoutError:
+            fut.cancel()                  # do not leave the call running on the loop
+            raise
 
     def put_many(self, ns: str, keys: Sequence[bytes], versions: np.ndarray, sums: np.ndarray,
                  blocks: Sequence[Any]) -> np.ndarray:
@@ -359,6 +370,15 @@ class RemoteTier:
         try:
             self._call(self.store.close(), timeout=10)
         finally:
+            async def cancel_rest() -> None:
+                rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in rest:
+                    t.cancel()
+                await asyncio.gather(*rest, return_exceptions=True)
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_rest(), self._loop).result(10)
+            except TimeoutError:
+                pass
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
             self._loop.close()
