@@ -40,8 +40,8 @@ def as_u8(data: Any) -> np.ndarray:
     mod = type(data).__module__
     if mod.startswith("torch"):
         if data.device.type != "cpu":
-            raise BadRequest("CUDA tensors go through the GPU data path (kvtier[gpu]); move the "
-                             "tensor to the CPU or use a GPU-enabled client")
+            raise BadRequest("this call takes host data; CUDA tensors are accepted by "
+                             "Namespace.get(out=...) and Namespace.put(blocks=...)")
         t = data.detach()
         if not t.is_contiguous():
             t = t.contiguous()

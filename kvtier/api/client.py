@@ -132,6 +132,7 @@ class Namespace:
         self.inline = inline
         self._map: mmap.mmap | None = None
         self._arr: np.ndarray | None = None
+        self._mapped: Any = None           # kvtier.gpu.MappedSegment, made on first CUDA use
         self._generation = -1
 
     def _view(self) -> np.ndarray:
@@ -148,10 +149,26 @@ class Namespace:
             self._generation = c.generation
         return self._arr
 
-    def put(self, keys: Any, blocks: Any, parents: Any = None, verify: bool = True) -> np.ndarray:
-        """Store blocks under keys (two-phase: reserve, write, commit). Returns new versions."""
+    def _gpu(self) -> Any:
+        from kvtier.gpu import MappedSegment
+        view = self._view()
+        if self._mapped is None or self._mapped.host is not view:
+            self._mapped = MappedSegment(view)
+        return self._mapped
+
+    def put(self, keys: Any, blocks: Any, parents: Any = None, verify: bool = True,
+            rows: np.ndarray | None = None) -> np.ndarray:
+        """Store blocks under keys (two-phase: reserve, write, commit). Returns new versions.
+
+        ``blocks`` may be a CUDA tensor: the blocks are then copied by one scatter launch from
+        its rows (``rows[i]`` for key i, default 0..n-1) into the reserved shared slots, and
+        the service checksums them at commit (``verify`` applies to host inputs).
+        """
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width
+        from kvtier.gpu import is_cuda_tensor
+        if is_cuda_tensor(blocks):
+            return self._put_cuda(kb, n, blocks, parents, rows)
         src = blocks_view(blocks, n, self.block_bytes)
         pb = None if parents is None else pack_keys(parents, self.key_width)
         c = self._client
@@ -172,14 +189,54 @@ class Namespace:
         r = c._call("commit", rid=rid, checksums=sums)
         return np.frombuffer(r["versions"], "<u8")
 
-    def get(self, keys: Any, out: Any = None, verify: bool = True
-            ) -> tuple[np.ndarray, np.ndarray]:
+    def _put_cuda(self, kb: bytes, n: int, blocks: Any, parents: Any,
+                  rows: np.ndarray | None) -> np.ndarray:
+        from kvtier.gpu import rows_view, synchronize
+        c = self._client
+        c._ensure()
+        src = rows_view(blocks, n, self.block_bytes)
+        seg = self._gpu()
+        pb = None if parents is None else pack_keys(parents, self.key_width)
+        r = c._call("reserve", ns=self.name, keys=kb, parents=pb)
+        try:
+            seg.scatter(src, np.frombuffer(r["slots"], "<i4"), rows)
+            synchronize()          # the bytes are in the slots before the commit checksums them
+        except BaseException:
+            c._call("abort", rid=r["rid"])
+            raise
+        return np.frombuffer(c._call("commit", rid=r["rid"])["versions"], "<u8")
+
+    def _get_cuda(self, kb: bytes, n: int, out: Any, rows: np.ndarray | None) -> np.ndarray:
+        from kvtier.gpu import rows_view, synchronize
+        c = self._client
+        c._ensure()
+        dst = rows_view(out, n, self.block_bytes)
+        seg = self._gpu()
+        rep = GetReply.decode(c._call("get", ns=self.name, keys=kb))
+        try:
+            idx = np.flatnonzero(rep.found)
+            dst_rows = (np.arange(n) if rows is None else np.asarray(rows))[idx]
+            seg.gather(rep.slots[idx], dst, dst_rows)
+            synchronize()          # the kernel has read the slots: the lease may end
+        finally:
+            c._release_later(rep.lease)
+        return rep.found
+
+    def get(self, keys: Any, out: Any = None, verify: bool = True,
+            rows: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
         """Copy the blocks of keys into out (or a new (n, block_bytes) array).
 
         Returns (found mask, out as a uint8 array view). Missing blocks leave zeroed rows.
+        ``out`` may be a CUDA tensor: one gather launch copies the leased slots into its rows
+        (``rows[i]`` for key i, default 0..n-1; missing blocks leave their rows untouched).
+        The slots were checksummed at commit and cannot change while leased; ``verify``
+        (hashing on the host) applies to host outputs only.
         """
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width
+        from kvtier.gpu import is_cuda_tensor
+        if out is not None and is_cuda_tensor(out):
+            return self._get_cuda(kb, n, out, rows), out
         dst = (np.empty((n, self.block_bytes), dtype=np.uint8) if out is None
                else blocks_view(out, n, self.block_bytes, writable=True))
         c = self._client
@@ -225,6 +282,9 @@ class Namespace:
         return int(self._client._call("flush", ns=self.name)["flushed"])
 
     def close(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
         self._arr = None
         if self._map is not None:
             try:

@@ -40,7 +40,12 @@ class HbmPool:
         self.fd = None
         self.pinned = False
         with cupy.cuda.Device(device):
-            self.array = cupy.zeros((n_slots, block_bytes), dtype=cupy.uint8)
+            # Its own cudaMalloc, not a sub-allocation of cupy's pool: the whole pool is one
+            # allocation that CUDA IPC can export, and it is taken up front.
+            self._mem = cupy.cuda.memory.Memory(n_slots * block_bytes)
+            self.array = cupy.ndarray((n_slots, block_bytes), dtype=cupy.uint8,
+                                      memptr=cupy.cuda.MemoryPointer(self._mem, 0))
+            self.array.fill(0)
         self._free = np.arange(n_slots - 1, -1, -1, dtype=np.int32)
         self._top = n_slots
 
@@ -80,6 +85,12 @@ class HbmPool:
     def read(self, slots: np.ndarray, out: Any = None) -> Any:
         import cupy
         return self.array[cupy.asarray(self.check_slots(slots))]
+
+    def ipc_handle(self) -> bytes:
+        """A CUDA IPC handle of the pool's allocation, for a worker process on this host to
+        open with cudaIpcOpenMemHandle (zero-copy access to HBM slots)."""
+        import cupy
+        return bytes(cupy.cuda.runtime.ipcGetMemHandle(self.array.data.ptr))
 
     def close(self) -> None:
         self.array = None

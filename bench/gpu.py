@@ -1,0 +1,178 @@
+"""The GPU data path on an H200, end to end, against the device's own ceilings, in one run.
+
+    python bench/gpu.py --json
+
+Ceilings: torch's 1 GiB pinned host->device and device->host copies. Then, from a client of a
+real `kvtier serve` (host tier pinned in both processes):
+
+    onboard_gbps_16k / _64k   get of 4,096 scattered blocks from the host tier into a CUDA
+                              tensor (scattered rows), from the call to data ready
+    offload_gbps_16k / _64k   put of 4,096 blocks from a CUDA tensor, to the commit's reply
+    kernel_gbps_16k           the gather launch alone over the same mapped segment
+    first_request_ms          the first 4,096 x 16 KiB get after start (worker warmed with
+                              kvtier.gpu.warm()), against steady_p50_ms
+    nvme_to_hbm_gbps          kvikio reads of 64 KiB records into device memory, against a
+                              plain POSIX read of the same file into host memory (nvme_ratio)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import emit, header  # noqa: E402
+
+N = 4096
+
+
+def med(fn, reps: int) -> float:
+    import torch
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def ceilings() -> dict:
+    import torch
+    size = 1 << 30
+    h = torch.empty(size, dtype=torch.uint8).pin_memory()
+    d = torch.empty(size, dtype=torch.uint8, device="cuda")
+    h2d = med(lambda: d.copy_(h, non_blocking=True), 5)
+    d2h = med(lambda: h.copy_(d, non_blocking=True), 5)
+    return {"pinned_h2d_gbps": round(size / h2d / 1e9, 2), "pinned_d2h_gbps": round(size / d2h / 1e9, 2)}
+
+
+def service_path(sock: str, bb: int, reps: int) -> dict:
+    import torch
+    import kvtier
+    from kvtier.gpu import warm
+    warm(bb)
+    keys = [(i + 1).to_bytes(16, "big") for i in range(N)]
+    rng = np.random.default_rng(bb)
+    with kvtier.Client(sock, timeout=120) as c:
+        ns = c.namespace(f"gpu{bb}", block_bytes=bb)
+        src = torch.randint(0, 255, (N, bb), dtype=torch.uint8, device="cuda")
+        ns.put(b"".join(keys), src)                       # first put: maps and pins
+        order = rng.permutation(N)
+        kb = b"".join(keys[i] for i in order)
+        rows = rng.permutation(N)
+        out = torch.zeros_like(src)
+        t0 = time.perf_counter()
+        ns.get(kb, out=out, rows=rows)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        on = med(lambda: ns.get(kb, out=out, rows=rows), reps)
+        if not torch.equal(out[torch.as_tensor(rows, device="cuda")],
+                           src[torch.as_tensor(order, device="cuda")]):
+            raise SystemExit("onboard returned wrong bytes")
+        off = med(lambda: ns.put(kb, out, rows=rows), reps)
+        seg = ns._gpu()
+        from kvtier.gpu import rows_view
+        dst = rows_view(out, N, bb)
+        lease = c._call("get", ns=ns.name, keys=kb)
+        slots = np.frombuffer(lease["slots"], "<i4")
+        kern = med(lambda: seg.gather(slots, dst, rows), reps)
+        c._call("release", lease=lease["lease"])
+    nbytes = N * bb
+    tag = f"{bb // 1024}k"
+    return {f"onboard_gbps_{tag}": round(nbytes / on / 1e9, 2),
+            f"offload_gbps_{tag}": round(nbytes / off / 1e9, 2),
+            f"kernel_gbps_{tag}": round(nbytes / kern / 1e9, 2),
+            f"first_request_ms_{tag}": round(first * 1000, 3),
+            f"steady_p50_ms_{tag}": round(on * 1000, 3)}
+
+
+def nvme_path(workdir: str) -> dict:
+    import cupy
+    import kvikio
+    from kvtier.tiers.kvikio_backend import KvikioBackend
+    from kvtier.tiers.nvme import SegmentLog, _aligned
+    bb, n = 65536, N
+    log = SegmentLog(os.path.join(workdir, "kv"), 1, bb, 1 << 30, backend=KvikioBackend(kvikio))
+    buf = _aligned(64 * bb)
+    np.frombuffer(buf, np.uint8)[:] = 3
+    views = [memoryview(buf)[i * bb:(i + 1) * bb] for i in range(64)]
+    segs, offs = [], []
+    for lo in range(0, n, 64):
+        s, o = log.append(views)
+        segs.append(s)
+        offs.append(o)
+    offs = np.concatenate(offs).astype(np.int64) * 4096
+    path = str(log.segments[int(segs[0][0])].path)
+    log.close()
+    os.system("sync")
+    dev = cupy.empty(n * bb, dtype=cupy.uint8)
+    f = kvikio.CuFile(path, "r")
+
+    def kv() -> None:
+        futs = [f.pread(dev[i * bb:(i + 1) * bb], bb, int(offs[i])) for i in range(n)]
+        for fu in futs:
+            fu.get()
+        cupy.cuda.Device().synchronize()
+
+    host = _aligned(n * bb)
+    fd = os.open(path, os.O_RDONLY)
+
+    def plain() -> None:
+        os.preadv(fd, [memoryview(host)], int(offs[0]))
+
+    kv_t = float(np.median([_timed(kv) for _ in range(5)]))
+    pl_t = float(np.median([_timed(plain) for _ in range(5)]))
+    os.close(fd)
+    f.close()
+    mode = str(kvikio.defaults.compat_mode()) if hasattr(kvikio.defaults, "compat_mode") else "?"
+    return {"nvme_to_hbm_gbps": round(n * bb / kv_t / 1e9, 2),
+            "plain_read_gbps": round(n * bb / pl_t / 1e9, 2),
+            "nvme_ratio": round(pl_t / kv_t, 3), "kvikio_compat_mode": mode}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    m = header("bench/gpu.py")
+    from tests.service import Service
+    work = tempfile.mkdtemp(prefix="kvtier-gpu-")
+    out = ceilings()
+    svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="3GiB",
+                  nvme_capacity="0").start()
+    try:
+        out.update(service_path(str(svc.socket), 16384, args.reps))
+        out.update(service_path(str(svc.socket), 65536, args.reps))
+    finally:
+        svc.stop()
+    try:
+        out.update(nvme_path(work))
+    except ImportError as exc:
+        out["nvme_error"] = str(exc)
+    ceil = out["pinned_h2d_gbps"]
+    for k in ("onboard_gbps_16k", "onboard_gbps_64k", "kernel_gbps_16k"):
+        out[f"ratio_{k}"] = round(out[k] / ceil, 3)
+    for k in ("offload_gbps_16k", "offload_gbps_64k"):
+        out[f"ratio_{k}"] = round(out[k] / out["pinned_d2h_gbps"], 3)
+    out["machine"] = m
+    emit(out, args.json)
+
+
+if __name__ == "__main__":
+    main()

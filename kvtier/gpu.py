@@ -1,0 +1,125 @@
+"""The client's CUDA data path: one gather or scatter launch per batch.
+
+The namespace's shared host segment, already mapped into the worker, is registered with
+cudaHostRegister (portable, mapped), so the GPU can read and write it directly over PCIe. A get
+into a CUDA tensor is then a single kernel that copies the leased slots (scattered in the
+segment) into the rows of the worker's tensor (scattered too, as a paged KV cache lays out its
+pages); a put is the same kernel the other way. No per-block cudaMemcpy: on the H200 one copy
+per 16 KiB block moves 1.6 GB/s, while one launch over mapped pinned memory runs near the 55
+GB/s of pinned copies.
+
+Needs cupy and a CUDA device; torch tensors are exchanged through DLPack without copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import BadRequest
+
+_KERNEL = r"""
+extern "C" __global__ void move_rows(const unsigned long long* __restrict__ src,
+                                     unsigned long long* __restrict__ dst,
+                                     const long long* __restrict__ src_rows,
+                                     const long long* __restrict__ dst_rows,
+                                     long long n_rows, long long words) {
+    long long total = n_rows * words;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / words, w = i - r * words;
+        dst[dst_rows[r] * words + w] = src[src_rows[r] * words + w];
+    }
+}
+"""
+_HOST_REGISTER_PORTABLE = 0x01
+_HOST_REGISTER_MAPPED = 0x02
+_kernel_cache: dict[int, Any] = {}
+
+
+def _kernel() -> Any:
+    import cupy
+    dev = cupy.cuda.Device().id
+    k = _kernel_cache.get(dev)
+    if k is None:
+        k = cupy.RawKernel(_KERNEL, "move_rows")
+        _kernel_cache[dev] = k
+    return k
+
+
+def is_cuda_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False)
+
+
+def rows_view(tensor: Any, n: int, block_bytes: int) -> Any:
+    """A CUDA tensor as a cupy (rows, block_bytes / 8) uint64 view, no copy."""
+    import cupy
+    import torch
+    if not tensor.is_contiguous():
+        raise BadRequest("the CUDA tensor must be contiguous (a paged cache's storage is)")
+    flat = tensor.view(torch.uint8).reshape(-1)
+    if flat.numel() % block_bytes:
+        raise BadRequest(f"a CUDA tensor of {flat.numel()} bytes is not whole blocks of "
+                         f"{block_bytes}")
+    arr = cupy.from_dlpack(flat)
+    return arr.view(cupy.uint64).reshape(-1, block_bytes // 8)
+
+
+class MappedSegment:
+    """A mapped host segment (numpy (n_slots, block_bytes)) made readable by the GPU."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        import cupy
+        if host.shape[1] % 8:
+            raise BadRequest("the CUDA path needs block_bytes that are a multiple of 8")
+        self.host = host
+        self.ptr = host.ctypes.data
+        self.nbytes = host.nbytes
+        cupy.cuda.runtime.hostRegister(self.ptr, self.nbytes,
+                                       _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+        dptr = cupy.cuda.runtime.hostGetDevicePointer(self.ptr, 0)
+        mem = cupy.cuda.UnownedMemory(dptr, self.nbytes, self)
+        self.dev = cupy.ndarray((host.shape[0], host.shape[1] // 8), dtype=cupy.uint64,
+                                memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    def gather(self, slots: np.ndarray, out: Any, rows: np.ndarray | None = None) -> None:
+        """out[rows[i]] = segment[slots[i]], one launch; out is a cupy uint64 row view."""
+        self._move(self.dev, out, slots, rows if rows is not None else np.arange(len(slots)))
+
+    def scatter(self, src: Any, slots: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """segment[slots[i]] = src[rows[i]], one launch."""
+        self._move(src, self.dev, rows if rows is not None else np.arange(len(slots)), slots)
+
+    @staticmethod
+    def _move(src: Any, dst: Any, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
+        import cupy
+        n = len(src_rows)
+        if n == 0:
+            return
+        words = src.shape[1]
+        sr = cupy.asarray(np.asarray(src_rows, dtype=np.int64))
+        dr = cupy.asarray(np.asarray(dst_rows, dtype=np.int64))
+        threads = 256
+        blocks = min(65535, max(1, (n * words + threads - 1) // threads))
+        _kernel()((blocks,), (threads,), (src, dst, sr, dr, np.int64(n), np.int64(words)))
+
+    def close(self) -> None:
+        import cupy
+        if self.ptr:
+            cupy.cuda.runtime.hostUnregister(self.ptr)
+            self.ptr = 0
+
+
+def synchronize() -> None:
+    import cupy
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def warm(block_bytes: int = 16384) -> None:
+    """Create the CUDA context and compile the transfer kernel before the first request."""
+    import cupy
+    src = cupy.zeros((2, block_bytes // 8), dtype=cupy.uint64)
+    dst = cupy.empty_like(src)
+    MappedSegment._move(src, dst, np.arange(2), np.arange(2))
+    synchronize()
