@@ -133,7 +133,7 @@ def nvme_path(workdir: str) -> dict:
     pl_t = float(np.median([_timed(plain) for _ in range(5)]))
     os.close(fd)
     f.close()
-    mode = str(kvikio.defaults.compat_mode()) if hasattr(kvikio.defaults, "compat_mode") else "?"
+    mode = KvikioBackend(kvikio).compat_mode
     return {"nvme_to_hbm_gbps": round(n * bb / kv_t / 1e9, 2),
             "plain_read_gbps": round(n * bb / pl_t / 1e9, 2),
             "nvme_ratio": round(pl_t / kv_t, 3), "kvikio_compat_mode": mode}

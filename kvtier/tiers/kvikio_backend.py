@@ -23,7 +23,11 @@ class KvikioBackend(PosixBackend):
     def __init__(self, kvikio: Any) -> None:
         self._kvikio = kvikio
         self._files: dict[int, Any] = {}
-        self.compat_mode = bool(kvikio.defaults.compat_mode())
+        try:
+            import kvikio.defaults as kd
+            self.compat_mode = str(kd.compat_mode())
+        except (ImportError, AttributeError):
+            self.compat_mode = "unknown"
 
     def open(self, path: Path, create: bool, direct: bool) -> int:
         fd = super().open(path, create, direct=False)
