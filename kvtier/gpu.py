@@ -78,7 +78,10 @@ class MappedSegment:
         self.nbytes = host.nbytes
         cupy.cuda.runtime.hostRegister(self.ptr, self.nbytes,
                                        _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-        dptr = cupy.cuda.runtime.hostGetDevicePointer(self.ptr, 0)
+        # With unified virtual addressing (every 64-bit CUDA platform) a mapped registration's
+        # device pointer is its host address; cupy has no binding for cudaHostGetDevicePointer.
+        get = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
+        dptr = get(self.ptr, 0) if get is not None else self.ptr
         mem = cupy.cuda.UnownedMemory(dptr, self.nbytes, self)
         self.dev = cupy.ndarray((host.shape[0], host.shape[1] // 8), dtype=cupy.uint64,
                                 memptr=cupy.cuda.MemoryPointer(mem, 0))

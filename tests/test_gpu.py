@@ -114,7 +114,7 @@ def test_kvikio_round_trip_with_checksums(tmp_path: Path):
     from kvtier.tiers.kvikio_backend import kvikio_backend
     backend = kvikio_backend()
     assert backend is not None and backend.name == "kvikio"
-    eng = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "2MiB",
+    eng = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "8MiB",
                                 "nvme_capacity": "64MiB"}), nvme_backend=backend)
     eng.create_namespace("m", 65536)
     data = blocks(64, 65536)
