@@ -44,8 +44,9 @@ def build_model(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int
                       num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, max_position_embeddings=65536)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    return model
+    with torch.device(device):                 # initialise on the device: no host round trip
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype=dtype).eval()
 
 
 class PrefixWorker:
@@ -81,19 +82,26 @@ class PrefixWorker:
         n = self.ns.match_prefix(b"".join(keys[:usable])) if usable else 0
         cache = None
         if n:
-            found, data = self.ns.get(b"".join(keys[:n]))
+            if self.model.device.type == "cuda":
+                # Straight into device memory: one gather launch for the whole prefix.
+                data = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8,
+                                   device=self.model.device)
+                found, _ = self.ns.get(b"".join(keys[:n]), out=data)
+            else:
+                found, data = self.ns.get(b"".join(keys[:n]))
+                data = torch.from_numpy(data)
             # Only the leading run is usable (a block may have gone since match_prefix).
             n = int(np.argmin(found)) if not found.all() else n
             if n:
-                kv = blocks_to_layer_kv(torch.from_numpy(data[:n]), self.layout,
-                                        device=self.model.device)
+                kv = blocks_to_layer_kv(data[:n], self.layout, device=self.model.device)
                 cache = to_dynamic_cache(kv, self.model.config)
         ids = torch.tensor([token_ids[n * t:]], device=self.model.device)
         logits, past = self.forward(ids, cache)
         stored = 0
         if store and len(keys) > n:
             layer_kv = from_dynamic_cache(past)
-            new = cache_to_blocks(layer_kv, self.layout, n, len(keys) - n)
+            new = cache_to_blocks(layer_kv, self.layout, n, len(keys) - n,
+                                  device=self.model.device)
             self.ns.put(b"".join(keys[n:]), new,
                         parents=parents_of(keys[n:], keys[n - 1] if n else None))
             stored = len(keys) - n
@@ -138,9 +146,56 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             svc.stop()
 
 
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT of recompute vs reuse from the host tier vs reuse from NVMe (after a restart),
+    for each prompt length; the cached prefix is the prompt less --tail tokens."""
+    from tests.service import Service
+    svc = Service(tempfile.mkdtemp(prefix="kvtier-hf-") + "/svc", admin=False,
+                  host_capacity=args.host_capacity, nvme_capacity="48GiB").start()
+    dtype = getattr(torch, args.dtype)
+    model = build_model(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                        kv_heads=args.kv_heads, dtype=dtype, device=args.device, vocab=32000)
+    rows = []
+    try:
+        for length in args.lengths:
+            prompt = np.random.default_rng(length).integers(0, 32000, length).tolist()
+            name = f"hf-sweep/{length}"
+            with kvtier.Client(svc.socket, timeout=600) as c:
+                w = PrefixWorker(c, model, name)
+                w.prefill(prompt[: length - args.tail])
+                full, t_full = _ms(lambda: w.recompute(prompt))
+                full, t_full = _ms(lambda: w.recompute(prompt))
+                (host_logits, st), t_host = _ms(lambda: w.prefill(prompt, store=False))
+                (host_logits, st), t_host = _ms(lambda: w.prefill(prompt, store=False))
+            svc.stop()
+            svc.start()                          # host tier empty: the prefix is on NVMe
+            with kvtier.Client(svc.socket, timeout=600) as c:
+                w = PrefixWorker(c, model, name)
+                (nvme_logits, st2), t_nvme = _ms(lambda: w.prefill(prompt, store=False))
+            rows.append({"prompt_tokens": length, "reused_blocks": st["reused_blocks"],
+                         "ttft_recompute_ms": round(t_full, 1),
+                         "ttft_reuse_host_ms": round(t_host, 1),
+                         "ttft_reuse_nvme_ms": round(t_nvme, 1),
+                         "max_abs_diff_host": float((full.float() - host_logits.float())
+                                                    .abs().max()),
+                         "max_abs_diff_nvme": float((full.float() - nvme_logits.float())
+                                                    .abs().max())})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    finally:
+        svc.stop()
+    return {"dtype": args.dtype, "device": args.device, "layers": args.layers,
+            "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+            "tail_tokens": args.tail, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", required=True)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--sweep", action="store_true",
+                    help="TTFT table: recompute vs reuse from host vs from NVMe")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--tail", type=int, default=512)
+    ap.add_argument("--host-capacity", default="32GiB")
     ap.add_argument("--socket", default="")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--cached-tokens", type=int, default=3584)
@@ -152,7 +207,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    res = check(args)
+    if not (args.check or args.sweep):
+        ap.error("give --check or --sweep")
+    res = sweep(args) if args.sweep else check(args)
     print(json.dumps(res) if args.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
 
 

@@ -90,10 +90,10 @@ def parents_of(keys: Sequence[bytes], first_parent: bytes | None = None) -> byte
 
 
 def cache_to_blocks(layer_kv: Sequence[tuple[Any, Any]], layout: BlockLayout, first_block: int,
-                    n_blocks: int) -> Any:
+                    n_blocks: int, device: Any = "cpu") -> Any:
     """Blocks [first_block, first_block + n_blocks) of a cache given as per-layer (K, V)
-    tensors of shape [1, kv_heads, tokens, head_dim]. Returns a uint8 CPU tensor
-    (n_blocks, block_bytes)."""
+    tensors of shape [1, kv_heads, tokens, head_dim]. Returns a uint8 tensor
+    (n_blocks, block_bytes) on ``device`` (a CUDA tensor goes to kvtier by one launch)."""
     import torch
     t = layout.tokens_per_block
     lo, hi = first_block * t, (first_block + n_blocks) * t
@@ -105,7 +105,7 @@ def cache_to_blocks(layer_kv: Sequence[tuple[Any, Any]], layout: BlockLayout, fi
         kv = kv.reshape(2, layout.kv_heads, n_blocks, t, layout.head_dim)
         per_layer.append(kv.permute(2, 0, 1, 3, 4))                   # [n, 2, H, t, D]
     blocks = torch.stack(per_layer, dim=1)                            # [n, L, 2, H, t, D]
-    blocks = blocks.to(device="cpu", dtype=layout.torch_dtype()).contiguous()
+    blocks = blocks.to(device=device, dtype=layout.torch_dtype()).contiguous()
     return blocks.view(n_blocks, -1).view(torch.uint8)
 
 

@@ -198,7 +198,7 @@ class Engine:
 
     def _unpin(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         st = ns.slots[tier]
-        np.subtract.at(st.leases, slots, 1)
+        _add_one(st.leases, slots, -1)
         gone = slots[(st.leases[slots] == 0) & st.retired[slots]]
         gone = np.unique(gone)
         if gone.size:
@@ -534,7 +534,7 @@ class Engine:
         ri = idx[ready]
         slots[ri] = cols["slot"][rows[ri], tier]
         # Pin what is already here before anything else can evict it.
-        np.add.at(st.leases, slots[ri].astype(np.int64), 1)
+        _add_one(st.leases, slots[ri].astype(np.int64))
         self.counters.tiers[tier].hits += int(ri.size)
         todo = idx[~ready]
         if todo.size:
@@ -553,7 +553,7 @@ class Engine:
             self._from_remote(ns, karr, rows, found, slots, tier)
         served = np.flatnonzero(found)
         srows = rows[served]
-        np.add.at(cols["leases"], srows, 1)
+        _add_one(cols["leases"], srows)
         self._touch(ns, srows)        # in batch order: the last key of a prefix is the newest
         self.counters.gets += n
         self.counters.get_hits += int(served.size)
@@ -881,6 +881,22 @@ def _refuse_links(data_dir: Path) -> None:
         if p.is_symlink() or (p.exists() and not p.resolve().is_relative_to(root)):
             raise DataDirError(f"{p} is a symbolic link; kvtier does not follow links out of "
                                "its data directory: replace it with a real directory")
+
+
+def _add_one(counts: np.ndarray, idx: np.ndarray, delta: int = 1) -> None:
+    """counts[idx] += 1, counting repeated indices. Plain fancy += is several times faster than
+    np.add.at (0.1 ms per 4,096 at a time on the dev VM) but drops repeats, so it is used when
+    the indices are distinct, which a sort tells for less than np.add.at costs."""
+    step = counts.dtype.type(abs(delta))      # unsigned counters: subtract, never add -1
+    if idx.size >= 2:
+        s = np.sort(idx)
+        if not (s[1:] != s[:-1]).all():
+            (np.add if delta > 0 else np.subtract).at(counts, idx, step)
+            return
+    if delta > 0:
+        counts[idx] += step
+    else:
+        counts[idx] -= step
 
 
 def _last_occurrences(table: PageTable, karr: np.ndarray) -> np.ndarray:
