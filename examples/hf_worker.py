@@ -63,8 +63,12 @@ class PrefixWorker:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
-        out = self.model(ids, cache=cache, use_cache=True) if cache is not None else \
-            self.model(ids, use_cache=True)
+        # transformers 5 takes the cache as `cache`; earlier releases as `past_key_values`
+        # (and silently ignore an unknown keyword, which would drop the prefix).
+        import inspect
+        kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
+        out = self.model(ids, use_cache=True, **({kw: cache} if cache is not None else {}))
         # transformers 5 names the returned cache `cache`; older releases `past_key_values`.
         return out.logits[0, -1], out["cache"] if "cache" in out else out["past_key_values"]
 
@@ -171,6 +175,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             svc.start()                          # host tier empty: the prefix is on NVMe
             with kvtier.Client(svc.socket, timeout=600) as c:
                 w = PrefixWorker(c, model, name)
+                if args.device == "cuda":
+                    w.ns._gpu()                  # map and pin the segment before timing
                 (nvme_logits, st2), t_nvme = _ms(lambda: w.prefill(prompt, store=False))
             rows.append({"prompt_tokens": length, "reused_blocks": st["reused_blocks"],
                          "ttft_recompute_ms": round(t_full, 1),
@@ -189,13 +195,15 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    import faulthandler
+    faulthandler.enable()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--sweep", action="store_true",
                     help="TTFT table: recompute vs reuse from host vs from NVMe")
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--tail", type=int, default=512)
-    ap.add_argument("--host-capacity", default="32GiB")
+    ap.add_argument("--host-capacity", default="8GiB")
     ap.add_argument("--socket", default="")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--cached-tokens", type=int, default=3584)
