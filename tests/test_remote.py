@@ -245,6 +245,14 @@ def test_cluster_node_death_opens_the_breaker_and_local_tiers_keep_serving(tmp_p
             assert found[:48].all() and (out[:48] == data).all()
         st = eng.stats()["tiers"]["remote"]
         assert st["open_breakers"] == 1 and st["errors"] >= 1
+        from prometheus_client.parser import text_string_to_metric_families
+        from kvtier.api.metrics import Metrics
+        metrics = Metrics()
+        metrics.bind(eng.stats)
+        fams = {f.name: f for f in text_string_to_metric_families(
+            metrics.exposition().decode())}
+        opened = {s.labels["shard"]: s.value for s in fams["kvtier_remote_breaker_open"].samples}
+        assert sum(opened.values()) == 1 and len(opened) == 3       # the state is in /metrics
         victim.start()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and eng.stats()["tiers"]["remote"]["open_breakers"]:

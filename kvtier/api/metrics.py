@@ -51,6 +51,17 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"kvtier_{key}", key.replace("_", " "), value=s[key])
         yield GaugeMetricFamily("kvtier_hit_ratio", "get hits / gets since start",
                                 value=s["hit_ratio"] or 0.0)
+        remote = s["tiers"].get("remote")
+        if remote is not None:
+            g = GaugeMetricFamily("kvtier_remote_breaker_open",
+                                  "1 while a remote shard's circuit breaker is not closed",
+                                  labels=["shard", "state"])
+            for shard, b in remote.get("breakers", {}).items():
+                g.add_metric([shard, b["state"]], float(b["state"] != "closed"))
+            yield g
+            for key in ("errors", "skipped", "foreign", "checksum_failures"):
+                yield CounterMetricFamily(f"kvtier_remote_{key}", f"remote tier {key}",
+                                          value=remote.get(key, 0))
         yield GaugeMetricFamily("kvtier_leases", "leases held", value=s["leases"])
         yield GaugeMetricFamily("kvtier_uptime_seconds", "seconds since start",
                                 value=s["uptime_s"])
