@@ -15,7 +15,8 @@ from typing import Any, Callable
 import numpy as np
 
 from kvtier.config import Settings
-from kvtier.errors import BadRequest, CapacityError
+from kvtier.errors import CapacityError
+from kvtier.tiers.slots import SlotStack
 
 
 def cuda_available() -> bool:
@@ -29,14 +30,14 @@ def cuda_available() -> bool:
         return False
 
 
-class HbmPool:
+class HbmPool(SlotStack):
     """n_slots x block_bytes on one CUDA device. Not thread-safe; the engine serialises calls."""
 
     def __init__(self, name: str, block_bytes: int, n_slots: int, device: int = 0) -> None:
         import cupy
         if n_slots <= 0:
             raise CapacityError("hbm_capacity is below one block; raise it or set it to 0")
-        self.name, self.block_bytes, self.n_slots, self.device = name, block_bytes, n_slots, device
+        self.block_bytes, self.device = block_bytes, device
         self.fd = None
         self.pinned = False
         with cupy.cuda.Device(device):
@@ -46,36 +47,7 @@ class HbmPool:
             self.array = cupy.ndarray((n_slots, block_bytes), dtype=cupy.uint8,
                                       memptr=cupy.cuda.MemoryPointer(self._mem, 0))
             self.array.fill(0)
-        self._free = np.arange(n_slots - 1, -1, -1, dtype=np.int32)
-        self._top = n_slots
-
-    @property
-    def free_count(self) -> int:
-        return self._top
-
-    @property
-    def used_count(self) -> int:
-        return self.n_slots - self._top
-
-    def alloc(self, n: int) -> np.ndarray | None:
-        if n > self._top:
-            return None
-        out = self._free[self._top - n: self._top][::-1].copy()
-        self._top -= n
-        return out
-
-    def free(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int32)
-        if self._top + slots.size > self.n_slots:
-            raise RuntimeError(f"pool {self.name}: more slots freed than allocated (double free)")
-        self._free[self._top: self._top + slots.size] = slots[::-1]
-        self._top += slots.size
-
-    def check_slots(self, slots: np.ndarray) -> np.ndarray:
-        slots = np.asarray(slots)
-        if slots.size and (slots.min() < 0 or slots.max() >= self.n_slots):
-            raise BadRequest(f"slot out of range for pool {self.name} (0..{self.n_slots - 1})")
-        return slots.astype(np.int64, copy=False)
+        self._init_slots(name, n_slots)
 
     def write(self, slots: np.ndarray, data: Any) -> None:
         import cupy

@@ -10,8 +10,7 @@ slots with O_DIRECT and no bounce buffer.
 When CUDA is present the mapping is registered with cudaHostRegister (pinned), so host<->GPU copies
 run at DMA speed; ``pinned`` says whether that happened.
 
-The free list is a preallocated int32 stack: alloc and free of a batch are slice operations and
-allocate no per-slot objects. A pool holds no policy: which slot to free is decided by coherence.
+The free list is kvtier.tiers.slots.SlotStack. A pool holds no policy: which slot to free is decided by coherence.
 Thread-safety: none; the engine serialises calls.
 """
 
@@ -23,9 +22,10 @@ import os
 import numpy as np
 
 from kvtier.errors import BadRequest, CapacityError
+from kvtier.tiers.slots import SlotStack
 
 
-class SlotPool:
+class SlotPool(SlotStack):
     """``n_slots`` slots of ``block_bytes`` each, in one memfd (or anonymous memory)."""
 
     def __init__(self, name: str, block_bytes: int, n_slots: int, shared: bool = True) -> None:
@@ -35,9 +35,7 @@ class SlotPool:
             raise CapacityError(
                 f"a slot pool of {block_bytes}-byte blocks needs at least one slot; raise "
                 "host_capacity (or hbm_capacity) above one block")
-        self.name = name
         self.block_bytes = block_bytes
-        self.n_slots = n_slots
         size = block_bytes * n_slots
         self.fd: int | None = None
         if shared:
@@ -47,40 +45,8 @@ class SlotPool:
         else:
             self._mm = mmap.mmap(-1, size)
         self.array = np.frombuffer(self._mm, dtype=np.uint8).reshape(n_slots, block_bytes)
-        # Stack of free slots, lowest numbers on top, so a fresh pool fills from slot 0.
-        self._free = np.arange(n_slots - 1, -1, -1, dtype=np.int32)
-        self._top = n_slots
+        self._init_slots(name, n_slots)
         self.pinned = _try_pin(self.array)
-
-    @property
-    def free_count(self) -> int:
-        return self._top
-
-    @property
-    def used_count(self) -> int:
-        return self.n_slots - self._top
-
-    def alloc(self, n: int) -> np.ndarray | None:
-        """n free slots, or None when fewer are free (an expected shortage: the caller evicts)."""
-        if n > self._top:
-            return None
-        out = self._free[self._top - n: self._top][::-1].copy()
-        self._top -= n
-        return out
-
-    def free(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int32)
-        n = slots.size
-        if self._top + n > self.n_slots:
-            raise RuntimeError(f"pool {self.name}: more slots freed than allocated (double free)")
-        self._free[self._top: self._top + n] = slots[::-1]
-        self._top += n
-
-    def check_slots(self, slots: np.ndarray) -> np.ndarray:
-        slots = np.asarray(slots)
-        if slots.size and (slots.min() < 0 or slots.max() >= self.n_slots):
-            raise BadRequest(f"slot out of range for pool {self.name} (0..{self.n_slots - 1})")
-        return slots.astype(np.int64, copy=False)
 
     def write(self, slots: np.ndarray, data: np.ndarray) -> None:
         """Copy data (n x block_bytes) into slots."""

@@ -347,36 +347,32 @@ class RemoteTier:
             fut.cancel()                  # do not leave the call running on the loop
             raise
 
+    def _safe(self, coro: Any, on_timeout: Any) -> Any:
+        """Run a store call; a call that outlives its deadline counts as an error and gives
+        on_timeout() (misses), never an exception into the engine."""
+        try:
+            return self._call(coro)
+        except TimeoutError:
+            self.store.counters.errors += 1
+            return on_timeout()
+
     def put_many(self, ns: str, keys: Sequence[bytes], versions: np.ndarray, sums: np.ndarray,
                  blocks: Sequence[Any]) -> np.ndarray:
-        try:
-            return self._call(self.store.put_many(ns, keys, versions, sums, blocks))
-        except TimeoutError:
-            self.store.counters.errors += 1
-            return np.zeros(len(keys), dtype=bool)
+        return self._safe(self.store.put_many(ns, keys, versions, sums, blocks),
+                          lambda: np.zeros(len(keys), dtype=bool))
 
     def get_many(self, ns: str, keys: Sequence[bytes], block_bytes: int):
-        try:
-            return self._call(self.store.get_many(ns, keys, block_bytes))
-        except TimeoutError:
-            self.store.counters.errors += 1
-            n = len(keys)
-            return (np.zeros(n, bool), np.zeros(n, np.uint64), np.zeros(n, np.uint64),
-                    [None] * n)
+        n = len(keys)
+        return self._safe(self.store.get_many(ns, keys, block_bytes),
+                          lambda: (np.zeros(n, bool), np.zeros(n, np.uint64),
+                                   np.zeros(n, np.uint64), [None] * n))
 
     def exists_many(self, ns: str, keys: Sequence[bytes]) -> np.ndarray:
-        try:
-            return self._call(self.store.exists_many(ns, keys))
-        except TimeoutError:
-            self.store.counters.errors += 1
-            return np.zeros(len(keys), dtype=bool)
+        return self._safe(self.store.exists_many(ns, keys),
+                          lambda: np.zeros(len(keys), dtype=bool))
 
     def delete_many(self, ns: str, keys: Sequence[bytes]) -> int:
-        try:
-            return self._call(self.store.delete_many(ns, keys))
-        except TimeoutError:
-            self.store.counters.errors += 1
-            return 0
+        return self._safe(self.store.delete_many(ns, keys), lambda: 0)
 
     def stats(self) -> dict[str, Any]:
         return self.store.stats()
