@@ -345,7 +345,8 @@ class SegmentLog:
             return []
 
         self.bytes_read += self.record_bytes * sum(len(r[2]) for r in runs)
-        if self._aio is not None and len(runs) > 1 and all(r[0].direct for r in runs):
+        if self._aio is not None and all(r[0].direct for r in runs) and (
+                len(runs) > 1 or len(runs[0][2]) * self.record_bytes > (1 << 20)):
             return self._read_aio(runs, outs)
         if len(runs) <= 2 or self._io_threads == 1:
             return [k for run in runs for k in one(run)]
@@ -353,9 +354,16 @@ class SegmentLog:
 
     def _read_aio(self, runs: list[tuple[Segment, int, list[int]]],
                   outs: Sequence[memoryview]) -> list[int]:
+        """All runs in flight at once; a long run goes as several requests of about 1 MiB, so
+        the device sees a queue of them rather than one large request at a time."""
         padded = self.record_bytes != self.block_bytes
-        reqs, staged = [], []
+        per = max(1, (1 << 20) // self.record_bytes)
+        pieces: list[tuple[Segment, int, list[int]]] = []
         for seg, off, ks in runs:
+            for j in range(0, len(ks), per):
+                pieces.append((seg, off + j * self.record_bytes, ks[j:j + per]))
+        reqs, staged = [], []
+        for seg, off, ks in pieces:
             if padded or not all(_is_aligned(outs[k]) for k in ks):
                 tmp = _aligned(self.record_bytes * len(ks))
                 staged.append(tmp)
@@ -365,7 +373,7 @@ class SegmentLog:
                 reqs.append((seg.fd, [outs[k] for k in ks], off))
         res = self._aio.run(IOCB_CMD_PREADV, reqs)
         bad: list[int] = []
-        for (seg, off, ks), tmp, got in zip(runs, staged, res.tolist()):
+        for (seg, off, ks), tmp, got in zip(pieces, staged, res.tolist()):
             if got != self.record_bytes * len(ks):
                 bad.extend(ks)
                 continue
