@@ -139,6 +139,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("eviction_hbm", "", _str, "HBM-tier policy; empty: the value of eviction"),
     Setting("leaf_first", True, _bool,
             "evict a block only after its cached children (prefix-aware eviction)"),
+    Setting("prefetch_blocks", 8, _int,
+            "after a get, bring up to this many next blocks of the chain from NVMe to host; "
+            "0 disables"),
     Setting("flush_interval", 1.0, _float, "write_back: seconds between background flushes", "s"),
     Setting("segment_bytes", "256MiB", _size, "size at which an NVMe segment file rolls over",
             "bytes"),
@@ -178,6 +181,7 @@ class Settings:
     eviction_nvme: str = ""
     eviction_hbm: str = ""
     leaf_first: bool = True
+    prefetch_blocks: int = 8
     flush_interval: float = 1.0
     segment_bytes: int = 256 << 20
     compact_threshold: float = 0.5

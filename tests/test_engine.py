@@ -309,3 +309,27 @@ def test_garbage_lmdb_record_is_skipped_and_counted(make_engine):
     eng = make_engine()
     assert eng.counters.records_dropped == 1
     assert eng.read("m", key(1))[0][0]
+
+
+def test_a_prefix_hit_prefetches_the_next_blocks_from_nvme(make_engine):
+    eng = make_engine(prefetch_blocks=3)
+    eng.create_namespace("m", BB)
+    eng.put("m", keys(range(8)), blocks(8, BB), parents=bytes(16) + keys(range(7)))
+    eng.evict(Tier.HOST, 8)
+    found, _ = eng.read("m", keys(range(2)))                    # blocks 0 and 1 are hit
+    assert found.all()
+    assert eng.prefetch_after("m", keys(range(2))) == 3         # 2, 3, 4 come up
+    on_host = [("host" in _entry(eng, key(i))["copies"]) for i in range(8)]
+    assert on_host == [True, True, True, True, True, False, False, False]
+    assert eng.counters.tiers[Tier.HOST].prefetched == 3
+    assert eng.prefetch_after("m", keys([7])) == 0              # no children: nothing to do
+
+
+def test_prefetch_never_evicts(make_engine):
+    eng = make_engine(host_capacity=4 * BB, prefetch_blocks=8)
+    eng.create_namespace("m", BB)
+    eng.put("m", keys(range(4)), blocks(4, BB), parents=bytes(16) + keys(range(3)))
+    eng.put("m", keys(range(4, 8)), blocks(4, BB), parents=keys(range(3, 7)))
+    held = [i for i in range(8) if "host" in _entry(eng, key(i))["copies"]]
+    assert eng.prefetch_after("m", keys([0])) == 0              # host full: no guesses
+    assert [i for i in range(8) if "host" in _entry(eng, key(i))["copies"]] == held

@@ -337,6 +337,9 @@ class Server:
         done, res = self._fast(self.engine.try_get, name, keys, client.cid)
         if not done or res is None:
             res = await self._run(self.engine.get, name, keys, client.cid)
+        if self.settings.prefetch_blocks and res.found.any():
+            # The chain's next blocks, one tier up, off the request's path.
+            self._spawn(self._run(self.engine.prefetch_after, name, keys))
         out = {"lease": res.lease_id, "found": P.arr(res.found, "u1"),
                "slots": P.arr(res.slots, "<i4"), "versions": P.arr(res.versions, "<u8"),
                "checksums": P.arr(res.checksums, "<u8")}

@@ -618,6 +618,53 @@ class Engine:
         self._set_copy(ns, r[good], tier, dst[good], cols["version"][r[good]])
         slots[todo[good]] = dst[good]
 
+    def prefetch_after(self, namespace: str, keys: Any) -> int:
+        """After a prefix hit, bring the chain's next blocks one tier up (NVMe -> host), in
+        breadth-first order from the last key's children, up to ``prefetch_blocks``. Only free
+        host slots are used: a guess never evicts. Returns the blocks moved."""
+        limit = self.settings.prefetch_blocks
+        if limit <= 0:
+            return 0
+        with self.lock:
+            ns = self.namespaces.get(namespace)
+            if ns is None or ns.log is None:
+                return 0
+            karr = ns.table.keys_array(keys)
+            if karr.size == 0:
+                return 0
+            cols = ns.table.cols
+            start = int(ns.table.lookup(karr[-1:])[0])
+            if start < 0:
+                return 0
+            want: list[int] = []
+            frontier = ns.table.children(start)
+            seen = 0
+            while frontier and len(want) < limit and seen < 16 * limit:
+                nxt: list[int] = []
+                for r in frontier:
+                    seen += 1
+                    v = cols["version"][r]
+                    if cols["copy_ver"][r, Tier.HOST] != v and cols["copy_ver"][r, Tier.NVME] == v:
+                        want.append(r)
+                    nxt.extend(ns.table.children(r))
+                frontier = nxt
+            want = want[:limit]
+            st = ns.slots[Tier.HOST]
+            room = min(len(want), st.pool.free_count,
+                       (self.settings.host_capacity - self.host_used) // ns.block_bytes)
+            if room <= 0:
+                return 0
+            rows = np.asarray(want[:room], dtype=np.int64)
+            dst = self._alloc(ns, Tier.HOST, rows.size, partial=True)
+            rows = rows[:dst.size]
+            ok = persist.read_nvme(self, ns, rows, st.pool, dst)
+            self._free_slots(ns, Tier.HOST, dst[~ok])
+            self._set_copy(ns, rows[ok], Tier.HOST, dst[ok], cols["version"][rows[ok]])
+            moved = int(ok.sum())
+            self.counters.tiers[Tier.HOST].prefetched += moved
+            self.counters.tiers[Tier.HOST].promotions += moved
+            return moved
+
     # ------------------------------------------------------------------ remote tier
 
     def _push_remote(self, ns: Namespace, rows: np.ndarray) -> None:

@@ -93,6 +93,7 @@ class TierCounters:
     promotions: int = 0
     demotions: int = 0
     evictions: int = 0
+    prefetched: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
 
