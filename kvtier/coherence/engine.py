@@ -39,7 +39,9 @@ import xxhash
 from kvtier.coherence import persist
 from kvtier.coherence.namespace import (EngineCounters, GetResult, Lease, Namespace,
                                         Reservation, SlotState)
+from kvtier.coherence.eviction import Eviction
 from kvtier.coherence.policies import POLICIES
+from kvtier.coherence.transfers import Transfers, _to_numpy, remote_from_settings
 from kvtier.coherence.states import BlockState, Event, HoldState, next_states
 from kvtier.config import Settings
 from kvtier.errors import BadRequest, CapacityError, LeaseError, NamespaceError
@@ -47,7 +49,7 @@ from kvtier.pagetable.store import Catalog, NamespaceRecord, check_writable
 from kvtier.pagetable.table import PageTable
 from kvtier.tiers.host import SlotPool
 from kvtier.tiers.nvme import Backend, SegmentLog, make_backend
-from kvtier.types import SERVE_ORDER, Tier, lower_tiers
+from kvtier.types import SERVE_ORDER, Tier
 
 PoolFactory = Callable[[str, int, int], SlotPool]
 MAX_BLOCK_BYTES = 1 << 30
@@ -63,7 +65,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return out
 
 
-class Engine:
+class Engine(Eviction, Transfers):
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -215,125 +217,6 @@ class Engine:
             self._free_slots(ns, tier, cols["slot"][has, tier].astype(np.int64))
             cols["slot"][has, tier] = -1
             cols["copy_ver"][has, tier] = 0
-
-    # ------------------------------------------------------------------ eviction
-
-    def _evict(self, ns: Namespace, tier: Tier, n: int) -> int:
-        """Drop up to n copies from a slot tier of ns, by its policy, leaves first.
-
-        Eligible: unleased copies that are clean, or whose version a lower tier also holds, or
-        that live in the lowest configured tier (a cache may forget what it cannot write back).
-        Under write_back, dirty sole copies are flushed first.
-        """
-        if n <= 0:
-            return 0
-        st = ns.slots[tier]
-        cols = ns.table.cols
-        lowers = [t for t in lower_tiers(tier) if t in ns.slots or (t is Tier.NVME and ns.log)]
-        done = 0
-        # Writing copies down can itself evict, in the tier below, the copy that covered another
-        # one here; a few rounds settle it.
-        for _round in range(4):
-            rows = st.slot_row[(st.slot_row >= 0) & (st.leases == 0)]
-            if rows.size == 0:
-                break
-            ver = cols["copy_ver"][rows, tier]
-            covered = np.ones(rows.size, dtype=bool) if not lowers else np.zeros(rows.size, bool)
-            for t in lowers:
-                covered |= cols["copy_ver"][rows, t] == ver
-            if covered.any():
-                victims = self._choose(ns, tier, rows[covered], n - done)
-                self._drop_copies(ns, victims, tier)
-                self.counters.tiers[tier].evictions += victims.size
-                if lowers:
-                    self.counters.tiers[lowers[0]].demotions += victims.size
-                self._forget_empty(ns, victims)
-                done += int(victims.size)
-            if done >= n or covered.all():
-                break
-            # Write the policy's next victims back one tier down first (a demotion).
-            self._write_down(ns, tier, lowers[0],
-                             self._choose(ns, tier, rows[~covered], n - done))
-        return done
-
-    def _write_down(self, ns: Namespace, tier: Tier, lower: Tier, rows: np.ndarray) -> None:
-        if lower is Tier.NVME:
-            persist.flush_rows(self, ns, rows)
-            return
-        cols = ns.table.cols
-        src = ns.slots[tier]
-        # Pin the sources: making room below must not evict them from under us.
-        src_slots = cols["slot"][rows, tier].astype(np.int64)
-        src.leases[src_slots] += 1
-        try:
-            dst = self._alloc(ns, lower, rows.size, partial=True)
-        finally:
-            src.leases[src_slots] -= 1
-        rows = rows[: dst.size]
-        ns.slots[lower].pool.write(dst, _to_numpy(src.pool.read(src_slots[: dst.size])))
-        self._set_copy(ns, rows, lower, dst, cols["copy_ver"][rows, tier])
-        self.counters.tiers[lower].bytes_written += int(dst.size) * ns.block_bytes
-
-    def _choose(self, ns: Namespace, tier: Tier, rows: np.ndarray, n: int) -> np.ndarray:
-        cols = ns.table.cols
-        score = self.policies[tier](cols, rows, self.clock)
-        if not self.settings.leaf_first:
-            return rows[np.argsort(score, kind="stable")[:n]]
-        # Leaf-first: a row with a child cached in this tier goes after every leaf.
-        parents = cols["parent"][rows]
-        has_child = np.zeros(ns.table.n_rows, dtype=bool)
-        if tier is Tier.NVME:
-            held = cols["copy_ver"][:ns.table.n_rows, Tier.NVME] > 0
-        else:
-            held = np.zeros(ns.table.n_rows, dtype=bool)
-            held[ns.slots[tier].slot_row[ns.slots[tier].slot_row >= 0]] = True
-        kids = np.flatnonzero(held)
-        kp = cols["parent"][kids]
-        has_child[kp[kp >= 0]] = True
-        del parents
-        inner = has_child[rows]
-        order = np.lexsort((score, inner))
-        return rows[order[:n]]
-
-    def _forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
-        """Rows that no longer have any current copy lose their block (state LOST -> EMPTY)."""
-        cols = ns.table.cols
-        cur = cols["copy_ver"][rows] == cols["version"][rows, None]
-        gone = rows[~cur.any(axis=1) & (cols["version"][rows] > 0)]
-        if gone.size == 0:
-            return
-        next_states(cols["state"][gone], Event.LOST)
-        # A stale NVMe copy may remain (the last flushed version): that record stays, and the
-        # row falls back to it, exactly as a restart would.
-        nv = cols["copy_ver"][gone, Tier.NVME]
-        keep = gone[nv > 0]
-        if keep.size:
-            cols["version"][keep] = nv[nv > 0]
-            cols["checksum"][keep] = cols["nvme_checksum"][keep]
-            cols["state"][keep] = BlockState.CLEAN
-        drop = gone[nv == 0]
-        if drop.size:
-            ns.table.remove(drop)
-
-    def _evict_other_namespaces(self, ns: Namespace, n: int) -> None:
-        for other in self.namespaces.values():
-            over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
-            if over <= 0:
-                return
-            if other is not ns:
-                self._evict(other, Tier.HOST, -(-over // other.block_bytes))
-
-    def evict(self, tier: Tier, count: int, namespace: str | None = None) -> int:
-        """Admin eviction of up to count copies from a tier (all namespaces, or one)."""
-        with self.lock:
-            targets = [self.namespace(namespace)] if namespace else list(self.namespaces.values())
-            done = 0
-            for ns in targets:
-                if tier is Tier.NVME:
-                    done += persist.evict_nvme(self, ns, count - done)
-                elif tier in ns.slots:
-                    done += self._evict(ns, tier, count - done)
-            return done
 
     # ------------------------------------------------------------------ put
 
@@ -567,162 +450,6 @@ class Engine:
                          np.where(found, cols["checksum"][np.maximum(rows, 0)], 0)
                          .astype(np.uint64), lid, tier)
 
-    def _bring_up(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray, tier: Tier,
-                  slots: np.ndarray, found: np.ndarray) -> None:
-        """Copy the current version of rows[todo] into tier, pinned; misses clear found."""
-        cols = ns.table.cols
-        r = rows[todo]
-        ver = cols["version"][r]
-        sources = [t for t in SERVE_ORDER if t is not tier]
-        src_of = np.full(todo.size, -1, dtype=np.int64)
-        for t in reversed(sources):       # the highest tier holding the version wins
-            src_of[cols["copy_ver"][r, t] == ver] = t
-        hit = (src_of >= 0) & (src_of != Tier.REMOTE)   # the remote tier serves its own reads
-        found[todo[~hit]] = False
-        self.counters.tiers[tier].misses += int((~hit).sum())
-        if not hit.any():
-            return
-        todo, r, src_of = todo[hit], r[hit], src_of[hit]
-        dst = self._alloc(ns, tier, todo.size, partial=True)
-        if dst.size < todo.size:
-            # No room for all of them (the rest of the tier is leased): the tail is a miss.
-            short = todo.size - dst.size
-            found[todo[dst.size:]] = False
-            self.counters.tiers[tier].misses += short
-            todo, r, src_of = todo[:dst.size], r[:dst.size], src_of[:dst.size]
-            if dst.size == 0:
-                return
-        st = ns.slots[tier]
-        st.leases[dst] += 1
-        ok = np.ones(todo.size, dtype=bool)
-        for src in (Tier.HBM, Tier.HOST, Tier.NVME):
-            m = src_of == src
-            if not m.any():
-                continue
-            if src is Tier.NVME:
-                ok[m] = persist.read_nvme(self, ns, r[m], st.pool, dst[m])
-            else:
-                st.pool.write(dst[m], _to_numpy(ns.slots[src].pool.read(cols["slot"][r[m], src])))
-            moved = int(m.sum())
-            c = self.counters.tiers[src]
-            c.hits += moved
-            c.bytes_read += moved * ns.block_bytes
-            if SERVE_ORDER.index(src) > SERVE_ORDER.index(tier):
-                self.counters.tiers[tier].promotions += moved
-        bad = ~ok
-        if bad.any():
-            st.leases[dst[bad]] -= 1
-            self._free_slots(ns, tier, dst[bad])
-            found[todo[bad]] = False
-        good = ok
-        self._set_copy(ns, r[good], tier, dst[good], cols["version"][r[good]])
-        slots[todo[good]] = dst[good]
-
-    def prefetch_after(self, namespace: str, keys: Any) -> int:
-        """After a prefix hit, bring the chain's next blocks one tier up (NVMe -> host), in
-        breadth-first order from the last key's children, up to ``prefetch_blocks``. Only free
-        host slots are used: a guess never evicts. Returns the blocks moved."""
-        limit = self.settings.prefetch_blocks
-        if limit <= 0:
-            return 0
-        with self.lock:
-            ns = self.namespaces.get(namespace)
-            if ns is None or ns.log is None:
-                return 0
-            karr = ns.table.keys_array(keys)
-            if karr.size == 0:
-                return 0
-            cols = ns.table.cols
-            start = int(ns.table.lookup(karr[-1:])[0])
-            if start < 0:
-                return 0
-            want: list[int] = []
-            frontier = ns.table.children(start)
-            seen = 0
-            while frontier and len(want) < limit and seen < 16 * limit:
-                nxt: list[int] = []
-                for r in frontier:
-                    seen += 1
-                    v = cols["version"][r]
-                    if cols["copy_ver"][r, Tier.HOST] != v and cols["copy_ver"][r, Tier.NVME] == v:
-                        want.append(r)
-                    nxt.extend(ns.table.children(r))
-                frontier = nxt
-            want = want[:limit]
-            st = ns.slots[Tier.HOST]
-            room = min(len(want), st.pool.free_count,
-                       (self.settings.host_capacity - self.host_used) // ns.block_bytes)
-            if room <= 0:
-                return 0
-            rows = np.asarray(want[:room], dtype=np.int64)
-            dst = self._alloc(ns, Tier.HOST, rows.size, partial=True)
-            rows = rows[:dst.size]
-            ok = persist.read_nvme(self, ns, rows, st.pool, dst)
-            self._free_slots(ns, Tier.HOST, dst[~ok])
-            self._set_copy(ns, rows[ok], Tier.HOST, dst[ok], cols["version"][rows[ok]])
-            moved = int(ok.sum())
-            self.counters.tiers[Tier.HOST].prefetched += moved
-            self.counters.tiers[Tier.HOST].promotions += moved
-            return moved
-
-    # ------------------------------------------------------------------ remote tier
-
-    def _push_remote(self, ns: Namespace, rows: np.ndarray) -> None:
-        """Write rows' current versions to the remote tier (from their host copies)."""
-        cols = ns.table.cols
-        rows = rows[cols["copy_ver"][rows, Tier.HOST] == cols["version"][rows]]
-        if rows.size == 0:
-            return
-        pool = ns.slots[Tier.HOST].pool
-        views = [pool.array[s] for s in cols["slot"][rows, Tier.HOST].tolist()]
-        ok = self.remote.put_many(ns.name, [bytes(k) for k in cols["key"][rows]],
-                                  cols["version"][rows], cols["checksum"][rows], views)
-        cols["copy_ver"][rows[ok], Tier.REMOTE] = cols["version"][rows[ok]]
-
-    def _from_remote(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray,
-                     found: np.ndarray, slots: np.ndarray, tier: Tier) -> None:
-        """Fill local misses from the remote tier, checksummed; install a host copy, leased."""
-        miss = np.flatnonzero(~found)
-        got, versions, sums, data = self.remote.get_many(
-            ns.name, [bytes(k) for k in karr[miss]], ns.block_bytes)
-        if not got.any() or tier is not Tier.HOST:
-            return
-        cols = ns.table.cols
-        pos = miss[got]
-        new_rows, _ = ns.table.insert(karr[pos])
-        vr = versions[got]
-        # A remote version older than what this host knows is stale here: never served.
-        fresh = vr >= cols["version"][new_rows]
-        pos, new_rows, vr = pos[fresh], new_rows[fresh], vr[fresh]
-        blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
-        if pos.size == 0:
-            return
-        dst = self._alloc(ns, Tier.HOST, pos.size, partial=True)
-        pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
-            blobs[:dst.size]
-        if dst.size == 0:
-            return
-        ns.slots[Tier.HOST].leases[dst] += 1
-        for t in list(ns.slots):
-            self._drop_copies(ns, new_rows, t)
-        pool = ns.slots[Tier.HOST].pool
-        for slot, blob in zip(dst.tolist(), blobs):
-            pool.array[slot] = np.frombuffer(blob, dtype=np.uint8)
-        cols["state"][new_rows] = next_states(cols["state"][new_rows], Event.COMMIT)
-        cols["version"][new_rows] = vr
-        cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
-        cols["size"][new_rows] = ns.block_bytes
-        cols["leases"][new_rows] = 0
-        self._set_copy(ns, new_rows, Tier.HOST, dst, vr)
-        cols["copy_ver"][new_rows, Tier.REMOTE] = vr
-        rows[pos] = new_rows
-        slots[pos] = dst
-        found[pos] = True
-        self.counters.tiers[Tier.REMOTE].hits += int(pos.size)
-        self.counters.tiers[Tier.HOST].promotions += int(pos.size)
-        if self.settings.write_policy == "write_through" and ns.log is not None:
-            persist.flush_rows(self, ns, new_rows)
-
     def release(self, lease_id: int, owner: int = 0, slots: np.ndarray | None = None) -> None:
         """End a lease, or with ``slots`` only the part of it holding those slots."""
         with self.lock:
@@ -899,22 +626,6 @@ class Engine:
                 self.remote.close()
 
 
-def remote_from_settings(settings: Settings) -> Any:
-    """The remote tier the settings ask for, or None."""
-    urls = [u.strip() for u in settings.redis.split(",") if u.strip()]
-    if not urls:
-        return None
-    from redis.exceptions import RedisError
-
-    from kvtier.errors import ConfigError
-    from kvtier.tiers.remote import RemoteStore, RemoteTier
-    try:
-        return RemoteTier(RemoteStore(urls, cluster=settings.redis_cluster,
-                                      ttl=settings.redis_ttl, timeout=settings.redis_timeout))
-    except (RedisError, OSError, TimeoutError) as exc:
-        raise ConfigError(f"redis: cannot reach {settings.redis}: {exc}") from None
-
-
 def _refuse_links(data_dir: Path) -> None:
     """The service's own paths must not lead out of the data directory: a symlink planted at
     meta/, nvme/, run/ or a namespace's segment directory would send writes elsewhere."""
@@ -954,11 +665,6 @@ def _last_occurrences(table: PageTable, karr: np.ndarray) -> np.ndarray:
         return np.arange(karr.size)
     _, last_rev = np.unique(karr[::-1], return_index=True)
     return np.sort(karr.size - 1 - last_rev)
-
-
-def _to_numpy(x: Any) -> np.ndarray:
-    """Device arrays (cupy) come back to the host; numpy passes through."""
-    return x if isinstance(x, np.ndarray) else x.get()
 
 
 def _blocks_array(blocks: Any, n: int, block_bytes: int) -> np.ndarray:

@@ -1,0 +1,200 @@
+"""Moving copies between tiers, as a part of the Engine (a mixin; the caller holds the lock).
+
+- bring-up: the current version into the tier a get wants it in, from the highest tier that
+  holds it (HBM or host copy, or NVMe copy-on-read with the checksum verified);
+- prefetch: after a prefix hit, the chain's next blocks from NVMe to host, into free slots;
+- the remote tier: write-through or write-back to Redis, and local misses filled from it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.coherence import persist
+from kvtier.coherence.states import Event, next_states
+from kvtier.config import Settings
+from kvtier.types import SERVE_ORDER, Tier
+
+if TYPE_CHECKING:
+    from kvtier.coherence.namespace import Namespace
+
+
+class Transfers:
+    def _bring_up(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray, tier: Tier,
+                  slots: np.ndarray, found: np.ndarray) -> None:
+        """Copy the current version of rows[todo] into tier, pinned; misses clear found."""
+        cols = ns.table.cols
+        r = rows[todo]
+        ver = cols["version"][r]
+        sources = [t for t in SERVE_ORDER if t is not tier]
+        src_of = np.full(todo.size, -1, dtype=np.int64)
+        for t in reversed(sources):       # the highest tier holding the version wins
+            src_of[cols["copy_ver"][r, t] == ver] = t
+        hit = (src_of >= 0) & (src_of != Tier.REMOTE)   # the remote tier serves its own reads
+        found[todo[~hit]] = False
+        self.counters.tiers[tier].misses += int((~hit).sum())
+        if not hit.any():
+            return
+        todo, r, src_of = todo[hit], r[hit], src_of[hit]
+        dst = self._alloc(ns, tier, todo.size, partial=True)
+        if dst.size < todo.size:
+            # No room for all of them (the rest of the tier is leased): the tail is a miss.
+            short = todo.size - dst.size
+            found[todo[dst.size:]] = False
+            self.counters.tiers[tier].misses += short
+            todo, r, src_of = todo[:dst.size], r[:dst.size], src_of[:dst.size]
+            if dst.size == 0:
+                return
+        st = ns.slots[tier]
+        st.leases[dst] += 1
+        ok = np.ones(todo.size, dtype=bool)
+        for src in (Tier.HBM, Tier.HOST, Tier.NVME):
+            m = src_of == src
+            if not m.any():
+                continue
+            if src is Tier.NVME:
+                ok[m] = persist.read_nvme(self, ns, r[m], st.pool, dst[m])
+            else:
+                st.pool.write(dst[m], _to_numpy(ns.slots[src].pool.read(cols["slot"][r[m], src])))
+            moved = int(m.sum())
+            c = self.counters.tiers[src]
+            c.hits += moved
+            c.bytes_read += moved * ns.block_bytes
+            if SERVE_ORDER.index(src) > SERVE_ORDER.index(tier):
+                self.counters.tiers[tier].promotions += moved
+        bad = ~ok
+        if bad.any():
+            st.leases[dst[bad]] -= 1
+            self._free_slots(ns, tier, dst[bad])
+            found[todo[bad]] = False
+        good = ok
+        self._set_copy(ns, r[good], tier, dst[good], cols["version"][r[good]])
+        slots[todo[good]] = dst[good]
+
+    def prefetch_after(self, namespace: str, keys: Any) -> int:
+        """After a prefix hit, bring the chain's next blocks one tier up (NVMe -> host), in
+        breadth-first order from the last key's children, up to ``prefetch_blocks``. Only free
+        host slots are used: a guess never evicts. Returns the blocks moved."""
+        limit = self.settings.prefetch_blocks
+        if limit <= 0:
+            return 0
+        with self.lock:
+            ns = self.namespaces.get(namespace)
+            if ns is None or ns.log is None:
+                return 0
+            karr = ns.table.keys_array(keys)
+            if karr.size == 0:
+                return 0
+            cols = ns.table.cols
+            start = int(ns.table.lookup(karr[-1:])[0])
+            if start < 0:
+                return 0
+            want: list[int] = []
+            frontier = ns.table.children(start)
+            seen = 0
+            while frontier and len(want) < limit and seen < 16 * limit:
+                nxt: list[int] = []
+                for r in frontier:
+                    seen += 1
+                    v = cols["version"][r]
+                    if cols["copy_ver"][r, Tier.HOST] != v and cols["copy_ver"][r, Tier.NVME] == v:
+                        want.append(r)
+                    nxt.extend(ns.table.children(r))
+                frontier = nxt
+            want = want[:limit]
+            st = ns.slots[Tier.HOST]
+            room = min(len(want), st.pool.free_count,
+                       (self.settings.host_capacity - self.host_used) // ns.block_bytes)
+            if room <= 0:
+                return 0
+            rows = np.asarray(want[:room], dtype=np.int64)
+            dst = self._alloc(ns, Tier.HOST, rows.size, partial=True)
+            rows = rows[:dst.size]
+            ok = persist.read_nvme(self, ns, rows, st.pool, dst)
+            self._free_slots(ns, Tier.HOST, dst[~ok])
+            self._set_copy(ns, rows[ok], Tier.HOST, dst[ok], cols["version"][rows[ok]])
+            moved = int(ok.sum())
+            self.counters.tiers[Tier.HOST].prefetched += moved
+            self.counters.tiers[Tier.HOST].promotions += moved
+            return moved
+
+    # ------------------------------------------------------------------ remote tier
+
+    def _push_remote(self, ns: Namespace, rows: np.ndarray) -> None:
+        """Write rows' current versions to the remote tier (from their host copies)."""
+        cols = ns.table.cols
+        rows = rows[cols["copy_ver"][rows, Tier.HOST] == cols["version"][rows]]
+        if rows.size == 0:
+            return
+        pool = ns.slots[Tier.HOST].pool
+        views = [pool.array[s] for s in cols["slot"][rows, Tier.HOST].tolist()]
+        ok = self.remote.put_many(ns.name, [bytes(k) for k in cols["key"][rows]],
+                                  cols["version"][rows], cols["checksum"][rows], views)
+        cols["copy_ver"][rows[ok], Tier.REMOTE] = cols["version"][rows[ok]]
+
+    def _from_remote(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray,
+                     found: np.ndarray, slots: np.ndarray, tier: Tier) -> None:
+        """Fill local misses from the remote tier, checksummed; install a host copy, leased."""
+        miss = np.flatnonzero(~found)
+        got, versions, sums, data = self.remote.get_many(
+            ns.name, [bytes(k) for k in karr[miss]], ns.block_bytes)
+        if not got.any() or tier is not Tier.HOST:
+            return
+        cols = ns.table.cols
+        pos = miss[got]
+        new_rows, _ = ns.table.insert(karr[pos])
+        vr = versions[got]
+        # A remote version older than what this host knows is stale here: never served.
+        fresh = vr >= cols["version"][new_rows]
+        pos, new_rows, vr = pos[fresh], new_rows[fresh], vr[fresh]
+        blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
+        if pos.size == 0:
+            return
+        dst = self._alloc(ns, Tier.HOST, pos.size, partial=True)
+        pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
+            blobs[:dst.size]
+        if dst.size == 0:
+            return
+        ns.slots[Tier.HOST].leases[dst] += 1
+        for t in list(ns.slots):
+            self._drop_copies(ns, new_rows, t)
+        pool = ns.slots[Tier.HOST].pool
+        for slot, blob in zip(dst.tolist(), blobs):
+            pool.array[slot] = np.frombuffer(blob, dtype=np.uint8)
+        cols["state"][new_rows] = next_states(cols["state"][new_rows], Event.COMMIT)
+        cols["version"][new_rows] = vr
+        cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
+        cols["size"][new_rows] = ns.block_bytes
+        cols["leases"][new_rows] = 0
+        self._set_copy(ns, new_rows, Tier.HOST, dst, vr)
+        cols["copy_ver"][new_rows, Tier.REMOTE] = vr
+        rows[pos] = new_rows
+        slots[pos] = dst
+        found[pos] = True
+        self.counters.tiers[Tier.REMOTE].hits += int(pos.size)
+        self.counters.tiers[Tier.HOST].promotions += int(pos.size)
+        if self.settings.write_policy == "write_through" and ns.log is not None:
+            persist.flush_rows(self, ns, new_rows)
+
+
+def remote_from_settings(settings: Settings) -> Any:
+    """The remote tier the settings ask for, or None."""
+    urls = [u.strip() for u in settings.redis.split(",") if u.strip()]
+    if not urls:
+        return None
+    from redis.exceptions import RedisError
+
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.remote import RemoteStore, RemoteTier
+    try:
+        return RemoteTier(RemoteStore(urls, cluster=settings.redis_cluster,
+                                      ttl=settings.redis_ttl, timeout=settings.redis_timeout))
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise ConfigError(f"redis: cannot reach {settings.redis}: {exc}") from None
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """Device arrays (cupy) come back to the host; numpy passes through."""
+    return x if isinstance(x, np.ndarray) else x.get()
