@@ -20,7 +20,8 @@ Lifecycle of a get:
     3. return slots, versions and checksums; the slots stay pinned until release() or the
        owner's disconnect (release_owner)
 
-Only this module and coherence.persist write to the page table. Every public method takes the
+Only the engine (this module and its parts: coherence.eviction, coherence.transfers, and
+coherence.persist for the NVMe side) writes to the page table. Every public method takes the
 engine lock, so the server may call them from worker threads; disk I/O never runs on the asyncio
 loop. The lock is held during NVMe I/O (a get that reads NVMe, a flush): simple and safe, and
 named in docs/DESIGN-NOTES.md as the next thing to split.
