@@ -1,0 +1,56 @@
+"""The `kvtier` command with garbage: one line naming the problem, exit status 2, nothing
+started; and the settings table the README is generated from."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+
+
+def _kvtier(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--host-capacity", "lots"], "host_capacity"),
+    (["--write-policy", "sometimes"], "write_policy"),
+    (["--admin", "0.0.0.0:18123"], "admin_token"),
+    (["--config", "/nonexistent/kvtier.toml"], "does not exist"),
+])
+def test_serve_refuses_bad_settings(tmp_path: Path, args, match):
+    out = _kvtier("serve", "--data-dir", str(tmp_path / "d"), *args)
+    assert out.returncode == 2
+    assert match in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "d" / "run" / "kvtier.sock").exists()
+
+
+def test_serve_refuses_a_data_dir_that_is_a_file(tmp_path: Path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    out = _kvtier("serve", "--data-dir", str(f), "--admin", "")
+    assert out.returncode == 2 and "data_dir" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_stats_without_a_service_is_a_clear_error(tmp_path: Path, capsys):
+    assert main(["stats", "--socket", str(tmp_path / "none.sock")]) == 2
+    assert "is `kvtier serve` running?" in capsys.readouterr().err
+
+
+def test_config_markdown_and_effective_settings(capsys):
+    assert main(["config", "--markdown"]) == 0
+    assert "`host_capacity`" in capsys.readouterr().out
+    assert main(["config", "--host-capacity", "2GiB"]) == 0
+    assert '"host_capacity": 2147483648' in capsys.readouterr().out
+
+
+def test_tools_report_errors_with_status_2(tmp_path: Path, capsys):
+    assert main(["replay", str(tmp_path / "missing.jsonl"), "--capacity", "1e6"]) == 2
+    assert "cannot read trace" in capsys.readouterr().err
+    assert main(["bench", "--rw=sideways"]) == 2
+    assert "rw=" in capsys.readouterr().err
