@@ -264,3 +264,25 @@ def test_cluster_node_death_opens_the_breaker_and_local_tiers_keep_serving(tmp_p
             eng.close(flush=False)
         for n in nodes:
             n.stop()
+
+
+def test_write_back_reaches_redis_at_flush_and_write_through_at_once(tmp_path: Path,
+                                                                      redis_server):
+    def engine(policy: str, sub: str) -> Engine:
+        return Engine(make_settings({"data_dir": str(tmp_path / sub), "host_capacity": "1MiB",
+                                     "nvme_capacity": "16MiB", "redis": redis_server.url,
+                                     "write_policy": policy}))
+    back = engine("write_back", "b")
+    back.create_namespace("wb", BB)
+    back.put("wb", keys(range(4)), blocks(4, BB))
+    assert int(redis_server.cli("DBSIZE")) == 0            # not yet: write_back
+    back.flush()
+    assert int(redis_server.cli("DBSIZE")) == 4
+    back.close(flush=False)
+    through = engine("write_through", "t")
+    through.create_namespace("wt", BB)
+    through.put("wt", keys(range(3)), blocks(3, BB))
+    assert int(redis_server.cli("DBSIZE")) == 7            # at once: write_through
+    assert through.delete("wt", keys([0])) == 1
+    assert int(redis_server.cli("DBSIZE")) == 6            # a delete reaches Redis too
+    through.close(flush=False)
