@@ -17,7 +17,6 @@ call reconnects and namespaces remap on their next use.
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 from typing import Any
 
@@ -25,33 +24,19 @@ import numpy as np
 
 from kvtier.api import protocol as P
 from kvtier.api.buffers import blocks_view, checksums, pack_keys
-from kvtier.api.client import Client, GetReply, copy_out, default_socket
+from kvtier.api.client import Client, GetReply, NamespaceHandle, copy_out, default_socket
 from kvtier.errors import ChecksumError, ServiceUnavailable
 
 
-class AsyncNamespace:
-    def __init__(self, client: "AsyncClient", info: dict[str, Any], inline: bool) -> None:
-        self._client = client
-        self.name: str = info["name"]
-        self.block_bytes: int = info["block_bytes"]
-        self.key_width: int = info["key_width"]
-        self.layout: dict[str, Any] = info.get("layout") or {}
-        self.inline = inline
-        self._map: mmap.mmap | None = None
-        self._arr: np.ndarray | None = None
-        self._generation = -1
+class AsyncNamespace(NamespaceHandle):
+    """A namespace handle of an AsyncClient: the same calls as kvtier.api.client.Namespace."""
 
     async def _view(self) -> np.ndarray:
-        c = self._client
-        if self._arr is None or self._generation != c.generation:
+        if self._stale():
+            c = self._client
             size, fd = await asyncio.get_running_loop().run_in_executor(
                 None, _fetch_fd, c.path, self.name, c.timeout)
-            try:
-                self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self._arr = np.frombuffer(self._map, dtype=np.uint8).reshape(-1, self.block_bytes)
-            self._generation = c.generation
+            return self._attach(size, fd)
         return self._arr
 
     async def put(self, keys: Any, blocks: Any, parents: Any = None,
@@ -114,15 +99,6 @@ class AsyncNamespace:
     async def flush(self) -> int:
         await self._client._ensure()
         return int((await self._client._call("flush", ns=self.name))["flushed"])
-
-    def close(self) -> None:
-        self._arr = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass
-            self._map = None
 
 
 class AsyncClient:

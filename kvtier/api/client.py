@@ -120,10 +120,10 @@ class Lease:
         self.release()
 
 
-class Namespace:
-    """A handle on one namespace of a Client. Batch calls; keys packed or as a list."""
+class NamespaceHandle:
+    """What the sync and async namespace handles share: the layout and the mapped segment."""
 
-    def __init__(self, client: "Client", info: dict[str, Any], inline: bool) -> None:
+    def __init__(self, client: Any, info: dict[str, Any], inline: bool) -> None:
         self._client = client
         self.name: str = info["name"]
         self.block_bytes: int = info["block_bytes"]
@@ -135,18 +135,40 @@ class Namespace:
         self._mapped: Any = None           # kvtier.gpu.MappedSegment, made on first CUDA use
         self._generation = -1
 
-    def _view(self) -> np.ndarray:
-        c = self._client
-        if self._arr is None or self._generation != c.generation:
-            info, fd = c._open_mapped(self.name)
+    def _stale(self) -> bool:
+        """True when there is no mapping yet, or it belongs to an earlier connection."""
+        return self._arr is None or self._generation != self._client.generation
+
+    def _attach(self, size: int, fd: int) -> np.ndarray:
+        """Map the namespace's segment from fd (which this closes)."""
+        try:
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._arr = np.frombuffer(self._map, dtype=np.uint8).reshape(-1, self.block_bytes)
+        self._generation = self._client.generation
+        return self._arr
+
+    def close(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
+        self._arr = None
+        if self._map is not None:
             try:
-                size = info["map_bytes"]
-                self._map = mmap.mmap(fd, size, mmap.MAP_SHARED,
-                                      mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self._arr = np.frombuffer(self._map, dtype=np.uint8).reshape(-1, self.block_bytes)
-            self._generation = c.generation
+                self._map.close()
+            except BufferError:
+                pass          # a caller still holds a view; the mapping goes with it
+            self._map = None
+
+
+class Namespace(NamespaceHandle):
+    """A handle on one namespace of a Client. Batch calls; keys packed or as a list."""
+
+    def _view(self) -> np.ndarray:
+        if self._stale():
+            info, fd = self._client._open_mapped(self.name)
+            return self._attach(info["map_bytes"], fd)
         return self._arr
 
     def _gpu(self) -> Any:
@@ -280,19 +302,6 @@ class Namespace:
     def flush(self) -> int:
         self._client._ensure()
         return int(self._client._call("flush", ns=self.name)["flushed"])
-
-    def close(self) -> None:
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
-        self._arr = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass          # a caller still holds a view; the mapping goes with it
-            self._map = None
-
 
 class Client:
     """A connection to `kvtier serve`. See the module docstring."""
