@@ -333,3 +333,57 @@ def test_prefetch_never_evicts(make_engine):
     held = [i for i in range(8) if "host" in _entry(eng, key(i))["copies"]]
     assert eng.prefetch_after("m", keys([0])) == 0              # host full: no guesses
     assert [i for i in range(8) if "host" in _entry(eng, key(i))["copies"]] == held
+
+
+def _state(eng: Engine, ks: list[bytes]) -> dict:
+    """What a get and a release may change, for the keys ks."""
+    ns = eng.namespace("m")
+    cols = ns.table.cols
+    rows = ns.table.lookup(b"".join(ks))
+    st = ns.slots[Tier.HOST]
+    slots = cols["slot"][rows, Tier.HOST]
+    c = eng.counters
+    return {"rows": {name: cols[name][rows].tolist() for name in
+                     ("leases", "last_access", "prev_access", "freq", "version")},
+            "slot_leases": st.leases[slots].tolist(), "retired": st.retired[slots].tolist(),
+            "clock": eng.clock, "hits": c.tiers[Tier.HOST].hits, "get_hits": c.get_hits,
+            "bytes_read": c.tiers[Tier.HOST].bytes_read, "leases": len(eng.leases),
+            "host_used": eng.host_used}
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_fast_paths_leave_the_state_the_batch_path_leaves(tmp_path: Path, n: int):
+    # Engine a serves the n resident keys alone (coherence.fastpath); engine b gets the same
+    # keys plus one absent key, which sends the batch through the general path. Every field a
+    # get touches must agree, after the get, after a rewrite that retires the leased slots,
+    # and after the release that frees them.
+    ks = [key(i) for i in range(n)]
+    engines = []
+    for name in ("a", "b"):
+        eng = Engine(make_settings({"data_dir": str(tmp_path / name), "host_capacity": "64KiB",
+                                    "nvme_capacity": "0"}))
+        eng.create_namespace("m", BB)
+        eng.put("m", b"".join(ks), blocks(n, BB, 1))
+        eng.release(eng.get("m", ks[0]).lease_id)     # an earlier access moves prev_access
+        engines.append(eng)
+    a, b = engines
+    ra = a.get("m", b"".join(ks))
+    rb = b.get("m", b"".join(ks) + key(99))
+    assert rb.found.tolist() == [True] * n + [False]
+    assert ra.found.tolist() == [True] * n
+    assert ra.slots.tolist() == rb.slots[:n].tolist()
+    assert ra.versions.tolist() == rb.versions[:n].tolist()
+    assert ra.checksums.tolist() == rb.checksums[:n].tolist()
+    assert ra.slots.dtype == rb.slots.dtype and ra.versions.dtype == rb.versions.dtype
+    assert _state(a, ks) == _state(b, ks)
+    for eng in engines:
+        eng.put("m", b"".join(ks), blocks(n, BB, 2))     # the leased slots are retired
+    assert _state(a, ks) == _state(b, ks)
+    for eng, res in ((a, ra), (b, rb)):
+        assert eng.namespace("m").slots[Tier.HOST].retired[res.slots[:n]].all()
+    a.release(ra.lease_id, 0)
+    b.release(rb.lease_id, 0)
+    assert _state(a, ks) == _state(b, ks)
+    assert a.namespace("m").slots[Tier.HOST].retired.sum() == 0
+    for eng in engines:
+        eng.close(flush=False)

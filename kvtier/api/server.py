@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import grp
+import inspect
 import logging
 import os
 import socket
@@ -30,7 +31,7 @@ import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class Server:
         self._server: asyncio.base_events.Server | None = None
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtier-engine")
         self._tasks: set[asyncio.Task] = set()
-        self._conns: set[asyncio.Task] = set()
+        self._live: set[_Connection] = set()
         self._on_op = on_op
         self.allowed = {os.getuid(), *settings.allowed_uids}
         self._ops: dict[str, Callable[..., Any]] = {op: getattr(self, f"op_{op}") for op in P.OPS}
@@ -124,8 +125,8 @@ class Server:
         self._prepare_path()
         old = os.umask(0o177)
         try:
-            self._server = await asyncio.start_unix_server(self._handle, path=str(self.path),
-                                                           limit=1 << 16)
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                lambda: _Connection(self), path=str(self.path))
         finally:
             os.umask(old)
         mode = 0o600
@@ -140,8 +141,8 @@ class Server:
         os.chmod(self.path, mode)
         self._spawn(self._housekeeping())
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, aw: Awaitable[Any], name: str | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(_awaited(aw), name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -164,10 +165,15 @@ class Server:
         """Stop accepting, end connections, flush dirty blocks, close LMDB."""
         if self._server is not None:
             self._server.close()
+        for conn in list(self._live):
+            conn.transport.close()            # connection_lost queues its releases
+        if self._server is not None:
             await self._server.wait_closed()
-        for t in list(self._conns) + list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._conns, *self._tasks, return_exceptions=True)
+        await asyncio.sleep(0)
+        for t in list(self._tasks):
+            if not (t.get_name() or "").startswith("release-owner"):
+                t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self.engine.close)
         self._pool.shutdown(wait=True)
@@ -178,58 +184,31 @@ class Server:
 
     # ------------------------------------------------------------------ connections
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._conns.add(task)
-        sock = writer.get_extra_info("socket")
+    def _connection_made(self, conn: "_Connection") -> ClientInfo:
+        sock = conn.transport.get_extra_info("socket")
         pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                           _PEERCRED.size))
         self._next_cid += 1
         client = ClientInfo(self._next_cid, pid, uid)
         self.clients[client.cid] = client
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                try:
-                    head = await reader.readexactly(4)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                (n,) = P.LENGTH.unpack(head)
-                if n > self.settings.max_frame:
-                    writer.write(P.pack(P.error_reply(None, ProtocolError(
-                        f"frame of {n} bytes exceeds max_frame {self.settings.max_frame}; "
-                        "closing"))))
-                    await writer.drain()
-                    return
-                try:
-                    body = await reader.readexactly(n)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                t0 = time.perf_counter()
-                reply, fd, op = await self._dispatch(client, body)
-                ok = bool(reply.get("ok"))
-                dt = time.perf_counter() - t0
-                client.record(dt, ok)
-                if self._on_op is not None:
-                    self._on_op(op, dt, ok)
-                data = P.pack(reply)
-                if fd is None:
-                    writer.write(data)
-                    if writer.transport.get_write_buffer_size() > (1 << 20):
-                        await writer.drain()
-                else:
-                    await writer.drain()
-                    await _send_with_fd(sock, data, fd)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            self.clients.pop(client.cid, None)
-            self._conns.discard(task)
-            writer.close()
-            await loop.run_in_executor(self._pool, self.engine.release_owner, client.cid)
+        self._live.add(conn)
+        return client
 
-    async def _dispatch(self, client: ClientInfo, body: bytes
-                        ) -> tuple[dict[str, Any], int | None, str]:
+    def _connection_lost(self, conn: "_Connection") -> None:
+        self._live.discard(conn)
+        self.clients.pop(conn.client.cid, None)
+        self._spawn(self._run(self.engine.release_owner, conn.client.cid),
+                    name=f"release-owner-{conn.client.cid}")
+
+    def _finished(self, client: ClientInfo, op: str, t0: float, ok: bool) -> None:
+        dt = time.perf_counter() - t0
+        client.record(dt, ok)
+        if self._on_op is not None:
+            self._on_op(op, dt, ok)
+
+    def _dispatch(self, client: ClientInfo, body: bytes) -> Reply | Awaitable[Reply]:
+        """Decode and run one request. Ops that need no thread are answered here, on the loop,
+        with no coroutine or task; the others come back as an awaitable of the reply."""
         req_id: Any = None
         op = "invalid"
         try:
@@ -239,31 +218,55 @@ class Server:
             if not isinstance(op, str) or op not in self._ops:
                 op = "invalid"
                 raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
-            if "release_first" in req:
-                await self._release_first(client, req)
-            result = await self._ops[op](client, req)
-            fd = result.pop("_fd", None)
-            return {**result, "id": req_id, "ok": True}, fd, op
-        except KvtierError as exc:
-            return P.error_reply(req_id, exc), None, op
-        except (ValueError, TypeError, OverflowError) as exc:
-            # Arguments that decode but make no sense (negative counts, wrong shapes).
-            return P.error_reply(req_id, BadRequest(f"bad arguments for {op}: {exc}")), None, op
+            left = self._release_first(client, req) if "release_first" in req else []
+            if left:
+                return self._dispatch_after(client, req, req_id, op, left)
+            result = self._ops[op](client, req)
+            if inspect.isawaitable(result):
+                return self._await_op(result, req_id, op)
+            return _ok(result, req_id, op)
+        except Exception as exc:
+            return _failed(exc, req_id, op)
 
-    async def _release_first(self, client: ClientInfo, req: dict[str, Any]) -> None:
-        """Leases a client released by piggybacking on this request. An unknown one is counted,
-        not fatal: the request itself must still be answered."""
-        ids = P.array_arg(req, "release_first", "<u8")
-        for lid in ids.tolist():
+    async def _dispatch_after(self, client: ClientInfo, req: dict[str, Any], req_id: Any,
+                              op: str, leases: list[int]) -> Reply:
+        """The rest of a request whose piggybacked releases had to wait for the engine lock."""
+        for lid in leases:
             try:
-                done, _ = self._fast(self.engine.release, lid, client.cid)
-                if not done:
-                    await self._run(self.engine.release, lid, client.cid)
+                await self._run(self.engine.release, lid, client.cid)
             except KvtierError:
                 client.errors += 1
+        try:
+            result = self._ops[op](client, req)
+        except Exception as exc:
+            return _failed(exc, req_id, op)
+        if inspect.isawaitable(result):
+            return await self._await_op(result, req_id, op)
+        return _ok(result, req_id, op)
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _await_op(self, result: Awaitable[dict[str, Any]], req_id: Any, op: str) -> Reply:
+        try:
+            return _ok(await result, req_id, op)
+        except Exception as exc:
+            return _failed(exc, req_id, op)
+
+    def _release_first(self, client: ClientInfo, req: dict[str, Any]) -> list[int]:
+        """Leases a client released by piggybacking on this request; returns those that must
+        wait for the engine lock. An unknown one is counted, not fatal: the request itself must
+        still be answered."""
+        ids = P.array_arg(req, "release_first", "<u8").tolist()
+        for i, lid in enumerate(ids):
+            try:
+                done, _ = self._fast(self.engine.release, lid, client.cid)
+            except KvtierError:
+                client.errors += 1
+                continue
+            if not done:
+                return ids[i:]
+        return []
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _fast(self, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
         """Run fn inline when the engine lock is free now (memory-only calls)."""
@@ -275,8 +278,10 @@ class Server:
             self.engine.lock.release()
 
     # ------------------------------------------------------------------ ops
+    # An op returns its result, or an awaitable of it when it must wait for a thread. Ops that
+    # never touch the disk try the engine inline first (_fast).
 
-    async def op_hello(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+    def op_hello(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         version = P.arg(req, "version", int)
         if version != P.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {version} is not supported; this service "
@@ -291,7 +296,7 @@ class Server:
                                P.arg(req, "block_bytes", int), P.arg(req, "key_width", int, 16),
                                layout)
 
-    async def op_ns_open(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+    def op_ns_open(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         ns = self.engine.namespace(P.arg(req, "name", str))
         info = ns.info()
         if P.arg(req, "map", bool, False):
@@ -330,16 +335,29 @@ class Server:
                                    P.arg(req, "parents", bytes, None), Tier.HOST, client.cid)
         return {"versions": P.arr(versions, "<u8")}
 
-    async def op_get(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+    def op_get(self, client: ClientInfo, req: dict[str, Any]
+               ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         name = P.arg(req, "ns", str)
         keys = P.arg(req, "keys", bytes)
         inline = P.arg(req, "inline", bool, False)
         done, res = self._fast(self.engine.try_get, name, keys, client.cid)
-        if not done or res is None:
-            res = await self._run(self.engine.get, name, keys, client.cid)
+        if done and res is not None:
+            return self._get_reply(client, name, keys, res, inline)
+        return self._get_slow(client, name, keys, inline)
+
+    async def _get_slow(self, client: ClientInfo, name: str, keys: bytes,
+                        inline: bool) -> dict[str, Any]:
+        res = await self._run(self.engine.get, name, keys, client.cid)
+        return self._get_reply(client, name, keys, res, inline)
+
+    def _get_reply(self, client: ClientInfo, name: str, keys: bytes, res: Any,
+                   inline: bool) -> dict[str, Any]:
         if self.settings.prefetch_blocks and res.found.any():
-            # The chain's next blocks, one tier up, off the request's path.
-            self._spawn(self._run(self.engine.prefetch_after, name, keys))
+            # The chain's next blocks, one tier up, off the request's path; a task only when
+            # there is something to move (the check is memory-only).
+            done, wanted = self._fast(self.engine.wants_prefetch, name, keys)
+            if wanted or not done:
+                self._spawn(self._run(self.engine.prefetch_after, name, keys))
         out = {"lease": res.lease_id, "found": P.arr(res.found, "u1"),
                "slots": P.arr(res.slots, "<i4"), "versions": P.arr(res.versions, "<u8"),
                "checksums": P.arr(res.checksums, "<u8")}
@@ -354,21 +372,31 @@ class Server:
             out["lease"] = 0
         return out
 
-    async def op_release(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+    def op_release(self, client: ClientInfo, req: dict[str, Any]
+                   ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         lid = P.arg(req, "lease", int)
         slots = P.array_arg(req, "slots", "<i4", None)
         done, _ = self._fast(self.engine.release, lid, client.cid, slots)
-        if not done:
-            await self._run(self.engine.release, lid, client.cid, slots)
-        return {}
+        if done:
+            return {}
+        return self._empty_after(self._run(self.engine.release, lid, client.cid, slots))
 
-    async def op_match_prefix(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+    def op_match_prefix(self, client: ClientInfo, req: dict[str, Any]
+                        ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         args = (P.arg(req, "ns", str), P.arg(req, "keys", bytes))
-        done, n = (False, 0) if self.engine.remote is not None else \
-            self._fast(self.engine.match_prefix, *args)     # the remote tier is network I/O
-        if not done:
-            n = await self._run(self.engine.match_prefix, *args)
-        return {"n": n}
+        if self.engine.remote is None:          # the remote tier is network I/O: never inline
+            done, n = self._fast(self.engine.match_prefix, *args)
+            if done:
+                return {"n": n}
+        return self._match_slow(args)
+
+    async def _match_slow(self, args: tuple[str, bytes]) -> dict[str, Any]:
+        return {"n": await self._run(self.engine.match_prefix, *args)}
+
+    @staticmethod
+    async def _empty_after(fut: Awaitable[Any]) -> dict[str, Any]:
+        await fut
+        return {}
 
     async def op_delete(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         n = await self._run(self.engine.delete, P.arg(req, "ns", str), P.arg(req, "keys", bytes))
@@ -382,23 +410,157 @@ class Server:
         return await self._run(self.engine.stats)
 
 
-async def _send_with_fd(sock: Any, data: bytes, fd: int) -> None:
-    """sendmsg with SCM_RIGHTS on a dup of the connection's socket (asyncio's transport has no
-    ancillary-data API). Called with the transport's buffer drained, so bytes stay in order."""
-    raw = socket.socket(fileno=os.dup(sock.fileno()))
-    try:
-        view = memoryview(data)
-        first = True
-        while view:
-            try:
-                if first:
-                    sent = socket.send_fds(raw, [view], [fd])
-                    first = False
-                else:
-                    sent = raw.send(view)
-                view = view[sent:]
-            except BlockingIOError:
-                await asyncio.sleep(0.001)
-    finally:
-        raw.close()
+async def _awaited(aw: Awaitable[Any]) -> Any:
+    return await aw
+
+
+Reply = tuple[dict[str, Any], "int | None", str]
+
+
+def _ok(result: dict[str, Any], req_id: Any, op: str) -> Reply:
+    fd = result.pop("_fd", None)
+    return {**result, "id": req_id, "ok": True}, fd, op
+
+
+def _failed(exc: Exception, req_id: Any, op: str) -> Reply:
+    """The error reply for an op that raised. kvtier errors keep their type; arguments that
+    decode but make no sense (negative counts, wrong shapes) are bad requests; anything else is
+    a bug of ours, logged, and answered as an internal error rather than killing the
+    connection."""
+    if isinstance(exc, KvtierError):
+        return P.error_reply(req_id, exc), None, op
+    if isinstance(exc, (ValueError, TypeError, OverflowError)):
+        return P.error_reply(req_id, BadRequest(f"bad arguments for {op}: {exc}")), None, op
+    log.error("op %s failed", op, exc_info=exc)
+    return P.error_reply(req_id, KvtierError(f"internal error in {op}: {exc!r}; the service "
+                                             "logged it, please report it")), None, op
+
+
+class _Connection(asyncio.Protocol):
+    """One worker's connection. Frames are cut from the byte stream in data_received and
+    answered in order: an op that completes inline is answered before the next frame is read;
+    one that needs a thread parks the connection (later frames wait in the buffer, and reading
+    pauses beyond _PARK_BYTES) until its reply is written. An asyncio.Protocol rather than
+    streams: a single-block get then costs no coroutine, task or future on the loop
+    (bench/api.py: p50 of a single get, docs/DESIGN-NOTES.md)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.client: ClientInfo | None = None
+        self.buf = bytearray()
+        self.task: asyncio.Task | None = None
+        self.write_paused = False
+        self.read_paused = False
+        self.closed = False
+        self.eof = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport            # type: ignore[assignment]
+        self.client = self.server._connection_made(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.task is not None:
+            self.task.cancel()
+        self.server._connection_lost(self)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._process()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._process()
+
+    def eof_received(self) -> bool:
+        """The peer shut its write side: answer what it sent, then close (True keeps the
+        transport open until then)."""
+        self.eof = True
+        self._process()
+        return True
+
+    def _busy(self) -> bool:
+        return self.task is not None or self.write_paused or self.closed
+
+    def _process(self) -> None:
+        buf = self.buf
+        max_frame = self.server.settings.max_frame
+        while not self._busy() and len(buf) >= 4:
+            (n,) = P.LENGTH.unpack_from(buf)
+            if n > max_frame:
+                self.transport.write(P.pack(P.error_reply(None, ProtocolError(
+                    f"frame of {n} bytes exceeds max_frame {max_frame}; closing"))))
+                self.closed = True
+                self.transport.close()
+                return
+            if len(buf) < 4 + n:
+                break
+            body = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            t0 = time.perf_counter()
+            out = self.server._dispatch(self.client, body)
+            if isinstance(out, tuple) and (out[1] is None
+                                           or not self.transport.get_write_buffer_size()):
+                self._write(out, t0)
+            else:
+                self.task = asyncio.get_running_loop().create_task(self._finish(out, t0))
+        if self.eof and not self._busy():
+            self.closed = True
+            self.transport.close()            # after the replies already written
+            return
+        # Backpressure: stop reading while parked with a full buffer, or while the peer is not
+        # reading its replies.
+        want_pause = self._busy() and len(buf) > _PARK_BYTES
+        if want_pause != self.read_paused and not self.closed:
+            self.read_paused = want_pause
+            (self.transport.pause_reading if want_pause else self.transport.resume_reading)()
+
+    async def _finish(self, out: Reply | Awaitable[Reply], t0: float) -> None:
+        try:
+            reply = out if isinstance(out, tuple) else await out
+            if reply[1] is not None:
+                while self.transport.get_write_buffer_size() and not self.closed:
+                    await asyncio.sleep(0.001)    # the fd must follow the bytes before it
+            if self.closed:
+                return
+            self._write(reply, t0)
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("request failed; closing the connection")
+            self.transport.close()
+            return
+        finally:
+            self.task = None
+        self._process()
+
+    def _write(self, reply: Reply, t0: float) -> None:
+        body, fd, op = reply
+        self.server._finished(self.client, op, t0, bool(body.get("ok")))
+        data = P.pack(body)
+        if fd is None:
+            self.transport.write(data)
+            return
+        # asyncio's transports have no ancillary-data API: sendmsg on a dup of the socket, with
+        # the transport's buffer empty (_finish waited for it) so that bytes stay in order.
+        raw = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+        try:
+            sent = socket.send_fds(raw, [data], [fd])
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+            log.warning("could not pass a namespace fd: the socket was full")
+        except OSError:
+            self.transport.close()
+            return
+        finally:
+            raw.close()
+        if sent < len(data):
+            self.transport.write(data[sent:])
+
+
+_PARK_BYTES = 4 << 20
 

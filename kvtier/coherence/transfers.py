@@ -73,43 +73,54 @@ class Transfers:
         self._set_copy(ns, r[good], tier, dst[good], cols["version"][r[good]])
         slots[todo[good]] = dst[good]
 
-    def prefetch_after(self, namespace: str, keys: Any) -> int:
-        """After a prefix hit, bring the chain's next blocks one tier up (NVMe -> host), in
-        breadth-first order from the last key's children, up to ``prefetch_blocks``. Only free
-        host slots are used: a guess never evicts. Returns the blocks moved."""
+    def _prefetch_rows(self, namespace: str, keys: Any) -> tuple[Any, np.ndarray]:
+        """What prefetch_after would move: the chain's next blocks below the host tier, in
+        breadth-first order from the last key's children, cut to ``prefetch_blocks`` and to the
+        free host room. Memory only. Returns (namespace or None, rows)."""
+        none = np.empty(0, dtype=np.int64)
         limit = self.settings.prefetch_blocks
-        if limit <= 0:
-            return 0
+        ns = self.namespaces.get(namespace)
+        if limit <= 0 or ns is None or ns.log is None:
+            return None, none
+        karr = ns.table.keys_array(keys)
+        if karr.size == 0:
+            return None, none
+        cols = ns.table.cols
+        start = int(ns.table.lookup(karr[-1:])[0])
+        if start < 0:
+            return None, none
+        want: list[int] = []
+        frontier = ns.table.children(start)
+        seen = 0
+        while frontier and len(want) < limit and seen < 16 * limit:
+            nxt: list[int] = []
+            for r in frontier:
+                seen += 1
+                v = cols["version"][r]
+                if cols["copy_ver"][r, Tier.HOST] != v and cols["copy_ver"][r, Tier.NVME] == v:
+                    want.append(r)
+                nxt.extend(ns.table.children(r))
+            frontier = nxt
+        room = min(len(want), limit, ns.slots[Tier.HOST].pool.free_count,
+                   (self.settings.host_capacity - self.host_used) // ns.block_bytes)
+        return ns, np.asarray(want[:max(room, 0)], dtype=np.int64)
+
+    def wants_prefetch(self, namespace: str, keys: Any) -> bool:
+        """Whether prefetch_after(namespace, keys) would move anything (memory only, cheap), so
+        that a get of blocks whose successors are resident costs no background task."""
         with self.lock:
-            ns = self.namespaces.get(namespace)
-            if ns is None or ns.log is None:
+            return self._prefetch_rows(namespace, keys)[1].size > 0
+
+    def prefetch_after(self, namespace: str, keys: Any) -> int:
+        """After a prefix hit, bring the chain's next blocks one tier up (NVMe -> host), as
+        _prefetch_rows picks them. Only free host slots are used: a guess never evicts.
+        Returns the blocks moved."""
+        with self.lock:
+            ns, rows = self._prefetch_rows(namespace, keys)
+            if rows.size == 0:
                 return 0
-            karr = ns.table.keys_array(keys)
-            if karr.size == 0:
-                return 0
-            cols = ns.table.cols
-            start = int(ns.table.lookup(karr[-1:])[0])
-            if start < 0:
-                return 0
-            want: list[int] = []
-            frontier = ns.table.children(start)
-            seen = 0
-            while frontier and len(want) < limit and seen < 16 * limit:
-                nxt: list[int] = []
-                for r in frontier:
-                    seen += 1
-                    v = cols["version"][r]
-                    if cols["copy_ver"][r, Tier.HOST] != v and cols["copy_ver"][r, Tier.NVME] == v:
-                        want.append(r)
-                    nxt.extend(ns.table.children(r))
-                frontier = nxt
-            want = want[:limit]
             st = ns.slots[Tier.HOST]
-            room = min(len(want), st.pool.free_count,
-                       (self.settings.host_capacity - self.host_used) // ns.block_bytes)
-            if room <= 0:
-                return 0
-            rows = np.asarray(want[:room], dtype=np.int64)
+            cols = ns.table.cols
             dst = self._alloc(ns, Tier.HOST, rows.size, partial=True)
             rows = rows[:dst.size]
             ok = persist.read_nvme(self, ns, rows, st.pool, dst)

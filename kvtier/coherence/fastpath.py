@@ -1,0 +1,110 @@
+"""Gets whose every block is already resident, as a part of the Engine (a mixin; the caller
+holds the lock).
+
+These are the worker API's hot cases: a single-key get is its latency figure (bench/api.py
+p50_us), and a batch of 4,096 resident keys is the control path that the GPU onboarding bench
+waits on. The general path in Engine._get handles misses, bring-ups and repeats with ~40 numpy
+calls. Here:
+
+- _get_one does the bookkeeping of one key on numpy scalars (a numpy call costs about a
+  microsecond);
+- _lease_resident leases a batch that is all found and all current in the tier, gathering each
+  column once.
+
+Both leave exactly the state the general path leaves (rows, counters, lease, reply): the
+engine's tests compare the two field by field
+(tests/test_engine.py::test_fast_paths_leave_the_state_the_batch_path_leaves). Anything else
+returns None, or is not called, and takes the general path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.coherence.namespace import GetResult, Lease
+from kvtier.coherence.states import HoldState
+from kvtier.types import Tier
+
+if TYPE_CHECKING:
+    from kvtier.coherence.namespace import Namespace
+
+_TRUE = np.ones(1, dtype=bool)
+
+
+class FastPath:
+    def _get_one(self, ns: Namespace, karr: np.ndarray, owner: int,
+                 tier: Tier) -> GetResult | None:
+        """Lease the one key's copy in tier when it holds the current version; else None."""
+        table = ns.table
+        row = int(table.lookup(karr)[0])
+        if row < 0:
+            return None
+        cols = table.cols
+        version = cols["version"][row]
+        if version == 0 or cols["copy_ver"][row, tier] != version:
+            return None
+        slot = int(cols["slot"][row, tier])
+        st = ns.slots[tier]
+        st.leases[slot] += 1
+        cols["leases"][row] += 1
+        self.clock += 1
+        cols["prev_access"][row] = cols["last_access"][row]
+        cols["last_access"][row] = self.clock
+        cols["freq"][row] += 1
+        c = self.counters
+        c.gets += 1
+        c.get_hits += 1
+        tc = c.tiers[tier]
+        tc.hits += 1
+        tc.bytes_read += ns.block_bytes
+        lid = self._new_id()
+        versions = np.array([version], dtype=np.uint64)
+        self.leases[lid] = Lease(lid, ns, tier, np.array([slot], dtype=np.int64),
+                                 np.array([row], dtype=np.int64), versions, owner,
+                                 time.monotonic() + self.settings.lease_timeout)
+        return GetResult(_TRUE.copy(), np.array([slot], dtype=np.int32), versions.copy(),
+                         np.array([cols["checksum"][row]], dtype=np.uint64), lid, tier)
+
+    def _lease_resident(self, ns: Namespace, rows: np.ndarray, versions: np.ndarray,
+                        owner: int, tier: Tier) -> GetResult:
+        """Lease rows (all found, all current in tier; versions = their versions)."""
+        cols = ns.table.cols
+        n = rows.size
+        slots = cols["slot"][rows, tier]
+        slots64 = slots.astype(np.int64)
+        leases = ns.slots[tier].leases
+        np.add.at(leases, slots64, leases.dtype.type(1))      # typed: an int 1 costs 10x
+        np.add.at(cols["leases"], rows, cols["leases"].dtype.type(1))
+        self._touch(ns, rows)
+        c = self.counters
+        c.gets += n
+        c.get_hits += n
+        tc = c.tiers[tier]
+        tc.hits += n
+        tc.bytes_read += n * ns.block_bytes
+        lid = self._new_id()
+        self.leases[lid] = Lease(lid, ns, tier, slots64, rows, versions, owner,
+                                 time.monotonic() + self.settings.lease_timeout)
+        return GetResult(np.ones(n, dtype=bool), slots, versions.copy(), cols["checksum"][rows],
+                         lid, tier)
+
+    def _end_lease_one(self, lease: Lease, state: HoldState) -> None:
+        """_end_lease for a lease of one slot."""
+        lease.state = state
+        ns = lease.ns
+        st = ns.slots[lease.tier]
+        slot = int(lease.slots[0])
+        st.leases[slot] -= 1
+        if st.leases[slot] == 0 and st.retired[slot]:
+            st.retired[slot] = False
+            st.pool.free(lease.slots)
+            if lease.tier is Tier.HOST:
+                self.host_used -= ns.block_bytes
+        row = int(lease.rows[0])
+        cols = ns.table.cols
+        if row < ns.table.n_rows and cols["version"][row] == lease.versions[0] \
+                and cols["leases"][row] > 0:
+            cols["leases"][row] -= 1
