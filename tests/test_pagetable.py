@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import BadRequest
+from kvtier.pagetable import table
 from kvtier.pagetable.table import PageTable
 from tests.conftest import keys
 
@@ -86,10 +87,16 @@ def test_entry_shows_every_field():
     assert e.key == keys([1]) and e.children == [keys([2])] and e.parent is None
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-helper", "numpy"])
 @pytest.mark.parametrize("width", [16, 20, 8])
-def test_scalar_and_vectorised_lookups_agree(width: int):
-    # Small batches are probed with Python ints and long clusters finish scalar: both must give
-    # the rows a plain dict gives, with tombstones in the probe chains.
+def test_lookups_agree_with_a_dict_on_every_path(width: int, native: bool, monkeypatch):
+    # The C helper, and without it small batches probed with Python ints and long clusters
+    # finished scalar: every path must give the rows a plain dict gives, with tombstones in
+    # the probe chains.
+    if native and table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    if not native:
+        monkeypatch.setattr(table, "_native", None)
     t = PageTable(width)
     rng = np.random.default_rng(width)
     raw = rng.integers(1, 256, (3000, width), dtype=np.uint8)
@@ -103,5 +110,6 @@ def test_scalar_and_vectorised_lookups_agree(width: int):
     for lo in range(0, probe.shape[0], 97):
         for n in (1, 2, 8, 9):
             assert t.lookup(probe[lo:lo + n].tobytes()).tolist() == want[lo:lo + n]
-    h = t._hash(t.keys_array(probe.tobytes()))
+    h = t._hash_numpy(t.keys_array(probe.tobytes()))
+    assert t._hash(t.keys_array(probe.tobytes())).tolist() == h.tolist()
     assert [t._hash_one(k.tobytes()) for k in probe[:50]] == h[:50].tolist()

@@ -352,11 +352,11 @@ class Server:
 
     def _get_reply(self, client: ClientInfo, name: str, keys: bytes, res: Any,
                    inline: bool) -> dict[str, Any]:
-        if self.settings.prefetch_blocks and res.found.any():
-            # The chain's next blocks, one tier up, off the request's path; a task only when
-            # there is something to move (the check is memory-only).
-            done, wanted = self._fast(self.engine.wants_prefetch, name, keys)
-            if wanted or not done:
+        if res.found[-1]:
+            # The chain's next blocks (after the batch's last key), one tier up, off the
+            # request's path; a task only when there is something to move or the engine is
+            # too busy to tell now.
+            if self.engine.wants_prefetch(name, keys) is not False:
                 self._spawn(self._run(self.engine.prefetch_after, name, keys))
         out = {"lease": res.lease_id, "found": P.arr(res.found, "u1"),
                "slots": P.arr(res.slots, "<i4"), "versions": P.arr(res.versions, "<u8"),

@@ -205,8 +205,8 @@ class Engine(Eviction, Transfers, FastPath):
         st = ns.slots[tier]
         _add_one(st.leases, slots, -1)
         gone = slots[(st.leases[slots] == 0) & st.retired[slots]]
-        gone = np.unique(gone)
         if gone.size:
+            gone = np.unique(gone)
             st.retired[gone] = False
             st.pool.free(gone)
             if tier is Tier.HOST:

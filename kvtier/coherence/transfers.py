@@ -105,11 +105,19 @@ class Transfers:
                    (self.settings.host_capacity - self.host_used) // ns.block_bytes)
         return ns, np.asarray(want[:max(room, 0)], dtype=np.int64)
 
-    def wants_prefetch(self, namespace: str, keys: Any) -> bool:
+    def wants_prefetch(self, namespace: str, keys: Any) -> bool | None:
         """Whether prefetch_after(namespace, keys) would move anything (memory only, cheap), so
-        that a get of blocks whose successors are resident costs no background task."""
-        with self.lock:
+        that a get of blocks whose successors are resident costs no background task. None when
+        the engine lock is busy (the caller then lets prefetch_after decide)."""
+        ns = self.namespaces.get(namespace)
+        if self.settings.prefetch_blocks <= 0 or ns is None or ns.log is None:
+            return False                  # nothing below the host tier to prefetch from
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
             return self._prefetch_rows(namespace, keys)[1].size > 0
+        finally:
+            self.lock.release()
 
     def prefetch_after(self, namespace: str, keys: Any) -> int:
         """After a prefix hit, bring the chain's next blocks one tier up (NVMe -> host), as
