@@ -9,6 +9,7 @@ real `kvtier serve` (host tier pinned in both processes):
                               tensor (scattered rows), from the call to data ready
     offload_gbps_16k / _64k   put of 4,096 blocks from a CUDA tensor, to the commit's reply
     kernel_gbps_16k           the gather launch alone over the same mapped segment
+    control_ms_16k / _64k     a get of the 4,096 keys and its release, no bytes moved
     first_request_ms          the first 4,096 x 16 KiB get after start (worker warmed with
                               kvtier.gpu.warm()), against steady_p50_ms
     nvme_to_hbm_gbps          kvikio reads of 64 KiB records into device memory, against a
@@ -97,6 +98,12 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
                 parts[k].append(v * 1000)
         breakdown = {f"offload_{k}_ms_{bb // 1024}k": round(float(np.median(v)), 3)
                      for k, v in parts.items()}
+        # The control path alone: one get of the 4,096 keys (decode, lookup, leases, reply)
+        # and its release, with no bytes moved.
+        def control() -> None:
+            rep = c._call("get", ns=ns.name, keys=kb)
+            c._call("release", lease=rep["lease"])
+        ctl = med(control, reps)
         seg = ns._gpu()
         dst = rows_view(out, N, bb)
         lease = c._call("get", ns=ns.name, keys=kb)
@@ -109,6 +116,7 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
             f"offload_gbps_{tag}": round(nbytes / off / 1e9, 2),
             f"kernel_gbps_{tag}": round(nbytes / kern / 1e9, 2),
             f"first_request_ms_{tag}": round(first * 1000, 3),
+            f"control_ms_{tag}": round(ctl * 1000, 3),
             f"steady_p50_ms_{tag}": round(on * 1000, 3), **breakdown}
 
 

@@ -19,6 +19,11 @@ import numpy as np
 
 from kvtier.errors import BadRequest
 
+# Two kernels over the same rows. move_rows: one thread per 8-byte word of the whole batch
+# (a 64-bit division per word); it ran at 0.89 of a pinned cudaMemcpy for 16 KiB rows on the
+# H200. move_rows16: one thread block per row, 16-byte loads and stores, no division; used when
+# rows are whole 16-byte vectors and both buffers are 16-byte aligned (page-aligned slots,
+# allocator-aligned tensors), which is every real KV page.
 _KERNEL = r"""
 extern "C" __global__ void move_rows(const unsigned long long* __restrict__ src,
                                      unsigned long long* __restrict__ dst,
@@ -32,19 +37,33 @@ extern "C" __global__ void move_rows(const unsigned long long* __restrict__ src,
         dst[dst_rows[r] * words + w] = src[src_rows[r] * words + w];
     }
 }
+
+extern "C" __global__ void move_rows16(const ulonglong2* __restrict__ src,
+                                       ulonglong2* __restrict__ dst,
+                                       const long long* __restrict__ src_rows,
+                                       const long long* __restrict__ dst_rows,
+                                       long long n_rows, long long vecs) {
+    for (long long r = blockIdx.x; r < n_rows; r += gridDim.x) {
+        const ulonglong2* s = src + src_rows[r] * vecs;
+        ulonglong2* d = dst + dst_rows[r] * vecs;
+        for (long long v = threadIdx.x; v < vecs; v += blockDim.x) {
+            d[v] = s[v];
+        }
+    }
+}
 """
 _HOST_REGISTER_PORTABLE = 0x01
 _HOST_REGISTER_MAPPED = 0x02
-_kernel_cache: dict[int, Any] = {}
+_kernel_cache: dict[tuple[int, str], Any] = {}
 
 
-def _kernel() -> Any:
+def _kernel(name: str = "move_rows") -> Any:
     import cupy
-    dev = cupy.cuda.Device().id
-    k = _kernel_cache.get(dev)
+    key = (cupy.cuda.Device().id, name)
+    k = _kernel_cache.get(key)
     if k is None:
-        k = cupy.RawKernel(_KERNEL, "move_rows")
-        _kernel_cache[dev] = k
+        k = cupy.RawModule(code=_KERNEL).get_function(name)
+        _kernel_cache[key] = k
     return k
 
 
@@ -104,6 +123,11 @@ class MappedSegment:
         sr = cupy.asarray(np.asarray(src_rows, dtype=np.int64))
         dr = cupy.asarray(np.asarray(dst_rows, dtype=np.int64))
         threads = 256
+        if words % 2 == 0 and src.data.ptr % 16 == 0 and dst.data.ptr % 16 == 0:
+            blocks = min(n, 1 << 16)
+            _kernel("move_rows16")((blocks,), (threads,),
+                                   (src, dst, sr, dr, np.int64(n), np.int64(words // 2)))
+            return
         blocks = min(65535, max(1, (n * words + threads - 1) // threads))
         _kernel()((blocks,), (threads,), (src, dst, sr, dr, np.int64(n), np.int64(words)))
 
@@ -124,5 +148,7 @@ def warm(block_bytes: int = 16384) -> None:
     import cupy
     src = cupy.zeros((2, block_bytes // 8), dtype=cupy.uint64)
     dst = cupy.empty_like(src)
-    MappedSegment._move(src, dst, np.arange(2), np.arange(2))
+    MappedSegment._move(src, dst, np.arange(2), np.arange(2))          # the 16-byte kernel
+    odd = cupy.zeros((2, 1), dtype=cupy.uint64)
+    MappedSegment._move(odd, cupy.empty_like(odd), np.arange(2), np.arange(2))   # 8-byte one
     synchronize()

@@ -64,6 +64,41 @@ def test_scattered_rows_of_a_paged_cache(gpu_service):
                            cache[torch.as_tensor(pages, device="cuda")])
 
 
+@pytest.mark.parametrize("words", [2048, 513, 1])
+def test_both_transfer_kernels_move_exactly_the_named_rows(words: int):
+    # Even row widths take the 16-byte row kernel, odd ones the 8-byte word kernel; the rows
+    # not named must keep their poison.
+    from kvtier.gpu import MappedSegment, synchronize
+    rng = np.random.default_rng(words)
+    src = cupy.asarray(rng.integers(0, 1 << 63, (300, words), dtype=np.uint64))
+    dst = cupy.full((400, words), 0xDEADBEEF, dtype=cupy.uint64)
+    s_rows = rng.permutation(300)[:200]
+    d_rows = rng.permutation(400)[:200]
+    MappedSegment._move(src, dst, s_rows, d_rows)
+    synchronize()
+    host_src, host_dst = cupy.asnumpy(src), cupy.asnumpy(dst)
+    assert (host_dst[d_rows] == host_src[s_rows]).all()
+    untouched = np.setdiff1d(np.arange(400), d_rows)
+    assert (host_dst[untouched] == 0xDEADBEEF).all()
+
+
+def test_large_cuda_batches_round_trip_in_pipelined_chunks(gpu_service):
+    # 3,000 keys: three chunks (kvtier.api.pipeline), each one launch, into scattered rows.
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("chunks", block_bytes=4096)
+        n = 3000
+        src = torch.randint(0, 255, (n, 4096), dtype=torch.uint8, device="cuda")
+        rows = np.random.default_rng(2).permutation(n)
+        ns.put(keys(range(n)), src, rows=rows)
+        out = torch.zeros_like(src)
+        dest = np.random.default_rng(3).permutation(n)
+        found, _ = ns.get(keys(range(n)), out=out, rows=dest)
+        assert found.all()
+        assert torch.equal(out[torch.as_tensor(dest, device="cuda")],
+                           src[torch.as_tensor(rows, device="cuda")])
+        assert c.stats()["leases"] == 0
+
+
 class HbmModel(EngineModel):
     """The engine's state machine with a real HBM pool in place of the stand-in."""
 

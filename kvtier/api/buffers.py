@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import xxhash
-
+from kvtier.checksums import block_checksums
 from kvtier.errors import BadRequest
 
 
@@ -66,8 +65,5 @@ def blocks_view(data: Any, n: int, block_bytes: int, writable: bool = False) -> 
 
 
 def checksums(blocks: np.ndarray) -> np.ndarray:
-    """xxh3-64 of each row."""
-    out = np.empty(blocks.shape[0], dtype=np.uint64)
-    for i in range(blocks.shape[0]):
-        out[i] = xxhash.xxh3_64_intdigest(blocks[i])
-    return out
+    """xxh3-64 of each row (threads for large batches: kvtier.checksums)."""
+    return block_checksums(blocks)

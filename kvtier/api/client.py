@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvtier.api import pipeline
 from kvtier.api import protocol as P
 from kvtier.api.buffers import blocks_view, checksums, pack_keys
 from kvtier.config import Settings
@@ -208,6 +209,11 @@ class Namespace(NamespaceHandle):
             r = c._call("put", ns=self.name, keys=kb, data=src.tobytes(), parents=pb)
             return np.frombuffer(r["versions"], "<u8")
         view = self._view()
+        if len(pipeline.chunks(n)) > 1:
+            def write(slots: np.ndarray, lo: int, hi: int) -> bytes | None:
+                view[slots.astype(np.intp)] = src[lo:hi]
+                return P.arr(checksums(src[lo:hi]), "<u8") if verify else None
+            return pipeline.put(self, kb, n, pb, write)
         r = c._call("reserve", ns=self.name, keys=kb, parents=pb)
         rid = r["rid"]
         try:
@@ -222,36 +228,32 @@ class Namespace(NamespaceHandle):
 
     def _put_cuda(self, kb: bytes, n: int, blocks: Any, parents: Any,
                   rows: np.ndarray | None) -> np.ndarray:
+        """One scatter launch per chunk (kvtier.api.pipeline), straight from the tensor's rows
+        into the reserved slots; the service checksums them at commit."""
         from kvtier.gpu import rows_view, synchronize
-        c = self._client
-        c._ensure()
+        self._client._ensure()
         src = rows_view(blocks, n, self.block_bytes)
         seg = self._gpu()
         pb = None if parents is None else pack_keys(parents, self.key_width)
-        r = c._call("reserve", ns=self.name, keys=kb, parents=pb)
-        try:
-            seg.scatter(src, np.frombuffer(r["slots"], "<i4"), rows)
-            synchronize()          # the bytes are in the slots before the commit checksums them
-        except BaseException:
-            c._call("abort", rid=r["rid"])
-            raise
-        return np.frombuffer(c._call("commit", rid=r["rid"])["versions"], "<u8")
+        src_rows = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
+
+        def write(slots: np.ndarray, lo: int, hi: int) -> None:
+            seg.scatter(src, slots, src_rows[lo:hi])
+        return pipeline.put(self, kb, n, pb, write, synchronize)
 
     def _get_cuda(self, kb: bytes, n: int, out: Any, rows: np.ndarray | None) -> np.ndarray:
+        """One gather launch per chunk, launched as each chunk's reply arrives; the leases end
+        after the stream has synchronised (the kernels have read the slots)."""
         from kvtier.gpu import rows_view, synchronize
-        c = self._client
-        c._ensure()
+        self._client._ensure()
         dst = rows_view(out, n, self.block_bytes)
         seg = self._gpu()
-        rep = GetReply.decode(c._call("get", ns=self.name, keys=kb))
-        try:
+        dst_rows = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
+
+        def move(rep: GetReply, lo: int) -> None:
             idx = np.flatnonzero(rep.found)
-            dst_rows = (np.arange(n) if rows is None else np.asarray(rows))[idx]
-            seg.gather(rep.slots[idx], dst, dst_rows)
-            synchronize()          # the kernel has read the slots: the lease may end
-        finally:
-            c._release_later(rep.lease)
-        return rep.found
+            seg.gather(rep.slots[idx], dst, dst_rows[lo + idx])
+        return pipeline.get(self, kb, n, move, synchronize)
 
     def get(self, keys: Any, out: Any = None, verify: bool = True,
             rows: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
@@ -281,6 +283,10 @@ class Namespace(NamespaceHandle):
                     raise ChecksumError("inline blocks did not match their checksums")
             return rep.found, dst
         view = self._view()
+        if len(pipeline.chunks(n)) > 1:
+            def move(rep: GetReply, lo: int) -> None:
+                copy_out(view, rep, dst[lo:lo + rep.found.size], verify)
+            return pipeline.get(self, kb, n, move), dst
         rep = GetReply.decode(c._call("get", ns=self.name, keys=kb))
         try:
             copy_out(view, rep, dst, verify)
@@ -472,7 +478,11 @@ class Client:
             self._buf += self._rview[:got]
 
     def _call(self, op: str, **args: Any) -> dict[str, Any]:
-        req_id = self._send(op, args)
+        return self._reply(self._send(op, args))
+
+    def _reply(self, req_id: int) -> dict[str, Any]:
+        """The reply to request req_id (sent earlier, pipelined or not), re-raised as its
+        kvtier exception if it is an error. Replies come in request order."""
         while True:
             reply = self._recv_frame()
             rid = reply.get("id")
