@@ -3,6 +3,7 @@ bad frames and security."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import msgpack
 import numpy as np
@@ -316,66 +318,59 @@ def test_peer_of_another_uid_cannot_map_namespace_memory(tmp_path: Path):
 
 # ---------------------------------------------------------------------- pipelined chunks
 
+@contextlib.contextmanager
+def big_namespace(tmp_path: Path, host: str) -> Iterator[tuple[kvtier.Client, Any]]:
+    """A real serve with a host tier of `host` and no NVMe, and a 4 KiB namespace on it."""
+    svc = Service(tmp_path / "svc", admin=False, host_capacity=host, nvme_capacity="0").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            yield c, c.namespace("big", block_bytes=4096)
+    finally:
+        svc.stop()
+
+
 def test_large_batches_go_in_pipelined_chunks_and_round_trip(tmp_path: Path):
     # 2,500 keys: three chunks of up to 1,024 (kvtier.api.pipeline), with a duplicate-free
     # shuffled get order so that each chunk's slots are scattered.
-    svc = Service(tmp_path / "svc", admin=False, host_capacity="32MiB",
-                  nvme_capacity="0").start()
-    try:
-        with kvtier.Client(svc.socket) as c:
-            ns = c.namespace("big", block_bytes=4096)
-            n = 2500
-            data = blocks(n, 4096, 5)
-            versions = ns.put(keys(range(n)), data)
-            assert versions.tolist() == [1] * n
-            order = np.random.default_rng(1).permutation(n)
-            found, got = ns.get(keys(order.tolist()) + keys([n + 7]))
-            assert found[:n].all() and not found[n]
-            assert (got[:n] == data[order]).all() and (got[n] == 0).all()
-            assert ns.put(keys(range(n)), data[::-1]).tolist() == [2] * n
-            found, got = ns.get(keys(range(n)))
-            assert found.all() and (got == data[::-1]).all()
-            assert c.stats()["leases"] == 0
-    finally:
-        svc.stop()
+    with big_namespace(tmp_path, "32MiB") as (c, ns):
+        n = 2500
+        data = blocks(n, 4096, 5)
+        versions = ns.put(keys(range(n)), data)
+        assert versions.tolist() == [1] * n
+        order = np.random.default_rng(1).permutation(n)
+        found, got = ns.get(keys(order.tolist()) + keys([n + 7]))
+        assert found[:n].all() and not found[n]
+        assert (got[:n] == data[order]).all() and (got[n] == 0).all()
+        assert ns.put(keys(range(n)), data[::-1]).tolist() == [2] * n
+        found, got = ns.get(keys(range(n)))
+        assert found.all() and (got == data[::-1]).all()
+        assert c.stats()["leases"] == 0
 
 
 def test_a_chunk_that_cannot_be_reserved_stores_the_chunks_before_it(tmp_path: Path):
     # A real shortage: 2,500 blocks of 4 KiB into a host tier of 8 MiB (2,048 blocks) with no
     # NVMe to evict to. The first two chunks fit and are committed, the third is refused.
-    svc = Service(tmp_path / "svc", admin=False, host_capacity="8MiB",
-                  nvme_capacity="0").start()
-    try:
-        with kvtier.Client(svc.socket) as c:
-            ns = c.namespace("big", block_bytes=4096)
-            data = blocks(2500, 4096, 6)
-            with pytest.raises(kvtier.errors.CapacityError, match="2048 of 2500 blocks"):
-                ns.put(keys(range(2500)), data)
-            found, got = ns.get(keys(range(2048)))
-            assert found.all() and (got == data[:2048]).all()
-            assert not ns.get(keys(range(2048, 2500)))[0].any()
-            st = c.stats()
-            assert st["leases"] == 0 and st["reservations"] == 0
-            assert c.ping() > 0                 # the connection is still in step
-    finally:
-        svc.stop()
+    with big_namespace(tmp_path, "8MiB") as (c, ns):
+        data = blocks(2500, 4096, 6)
+        with pytest.raises(kvtier.errors.CapacityError, match="2048 of 2500 blocks"):
+            ns.put(keys(range(2500)), data)
+        found, got = ns.get(keys(range(2048)))
+        assert found.all() and (got == data[:2048]).all()
+        assert not ns.get(keys(range(2048, 2500)))[0].any()
+        st = c.stats()
+        assert st["leases"] == 0 and st["reservations"] == 0
+        assert c.ping() > 0                 # the connection is still in step
 
 
 def test_a_corrupt_block_in_one_chunk_fails_the_get_and_leaks_no_lease(tmp_path: Path):
     # A writer outside the protocol (here: this test, through the mapping) changes a committed
     # block in the second chunk; the verifying get raises, and every chunk's lease still ends.
-    svc = Service(tmp_path / "svc", admin=False, host_capacity="32MiB",
-                  nvme_capacity="0").start()
-    try:
-        with kvtier.Client(svc.socket) as c:
-            ns = c.namespace("big", block_bytes=4096)
-            ns.put(keys(range(2500)), blocks(2500, 4096, 7))
-            rep = c._call("get", ns="big", keys=keys([1500]))
-            c._call("release", lease=rep["lease"])
-            slot = int(np.frombuffer(rep["slots"], "<i4")[0])
-            ns._view()[slot, 0] ^= 0xFF
-            with pytest.raises(kvtier.errors.ChecksumError):
-                ns.get(keys(range(2500)))
-            assert c.stats()["leases"] == 0
-    finally:
-        svc.stop()
+    with big_namespace(tmp_path, "32MiB") as (c, ns):
+        ns.put(keys(range(2500)), blocks(2500, 4096, 7))
+        rep = c._call("get", ns="big", keys=keys([1500]))
+        c._call("release", lease=rep["lease"])
+        slot = int(np.frombuffer(rep["slots"], "<i4")[0])
+        ns._view()[slot, 0] ^= 0xFF
+        with pytest.raises(kvtier.errors.ChecksumError):
+            ns.get(keys(range(2500)))
+        assert c.stats()["leases"] == 0
