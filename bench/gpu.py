@@ -8,7 +8,8 @@ real `kvtier serve` (host tier pinned in both processes):
     onboard_gbps_16k / _64k   get of 4,096 scattered blocks from the host tier into a CUDA
                               tensor (scattered rows), from the call to data ready
     offload_gbps_16k / _64k   put of 4,096 blocks from a CUDA tensor, to the commit's reply
-    kernel_gbps_16k           the gather launch alone over the same mapped segment
+    kernel_gbps_16k           the gather launch alone over the same mapped segment (the 16-byte
+                              row kernel; kernel8_gbps_16k: the 8-byte word kernel)
     control_ms_16k / _64k     a get of the 4,096 keys and its release, no bytes moved
     first_request_ms          the first 4,096 x 16 KiB get after start (worker warmed with
                               kvtier.gpu.warm()), against steady_p50_ms
@@ -46,6 +47,30 @@ def med(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
+def onboard_timeline(ns, kb: bytes, out, rows: np.ndarray) -> list:
+    """One pipelined onboard get, instrumented: for each chunk, [reply in, launch returned]
+    in ms from the call, then the synchronisation's end (where the time of a get goes)."""
+    import torch
+    from kvtier.api import pipeline
+    from kvtier.gpu import rows_view
+    seg, dst = ns._gpu(), rows_view(out, N, ns.block_bytes)
+    marks: list = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+
+    def move(rep, lo: int) -> None:
+        t1 = time.perf_counter()
+        idx = np.flatnonzero(rep.found)
+        seg.gather(rep.slots[idx], dst, rows[lo + idx])
+        marks.append([round((t1 - t0) * 1e3, 3), round((time.perf_counter() - t0) * 1e3, 3)])
+
+    def finish() -> None:
+        seg.sync()
+        marks.append(round((time.perf_counter() - t0) * 1e3, 3))
+    pipeline.get(ns, kb, N, move, finish)
+    return marks
+
+
 def ceilings() -> dict:
     import torch
     size = 1 << 30
@@ -76,12 +101,19 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         on = med(lambda: ns.get(kb, out=out, rows=rows), reps)
+        timeline = onboard_timeline(ns, kb, out, rows)
+        from kvtier.api import pipeline
+        by_chunk = {}
+        for size in (N, 1024, 512):           # N: one request, no pipelining
+            pipeline.CHUNK = size
+            by_chunk[str(size)] = round(med(lambda: ns.get(kb, out=out, rows=rows), reps) * 1e3,
+                                        3)
+        pipeline.CHUNK = 1024
         if not torch.equal(out[torch.as_tensor(rows, device="cuda")],
                            src[torch.as_tensor(order, device="cuda")]):
             raise SystemExit("onboard returned wrong bytes")
         off = med(lambda: ns.put(kb, out, rows=rows), reps)
         # Where an offload's time goes: reserve, the scatter launch, the commit.
-        from kvtier.gpu import synchronize
         parts = {"reserve": [], "scatter": [], "commit": []}
         seg0 = ns._gpu()
         src_view = rows_view(out, N, bb)
@@ -90,7 +122,7 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
             r = c._call("reserve", ns=ns.name, keys=kb)
             t1 = time.perf_counter()
             seg0.scatter(src_view, np.frombuffer(r["slots"], "<i4"), rows)
-            synchronize()
+            seg0.sync()
             t2 = time.perf_counter()
             c._call("commit", rid=r["rid"])
             t3 = time.perf_counter()
@@ -108,25 +140,31 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
         dst = rows_view(out, N, bb)
         lease = c._call("get", ns=ns.name, keys=kb)
         slots = np.frombuffer(lease["slots"], "<i4")
-        kern = med(lambda: seg.gather(slots, dst, rows), reps)
+        kern = med(lambda: (seg.gather(slots, dst, rows), seg.sync()), reps)
+        kern8 = med(lambda: (seg._move(seg.dev, dst, slots, rows, seg.indices, wide=False),
+                             seg.sync()), reps)
         c._call("release", lease=lease["lease"])
     nbytes = N * bb
     tag = f"{bb // 1024}k"
     return {f"onboard_gbps_{tag}": round(nbytes / on / 1e9, 2),
             f"offload_gbps_{tag}": round(nbytes / off / 1e9, 2),
             f"kernel_gbps_{tag}": round(nbytes / kern / 1e9, 2),
+            f"kernel8_gbps_{tag}": round(nbytes / kern8 / 1e9, 2),
             f"first_request_ms_{tag}": round(first * 1000, 3),
             f"control_ms_{tag}": round(ctl * 1000, 3),
+            f"onboard_timeline_ms_{tag}": timeline,
+            f"onboard_ms_by_chunk_{tag}": by_chunk,
             f"steady_p50_ms_{tag}": round(on * 1000, 3), **breakdown}
 
 
 def nvme_path(workdir: str) -> dict:
     import cupy
     import kvikio
-    from kvtier.tiers.kvikio_backend import KvikioBackend
+    from kvtier.tiers.kvikio_backend import KvikioBackend, kvikio_backend
     from kvtier.tiers.nvme import SegmentLog, _aligned
     bb, n = 65536, N
-    log = SegmentLog(os.path.join(workdir, "kv"), 1, bb, 1 << 30, backend=KvikioBackend(kvikio))
+    backend = kvikio_backend()            # sizes kvikio's pool as the service does
+    log = SegmentLog(os.path.join(workdir, "kv"), 1, bb, 1 << 30, backend=backend)
     buf = _aligned(64 * bb)
     np.frombuffer(buf, np.uint8)[:] = 3
     views = [memoryview(buf)[i * bb:(i + 1) * bb] for i in range(64)]
@@ -166,11 +204,24 @@ def nvme_path(workdir: str) -> dict:
     pl_t = float(np.median([_timed(plain) for _ in range(5)]))
     os.close(fd)
     f.close()
-    b = KvikioBackend(kvikio)
+    b = KvikioBackend(kvikio)           # reads the settings now in force
     mode = b.compat_mode
     return {"kvikio_threads": b.threads, "kvikio_task_size": b.task_size,"nvme_to_hbm_gbps": round(n * bb / kv_t / 1e9, 2),
             "plain_read_gbps": round(n * bb / pl_t / 1e9, 2),
             "nvme_ratio": round(pl_t / kv_t, 3), "kvikio_compat_mode": mode}
+
+
+def hash_rates() -> dict:
+    """The service's commit hash (kvtier.checksums) over 4,096 x 64 KiB slots of a memfd
+    segment: what bounds an offload's commit."""
+    from kvtier.checksums import block_checksums
+    from kvtier.tiers.host import SlotPool
+    pool = SlotPool("hash", 65536, N)
+    pool.array[:] = np.random.default_rng(0).integers(0, 256, pool.array.shape, dtype=np.uint8)
+    slots = list(range(N))
+    t = float(np.median([_timed(lambda: block_checksums(pool.array, slots)) for _ in range(5)]))
+    pool.close()
+    return {"commit_hash_gbps": round(N * 65536 / t / 1e9, 2)}
 
 
 def _timed(fn) -> float:
@@ -195,6 +246,7 @@ def main() -> None:
         out.update(service_path(str(svc.socket), 65536, args.reps))
     finally:
         svc.stop()
+    out.update(hash_rates())
     try:
         out.update(nvme_path(work))
     except ImportError as exc:

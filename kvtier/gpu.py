@@ -85,6 +85,57 @@ def rows_view(tensor: Any, n: int, block_bytes: int) -> Any:
     return arr.view(cupy.uint64).reshape(-1, block_bytes // 8)
 
 
+class PinnedIndices:
+    """Row indices on their way to the kernels, staged in pinned host memory and copied with
+    cudaMemcpyAsync, so that launching chunk k+1 of a pipelined batch never waits for chunk k.
+
+    (cupy.asarray of a numpy array is a pageable copy: it is ordered after the kernel already
+    in the stream and blocks the host until that kernel has run, which serialised the control
+    path of one chunk behind the transfer of the previous one: bench/gpu.py onboard 16 KiB at
+    2.35 ms where the kernel alone takes 1.46 ms.)
+
+    A staged region is not rewritten until reset(), which the caller makes only after the
+    stream has synchronised; until then a full buffer is followed by a new, larger one.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[tuple[int, int]] = []       # (pinned host address, bytes)
+        self._off = 0
+
+    def upload(self, a: np.ndarray) -> Any:
+        import ctypes
+        import cupy
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        nbytes = a.nbytes
+        if not self._bufs or self._off + nbytes > self._bufs[-1][1]:
+            cap = max(1 << 20, 2 * (self._bufs[-1][1] if self._bufs else 0), nbytes)
+            self._bufs.append((cupy.cuda.runtime.hostAlloc(cap, 0), cap))
+            self._off = 0
+        addr = self._bufs[-1][0] + self._off
+        if a.size:
+            np.ctypeslib.as_array((ctypes.c_int64 * a.size).from_address(addr))[:] = a
+        dev = cupy.empty(a.size, dtype=cupy.int64)
+        if a.size:
+            dev.data.copy_from_host_async(addr, nbytes)
+        self._off += -(-nbytes // 256) * 256
+        return dev
+
+    def reset(self) -> None:
+        """Every staged index has been copied (the stream has synchronised): reuse the
+        largest buffer from its start, free the others."""
+        import cupy
+        for addr, _cap in self._bufs[:-1]:
+            cupy.cuda.runtime.freeHost(addr)
+        self._bufs = self._bufs[-1:]
+        self._off = 0
+
+    def close(self) -> None:
+        import cupy
+        for addr, _cap in self._bufs:
+            cupy.cuda.runtime.freeHost(addr)
+        self._bufs = []
+
+
 class MappedSegment:
     """A mapped host segment (numpy (n_slots, block_bytes)) made readable by the GPU."""
 
@@ -104,26 +155,41 @@ class MappedSegment:
         mem = cupy.cuda.UnownedMemory(dptr, self.nbytes, self)
         self.dev = cupy.ndarray((host.shape[0], host.shape[1] // 8), dtype=cupy.uint64,
                                 memptr=cupy.cuda.MemoryPointer(mem, 0))
+        self.indices = PinnedIndices()
 
     def gather(self, slots: np.ndarray, out: Any, rows: np.ndarray | None = None) -> None:
-        """out[rows[i]] = segment[slots[i]], one launch; out is a cupy uint64 row view."""
-        self._move(self.dev, out, slots, rows if rows is not None else np.arange(len(slots)))
+        """out[rows[i]] = segment[slots[i]], one launch (asynchronous: sync() before the
+        slots may be released); out is a cupy uint64 row view."""
+        self._move(self.dev, out, slots, rows if rows is not None else np.arange(len(slots)),
+                   self.indices)
 
     def scatter(self, src: Any, slots: np.ndarray, rows: np.ndarray | None = None) -> None:
-        """segment[slots[i]] = src[rows[i]], one launch."""
-        self._move(src, self.dev, rows if rows is not None else np.arange(len(slots)), slots)
+        """segment[slots[i]] = src[rows[i]], one launch (asynchronous: sync() before commit)."""
+        self._move(src, self.dev, rows if rows is not None else np.arange(len(slots)), slots,
+                   self.indices)
+
+    def sync(self) -> None:
+        """Wait for this thread's launches; then the staged indices may be reused."""
+        synchronize()
+        self.indices.reset()
 
     @staticmethod
-    def _move(src: Any, dst: Any, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
+    def _move(src: Any, dst: Any, src_rows: np.ndarray, dst_rows: np.ndarray,
+              indices: PinnedIndices | None = None, wide: bool = True) -> None:
+        """dst[dst_rows[i]] = src[src_rows[i]] for all i, one launch. wide=False forces the
+        8-byte kernel (bench/gpu.py compares the two)."""
         import cupy
         n = len(src_rows)
         if n == 0:
             return
         words = src.shape[1]
-        sr = cupy.asarray(np.asarray(src_rows, dtype=np.int64))
-        dr = cupy.asarray(np.asarray(dst_rows, dtype=np.int64))
+        if indices is not None:
+            sr, dr = indices.upload(src_rows), indices.upload(dst_rows)
+        else:
+            sr = cupy.asarray(np.asarray(src_rows, dtype=np.int64))
+            dr = cupy.asarray(np.asarray(dst_rows, dtype=np.int64))
         threads = 256
-        if words % 2 == 0 and src.data.ptr % 16 == 0 and dst.data.ptr % 16 == 0:
+        if wide and words % 2 == 0 and src.data.ptr % 16 == 0 and dst.data.ptr % 16 == 0:
             blocks = min(n, 1 << 16)
             _kernel("move_rows16")((blocks,), (threads,),
                                    (src, dst, sr, dr, np.int64(n), np.int64(words // 2)))
@@ -134,6 +200,8 @@ class MappedSegment:
     def close(self) -> None:
         import cupy
         if self.ptr:
+            synchronize()
+            self.indices.close()
             cupy.cuda.runtime.hostUnregister(self.ptr)
             self.ptr = 0
 

@@ -387,3 +387,29 @@ def test_fast_paths_leave_the_state_the_batch_path_leaves(tmp_path: Path, n: int
     assert a.namespace("m").slots[Tier.HOST].retired.sum() == 0
     for eng in engines:
         eng.close(flush=False)
+
+
+def test_release_many_ends_each_lease_once_and_frees_retired_slots(make_engine):
+    # Three leases of one owner (two on the same key), one of another owner, one unknown id:
+    # release_many ends the three in one pass, counts the other two, and a slot that a rewrite
+    # retired is freed only once both of its readers are gone.
+    eng = make_engine(nvme_capacity="0")
+    eng.create_namespace("m", BB)
+    eng.put("m", keys(range(4)), blocks(4, BB))
+    a = eng.get("m", keys([0, 1]), owner=1)
+    b = eng.get("m", keys([0]), owner=1)
+    c = eng.get("m", keys([2, 3]), owner=1)
+    other = eng.get("m", keys([3]), owner=2)
+    eng.put("m", keys([0]), blocks(1, BB, 9))              # key 0's old slot is retired
+    pool = eng.namespace("m").slots[Tier.HOST]
+    old0 = int(a.slots[0])
+    assert pool.retired[old0] and pool.leases[old0] == 2
+    free_before = pool.pool.free_count
+    assert eng.release_many([a.lease_id, b.lease_id, c.lease_id, other.lease_id, 999], 1) == 2
+    assert not pool.retired[old0] and pool.leases[old0] == 0
+    assert pool.pool.free_count == free_before + 1          # the retired slot came back
+    assert sorted(eng.leases) == [other.lease_id]
+    assert pool.leases[int(other.slots[0])] == 1            # another owner's lease stands
+    assert eng.release_many([a.lease_id], 1) == 1           # already ended: counted, no change
+    eng.release(other.lease_id, 2)
+    assert pool.leases.sum() == 0 and not eng.leases

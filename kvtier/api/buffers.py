@@ -65,5 +65,5 @@ def blocks_view(data: Any, n: int, block_bytes: int, writable: bool = False) -> 
 
 
 def checksums(blocks: np.ndarray) -> np.ndarray:
-    """xxh3-64 of each row (threads for large batches: kvtier.checksums)."""
+    """xxh3-64 of each row."""
     return block_checksums(blocks)

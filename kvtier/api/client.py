@@ -230,7 +230,7 @@ class Namespace(NamespaceHandle):
                   rows: np.ndarray | None) -> np.ndarray:
         """One scatter launch per chunk (kvtier.api.pipeline), straight from the tensor's rows
         into the reserved slots; the service checksums them at commit."""
-        from kvtier.gpu import rows_view, synchronize
+        from kvtier.gpu import rows_view
         self._client._ensure()
         src = rows_view(blocks, n, self.block_bytes)
         seg = self._gpu()
@@ -239,12 +239,12 @@ class Namespace(NamespaceHandle):
 
         def write(slots: np.ndarray, lo: int, hi: int) -> None:
             seg.scatter(src, slots, src_rows[lo:hi])
-        return pipeline.put(self, kb, n, pb, write, synchronize)
+        return pipeline.put(self, kb, n, pb, write, seg.sync)
 
     def _get_cuda(self, kb: bytes, n: int, out: Any, rows: np.ndarray | None) -> np.ndarray:
         """One gather launch per chunk, launched as each chunk's reply arrives; the leases end
         after the stream has synchronised (the kernels have read the slots)."""
-        from kvtier.gpu import rows_view, synchronize
+        from kvtier.gpu import rows_view
         self._client._ensure()
         dst = rows_view(out, n, self.block_bytes)
         seg = self._gpu()
@@ -253,7 +253,7 @@ class Namespace(NamespaceHandle):
         def move(rep: GetReply, lo: int) -> None:
             idx = np.flatnonzero(rep.found)
             seg.gather(rep.slots[idx], dst, dst_rows[lo + idx])
-        return pipeline.get(self, kb, n, move, synchronize)
+        return pipeline.get(self, kb, n, move, seg.sync)
 
     def get(self, keys: Any, out: Any = None, verify: bool = True,
             rows: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
@@ -394,12 +394,15 @@ class Client:
         if self._sock is None:
             self.connect()
 
-    def _send(self, op: str, args: dict[str, Any]) -> int:
+    def _send(self, op: str, args: dict[str, Any], piggyback: bool = True) -> int:
+        """Send one request; returns its id. Queued releases ride on it unless piggyback is
+        False (the service ends them before the op, so a pipelined batch puts them on its
+        last request, behind the chunks the caller waits for first)."""
         if self._sock is None:
             raise ServiceUnavailable(f"not connected to kvtier at {self.path}")
         self._next += 1
         body = {"id": self._next, "op": op, **{k: v for k, v in args.items() if v is not None}}
-        if self._pending:
+        if self._pending and piggyback:
             body["release_first"] = P.arr(np.asarray(self._pending), "<u8")
             self._pending.clear()
         self._sendall(P.pack(body))

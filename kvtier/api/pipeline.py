@@ -9,6 +9,7 @@ are all sent at once; each reply's transfer is started as it arrives (a CUDA lau
 once), so the service works on chunk k+1 while chunk k moves.
 
     get:  send get(c1) .. get(cN) | for each reply: move(c)            | finish | releases
+          (releases queued by earlier calls ride on the last request, not the first)
     put:  send reserve(c1) .. (cN) | for each reply: write(c), sync,    | commit replies
                                    |   send commit(c) (not waited for)  |
 
@@ -32,8 +33,10 @@ if TYPE_CHECKING:
 CHUNK = 1024
 
 
-def chunks(n: int, size: int = CHUNK) -> list[tuple[int, int]]:
-    """[lo, hi) ranges covering n keys: one range up to 2 x size keys, else ranges of size."""
+def chunks(n: int, size: int | None = None) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering n keys: one range up to 2 x size keys (default CHUNK), else
+    ranges of size."""
+    size = size or CHUNK
     if n <= 2 * size:
         return [(0, n)]
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
@@ -48,10 +51,13 @@ def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], No
     c = ns._client
     w = ns.key_width
     parts = chunks(n)
-    ids = [c._send("get", {"ns": ns.name, "keys": kb[lo * w:hi * w]}) for lo, hi in parts]
+    last = len(parts) - 1
+    ids = [c._send("get", {"ns": ns.name, "keys": kb[lo * w:hi * w]}, piggyback=i == last)
+           for i, (lo, hi) in enumerate(parts)]
     found = np.zeros(n, dtype=bool)
     leases: list[int] = []
     error: BaseException | None = None
+    moving = False
     for (lo, hi), rid in zip(parts, ids):
         try:
             rep = GetReply.decode(c._reply(rid))
@@ -64,12 +70,17 @@ def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], No
         found[lo:hi] = rep.found
         if error is None:
             try:
+                moving = True
                 move(rep, lo)
             except BaseException as exc:      # keep reading: the other replies hold leases
                 error = exc
     try:
-        if error is None:
-            finish()
+        if moving:
+            # Even after an error: a lease may end only once no launched copy reads its slots.
+            try:
+                finish()
+            except BaseException as exc:
+                error = error or exc
     finally:
         for lease in leases:
             c._release_later(lease)
@@ -87,10 +98,11 @@ def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
     c = ns._client
     w = ns.key_width
     parts = chunks(n)
+    last = len(parts) - 1
     reserve_ids = [c._send("reserve", {"ns": ns.name, "keys": kb[lo * w:hi * w],
                                        "parents": None if parents is None
-                                       else parents[lo * w:hi * w]})
-                   for lo, hi in parts]
+                                       else parents[lo * w:hi * w]}, piggyback=i == last)
+                   for i, (lo, hi) in enumerate(parts)]
     commit_ids: list[tuple[int, int, int]] = []       # (lo, hi, request id)
     error: BaseException | None = None
     for (lo, hi), rid in zip(parts, reserve_ids):
@@ -109,7 +121,10 @@ def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
             sync()               # the bytes are in the slots before the commit checksums them
         except BaseException as exc:
             error = exc
-            c._send_nowait("abort", rid=r["rid"])
+            try:
+                sync()           # no launched write may land in slots an abort hands back
+            finally:
+                c._send_nowait("abort", rid=r["rid"])
             continue
         commit_ids.append((lo, hi, c._send("commit", {"rid": r["rid"], "checksums": sums})))
     versions = np.zeros(n, dtype=np.uint64)

@@ -231,11 +231,7 @@ class Server:
     async def _dispatch_after(self, client: ClientInfo, req: dict[str, Any], req_id: Any,
                               op: str, leases: list[int]) -> Reply:
         """The rest of a request whose piggybacked releases had to wait for the engine lock."""
-        for lid in leases:
-            try:
-                await self._run(self.engine.release, lid, client.cid)
-            except KvtierError:
-                client.errors += 1
+        client.errors += await self._run(self.engine.release_many, leases, client.cid)
         try:
             result = self._ops[op](client, req)
         except Exception as exc:
@@ -251,18 +247,14 @@ class Server:
             return _failed(exc, req_id, op)
 
     def _release_first(self, client: ClientInfo, req: dict[str, Any]) -> list[int]:
-        """Leases a client released by piggybacking on this request; returns those that must
-        wait for the engine lock. An unknown one is counted, not fatal: the request itself must
-        still be answered."""
+        """End the leases a client piggybacked on this request, in one engine call; returns
+        them all when that must wait for the engine lock. An unknown one is counted, not fatal:
+        the request itself must still be answered."""
         ids = P.array_arg(req, "release_first", "<u8").tolist()
-        for i, lid in enumerate(ids):
-            try:
-                done, _ = self._fast(self.engine.release, lid, client.cid)
-            except KvtierError:
-                client.errors += 1
-                continue
-            if not done:
-                return ids[i:]
+        done, bad = self._fast(self.engine.release_many, ids, client.cid)
+        if not done:
+            return ids
+        client.errors += bad
         return []
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:

@@ -60,8 +60,7 @@ MAX_KEY_WIDTH = 64
 
 
 def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
-    """xxh3-64 of each slot's bytes, read in place (no copy), by several threads for large
-    batches (kvtier.checksums)."""
+    """xxh3-64 of each slot's bytes, read in place (no copy)."""
     return block_checksums(pool.array, slots.tolist())
 
 
@@ -484,6 +483,36 @@ class Engine(Eviction, Transfers, FastPath):
             self._end_lease(part, HoldState.RELEASED)
             if lease.slots.size == 0:
                 del self.leases[lease_id]
+
+    def release_many(self, lease_ids: list[int], owner: int = 0) -> int:
+        """End several whole leases at once: the releases a client piggybacks on a request.
+        Leases of one namespace and tier end in one pass (four leases of 1,024 slots cost ~50
+        us each one by one on the H200 host, in front of the request that carried them).
+        Returns how many ids were unknown, already ended or not owner's; those change
+        nothing."""
+        with self.lock:
+            groups: dict[tuple[int, Tier], list[Lease]] = {}
+            bad = 0
+            for lid in lease_ids:
+                lease = self.leases.get(lid)
+                if lease is None or lease.owner != owner:
+                    bad += 1
+                    continue
+                del self.leases[lid]
+                groups.setdefault((id(lease.ns), lease.tier), []).append(lease)
+            for group in groups.values():
+                if len(group) == 1:
+                    self._end_lease(group[0], HoldState.RELEASED)
+                    continue
+                for lease in group:
+                    lease.state = HoldState.RELEASED
+                first = group[0]
+                merged = Lease(0, first.ns, first.tier,
+                               np.concatenate([g.slots for g in group]),
+                               np.concatenate([g.rows for g in group]),
+                               np.concatenate([g.versions for g in group]), owner, 0.0)
+                self._end_lease(merged, HoldState.RELEASED)
+            return bad
 
     def _end_lease(self, lease: Lease, state: HoldState) -> None:
         if lease.slots.size == 1:

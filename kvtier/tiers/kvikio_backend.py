@@ -6,9 +6,11 @@ without it), kvikio runs in compat mode with the same API. This back-end keeps t
 descriptor for header and size bookkeeping and hands the data path to kvikio.CuFile.
 
 kvikio needs libcuda, so it is imported only here, lazily, and only when a CUDA device is present.
-Its thread pool and task size come from KVIKIO_NTHREADS and KVIKIO_TASK_SIZE (set them before
-the service starts; on the H200 bench, 16 threads and 4 MiB tasks); the values in force are
-reported in the NVMe tier's stats.
+Sizing. Unless KVIKIO_NTHREADS or KVIKIO_TASK_SIZE is set, the back-end sizes kvikio's pool to
+one thread per CPU up to 16 and its tasks to 4 MiB: kvikio's default of one thread left a
+256 MiB read at the speed of one preadv (bench/gpu.py kvikio_threads), while a batch of records
+that are adjacent in the log is one long run that 4 MiB tasks spread over the pool. The values
+in force are reported in the NVMe tier's stats.
 """
 
 from __future__ import annotations
@@ -73,6 +75,32 @@ def _setting(kvikio: Any, name: str) -> str:
         return "unknown"
 
 
+DEFAULT_TASK_SIZE = 4 << 20
+MAX_THREADS = 16
+
+
+def size_pool(kvikio: Any) -> None:
+    """Set kvikio's thread pool and task size (see the module docstring), across the API's
+    versions (defaults.set(...) or the *_reset functions); the environment wins."""
+    import kvikio.defaults as kd
+    wanted = {}
+    if "KVIKIO_NTHREADS" not in os.environ:
+        wanted["num_threads"] = max(1, min(MAX_THREADS, os.cpu_count() or 1))
+    if "KVIKIO_TASK_SIZE" not in os.environ:
+        wanted["task_size"] = DEFAULT_TASK_SIZE
+    for name, value in wanted.items():
+        setter = getattr(kd, "set", None)
+        attempts = ([lambda: setter(name, value), lambda: setter({name: value})]
+                    if setter is not None else [])
+        attempts.append(lambda: getattr(kd, f"{name}_reset")(value))
+        for attempt in attempts:
+            try:
+                attempt()
+                break
+            except (AttributeError, TypeError, ValueError, RuntimeError):
+                continue               # another API version; kvikio keeps its default if none
+
+
 def kvikio_backend() -> KvikioBackend | None:
     """A kvikio back-end when kvikio imports and a CUDA device is visible, else None."""
     try:
@@ -85,4 +113,5 @@ def kvikio_backend() -> KvikioBackend | None:
             return None
     except cupy.cuda.runtime.CUDARuntimeError:
         return None
+    size_pool(kvikio)
     return KvikioBackend(kvikio)
