@@ -318,6 +318,36 @@ def test_peer_of_another_uid_cannot_map_namespace_memory(tmp_path: Path):
 
 # ---------------------------------------------------------------------- pipelined chunks
 
+_STRAY_WRITE = """
+import ctypes, sys, numpy as np, kvtier
+c = kvtier.Client(sys.argv[1])
+ns = c.namespace("m")
+ns._view()
+seg = ns._seg
+try:
+    ns._view()[0, 0] = 1
+except ValueError:
+    print("numpy refused", flush=True)
+# A stray pointer write into the writable mapping, outside any put's window.
+ctypes.memset(seg._base + 5 * seg.block_bytes, 0xAB, 8)
+print("the write went through", flush=True)
+"""
+
+
+def test_a_stray_write_into_committed_slots_faults_instead_of_corrupting(service):
+    with kvtier.Client(service.socket) as c:
+        ns = c.namespace("m", block_bytes=BB)
+        data = blocks(8, BB, 3)
+        ns.put(keys(range(8)), data)
+        out = subprocess.run([sys.executable, "-c", _STRAY_WRITE, str(service.socket)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.splitlines() == ["numpy refused"]
+        assert out.returncode == -signal.SIGSEGV           # the MMU stopped the stray write
+        found, got = ns.get(keys(range(8)), verify=True)
+        assert found.all() and (got == data).all()
+        assert ns.put(keys([5]), data[:1]).tolist() == [2]  # puts still open their window
+
+
 @contextlib.contextmanager
 def big_namespace(tmp_path: Path, host: str) -> Iterator[tuple[kvtier.Client, Any]]:
     """A real serve with a host tier of `host` and no NVMe, and a 4 KiB namespace on it."""
@@ -363,14 +393,15 @@ def test_a_chunk_that_cannot_be_reserved_stores_the_chunks_before_it(tmp_path: P
 
 
 def test_a_corrupt_block_in_one_chunk_fails_the_get_and_leaks_no_lease(tmp_path: Path):
-    # A writer outside the protocol (here: this test, through the mapping) changes a committed
-    # block in the second chunk; the verifying get raises, and every chunk's lease still ends.
+    # A deliberate writer outside the protocol (here: this test, through a fresh writable
+    # mapping of the memfd) changes a committed block in the second chunk; the verifying get
+    # raises, and every chunk's lease still ends.
     with big_namespace(tmp_path, "32MiB") as (c, ns):
         ns.put(keys(range(2500)), blocks(2500, 4096, 7))
         rep = c._call("get", ns="big", keys=keys([1500]))
         c._call("release", lease=rep["lease"])
         slot = int(np.frombuffer(rep["slots"], "<i4")[0])
-        ns._view()[slot, 0] ^= 0xFF
+        ns._seg.gpu_view()[slot, 0] ^= 0xFF
         with pytest.raises(kvtier.errors.ChecksumError):
-            ns.get(keys(range(2500)))
+            ns.get(keys(range(2500)), verify=True)
         assert c.stats()["leases"] == 0

@@ -50,10 +50,10 @@ class AsyncNamespace(NamespaceHandle):
         if self.inline:
             r = await c._call("put", ns=self.name, keys=kb, data=src.tobytes(), parents=pb)
             return np.frombuffer(r["versions"], "<u8")
-        view = await self._view()
+        await self._view()
         r = await c._call("reserve", ns=self.name, keys=kb, parents=pb)
         try:
-            view[np.frombuffer(r["slots"], "<i4").astype(np.intp)] = src
+            self._write(np.frombuffer(r["slots"], "<i4"), src)
             sums = P.arr(checksums(src), "<u8") if verify else None
         except BaseException:
             await c._call("abort", rid=r["rid"])
@@ -61,7 +61,7 @@ class AsyncNamespace(NamespaceHandle):
         r = await c._call("commit", rid=r["rid"], checksums=sums)
         return np.frombuffer(r["versions"], "<u8")
 
-    async def get(self, keys: Any, out: Any = None, verify: bool = True
+    async def get(self, keys: Any, out: Any = None, verify: bool = False
                   ) -> tuple[np.ndarray, np.ndarray]:
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width

@@ -13,10 +13,16 @@ service refuses the mapping (another uid) or ``inline=True`` is asked for, bytes
 the frames instead: correct, but each byte is copied twice more and msgpack-framed, so expect a
 third or less of the mapped throughput (bench/api.py measures both).
 
-Verification. With ``verify=True`` (the default) put sends the xxh3-64 of each block, and the
-service refuses the commit if a slot does not hash to it (a torn or overlapping write); get
-hashes what it copied and raises ChecksumError on a mismatch. ``verify=False`` skips both
-hashes, for callers that verify elsewhere.
+Verification. The service hashes every block (xxh3-64) at commit and checks that hash on every
+read from NVMe or Redis. Workers map committed slots read-only (kvtier.api.segment), so a
+stray write in a worker faults instead of changing another's block. Hence:
+
+- put, ``verify=True`` (the default): the worker sends the hash of each block it wrote, and the
+  service refuses the commit if a slot does not hash to it (a torn or short write);
+- get, ``verify=False`` (the default): the copy is not re-hashed; ``verify=True`` re-hashes it
+  and raises ChecksumError on a mismatch, which only a process that maps the segment afresh
+  and writes it on purpose could cause. It costs about a fifth of a mapped get's throughput
+  on the dev VM (bench/api.py get_gbps against get_verify_gbps).
 
 Leases. ``get`` releases its lease once the bytes are copied (the release is pipelined, not
 waited for). ``get_leased`` returns a Lease whose ``views`` point into shared memory, valid until
@@ -29,7 +35,6 @@ namespaces remap on their next use. Not thread-safe: use one Client per thread.
 from __future__ import annotations
 
 import array
-import mmap
 import os
 import select
 import socket
@@ -44,6 +49,7 @@ import xxhash
 from kvtier.api import pipeline
 from kvtier.api import protocol as P
 from kvtier.api.buffers import blocks_view, checksums, pack_keys
+from kvtier.api.segment import SegmentMap
 from kvtier.config import Settings
 from kvtier.errors import BadRequest, ChecksumError, KvtierError, ServiceUnavailable
 from kvtier.gpu import is_cuda_tensor
@@ -141,7 +147,7 @@ class NamespaceHandle:
         self.key_width: int = info["key_width"]
         self.layout: dict[str, Any] = info.get("layout") or {}
         self.inline = inline
-        self._map: mmap.mmap | None = None
+        self._seg: SegmentMap | None = None
         self._arr: np.ndarray | None = None
         self._mapped: Any = None           # kvtier.gpu.MappedSegment, made on first CUDA use
         self._generation = -1
@@ -151,26 +157,30 @@ class NamespaceHandle:
         return self._arr is None or self._generation != self._client.generation
 
     def _attach(self, size: int, fd: int) -> np.ndarray:
-        """Map the namespace's segment from fd (which this closes)."""
+        """Map the namespace's segment from fd (which the mapping then owns): read-only, with
+        write windows for reserved slots (kvtier.api.segment)."""
+        self.close()
         try:
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            self._seg = SegmentMap(fd, size, self.block_bytes)
+        except BaseException:
             os.close(fd)
-        self._arr = np.frombuffer(self._map, dtype=np.uint8).reshape(-1, self.block_bytes)
+            raise
+        self._arr = self._seg.view
         self._generation = self._client.generation
         return self._arr
+
+    def _write(self, slots: np.ndarray, src: np.ndarray) -> None:
+        """Copy src into the reserved slots, through the segment's write windows."""
+        self._seg.write(slots, src)
 
     def close(self) -> None:
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
         self._arr = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass          # a caller still holds a view; the mapping goes with it
-            self._map = None
+        if self._seg is not None:
+            self._seg.close()
+            self._seg = None
 
 
 class Namespace(NamespaceHandle):
@@ -184,9 +194,9 @@ class Namespace(NamespaceHandle):
 
     def _gpu(self) -> Any:
         from kvtier.gpu import MappedSegment
-        view = self._view()
-        if self._mapped is None or self._mapped.host is not view:
-            self._mapped = MappedSegment(view)
+        self._view()
+        if self._mapped is None:         # _attach drops it with the mapping it registered
+            self._mapped = MappedSegment(self._seg.gpu_view())
         return self._mapped
 
     def put(self, keys: Any, blocks: Any, parents: Any = None, verify: bool = True,
@@ -211,14 +221,13 @@ class Namespace(NamespaceHandle):
         view = self._view()
         if len(pipeline.chunks(n)) > 1:
             def write(slots: np.ndarray, lo: int, hi: int) -> bytes | None:
-                view[slots.astype(np.intp)] = src[lo:hi]
+                self._write(slots, src[lo:hi])
                 return P.arr(checksums(src[lo:hi]), "<u8") if verify else None
             return pipeline.put(self, kb, n, pb, write)
         r = c._call("reserve", ns=self.name, keys=kb, parents=pb)
         rid = r["rid"]
         try:
-            slots = np.frombuffer(r["slots"], "<i4").astype(np.intp)
-            view[slots] = src
+            self._write(np.frombuffer(r["slots"], "<i4"), src)
             sums = P.arr(checksums(src), "<u8") if verify else None
         except BaseException:
             c._call("abort", rid=rid)
@@ -255,15 +264,15 @@ class Namespace(NamespaceHandle):
             seg.gather(rep.slots[idx], dst, dst_rows[lo + idx])
         return pipeline.get(self, kb, n, move, seg.sync)
 
-    def get(self, keys: Any, out: Any = None, verify: bool = True,
+    def get(self, keys: Any, out: Any = None, verify: bool = False,
             rows: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
         """Copy the blocks of keys into out (or a new (n, block_bytes) array).
 
         Returns (found mask, out as a uint8 array view). Missing blocks leave zeroed rows.
         ``out`` may be a CUDA tensor: one gather launch copies the leased slots into its rows
         (``rows[i]`` for key i, default 0..n-1; missing blocks leave their rows untouched).
-        The slots were checksummed at commit and cannot change while leased; ``verify``
-        (hashing on the host) applies to host outputs only.
+        The slots were checksummed at commit and cannot change while leased; ``verify=True``
+        re-hashes the copy (host outputs only; see the module docstring).
         """
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width

@@ -1,0 +1,110 @@
+"""A client's mappings of a namespace's shared host segment: read-only, with write windows.
+
+The segment holds every committed block of the namespace, and every worker that maps it could
+once write anywhere in it: a stray write in one worker would change another's blocks (the
+checksum on get caught it, after the fact). Here a worker maps it once, writable, and keeps the
+mapping PROT_READ with mprotect, except for the pages of the slots a put has reserved, which
+are opened for the few microseconds the copy in takes (``write``) and closed again. ``view``,
+the array that gets copy out of and leases point into, is marked read-only as well, so a write
+through it is refused by numpy with an error, and any other write faults in the MMU.
+
+One mapping, not a read-only one beside a writable one: with two, a slot written through one
+was read for the first time through the other, a minor fault per page (16 per 64 KiB block),
+which cost a tenth of bench/api.py's get throughput while slots were still fresh.
+
+So only the slots a worker has reserved (not yet committed, so no reader sees them) are ever
+writable in it, and only during its own copy. What remains possible is deliberate: a process
+that maps the memfd afresh can write it, as a process of the service's uid could also attach a
+debugger to the service. The service hashes every block at commit, and every NVMe or Redis read
+is checked against that hash; a host-tier get re-hashes only when asked (verify=True).
+
+Windows are whole pages: where block_bytes is not a multiple of the page size, the bytes of a
+neighbouring slot that share a page with a reserved one are writable during the copy too.
+GPU workers register a second, writable mapping with CUDA (gpu_view; kvtier.gpu.MappedSegment):
+the kernels write only the reserved slots the service names. Costs: two mprotect calls per run
+of consecutive reserved slots; a batch whose slots are scattered over more than _MAX_RUNS runs
+opens the span from its first to its last slot instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_PAGE = mmap.PAGESIZE
+_MAX_RUNS = 16
+
+
+class SegmentMap:
+    """The mappings of one segment: size bytes of fd, which this object owns and closes."""
+
+    def __init__(self, fd: int, size: int, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.size = size
+        self._fd = fd
+        self._gpu: mmap.mmap | None = None
+        self._rw = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._wview = np.frombuffer(self._rw, dtype=np.uint8).reshape(-1, block_bytes)
+        self.view = self._wview.view()
+        self.view.flags.writeable = False
+        self._base = self._wview.ctypes.data
+        self._protect(0, size, mmap.PROT_READ)
+
+    def _protect(self, start: int, end: int, prot: int) -> None:
+        lo = start // _PAGE * _PAGE
+        hi = min(-(-end // _PAGE) * _PAGE, -(-self.size // _PAGE) * _PAGE)
+        if _libc.mprotect(self._base + lo, hi - lo, prot) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mprotect of the namespace segment: {os.strerror(err)}")
+
+    def _runs(self, slots: np.ndarray) -> list[tuple[int, int]]:
+        """Byte ranges covering slots: one per run of consecutive slots, or one span."""
+        s = np.unique(slots.astype(np.int64))
+        if s.size == 0:
+            return []
+        breaks = np.flatnonzero(np.diff(s) != 1)
+        if breaks.size + 1 > _MAX_RUNS:
+            return [(int(s[0]) * self.block_bytes, (int(s[-1]) + 1) * self.block_bytes)]
+        starts = np.r_[s[0], s[breaks + 1]]
+        ends = np.r_[s[breaks], s[-1]] + 1
+        return [(int(a) * self.block_bytes, int(b) * self.block_bytes)
+                for a, b in zip(starts, ends)]
+
+    def write(self, slots: np.ndarray, src: np.ndarray) -> None:
+        """segment[slots[i]] = src[i], through windows opened for these slots only."""
+        runs = self._runs(slots)
+        opened = []
+        try:
+            for a, b in runs:
+                self._protect(a, b, mmap.PROT_READ | mmap.PROT_WRITE)
+                opened.append((a, b))
+            self._wview[slots.astype(np.intp)] = src
+        finally:
+            for a, b in opened:
+                self._protect(a, b, mmap.PROT_READ)
+
+    def gpu_view(self) -> np.ndarray:
+        """A writable mapping for CUDA to register (made on first use); CPU code never writes
+        through it."""
+        if self._gpu is None:
+            self._gpu = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
+        return np.frombuffer(self._gpu, dtype=np.uint8).reshape(-1, self.block_bytes)
+
+    def close(self) -> None:
+        self.view = self._wview = None
+        for m in (self._rw, self._gpu):
+            if m is None:
+                continue
+            try:
+                m.close()
+            except BufferError:
+                pass          # a caller still holds a view; the mapping goes with it
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
