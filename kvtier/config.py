@@ -131,6 +131,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host_capacity", "1GiB", _size, "shared host-tier bytes, all namespaces", "bytes"),
     Setting("nvme_capacity", "16GiB", _size, "NVMe log bytes, all namespaces; 0 disables", "bytes"),
     Setting("hbm_capacity", "0", _size, "HBM pool bytes per GPU; ignored without CUDA", "bytes"),
+    Setting("hbm_reserve", "fixed", _choice(("fixed", "history")),
+            "fixed: each namespace's HBM pool is hbm_capacity; history: sized from the peak "
+            "demand of earlier runs, sum of peak_i x alpha^i, at most hbm_capacity"),
+    Setting("hbm_reserve_alpha", 0.7, _float, "history: the weight of each older run's peak",
+            "fraction"),
     Setting("write_policy", "write_through", _choice(WRITE_POLICIES),
             "write_through: a put is on NVMe when acknowledged; write_back: flushed later"),
     Setting("eviction", "lru", _choice(EVICTION_POLICIES), "eviction policy of every tier"),
@@ -175,6 +180,8 @@ class Settings:
     host_capacity: int = 1 << 30
     nvme_capacity: int = 16 << 30
     hbm_capacity: int = 0
+    hbm_reserve: str = "fixed"
+    hbm_reserve_alpha: float = 0.7
     write_policy: str = "write_through"
     eviction: str = "lru"
     eviction_host: str = ""
@@ -230,6 +237,9 @@ def make_settings(values: dict[str, Any]) -> Settings:
         raise ConfigError("max_frame: must be at least 4KiB")
     if out["compact_threshold"] > 1:
         raise ConfigError("compact_threshold: a fraction between 0 and 1")
+    if not 0 < out["hbm_reserve_alpha"] < 1:
+        raise ConfigError("hbm_reserve_alpha: a fraction strictly between 0 and 1 (0.7: seed "
+                          "2.1)")
     if out["io_threads"] < 1:
         raise ConfigError("io_threads: must be at least 1")
     return Settings(**out)

@@ -30,6 +30,7 @@ named in docs/DESIGN-NOTES.md as the next thing to split.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ from typing import Any, Callable, cast
 import numpy as np
 
 from kvtier.checksums import block_checksums
-from kvtier.coherence import persist
+from kvtier.coherence import persist, reserve
 from kvtier.coherence.namespace import (EngineCounters, GetResult, Lease, Namespace,
                                         Reservation, SlotState)
 from kvtier.coherence.eviction import Eviction
@@ -47,13 +48,15 @@ from kvtier.coherence.policies import POLICIES
 from kvtier.coherence.transfers import Transfers, _to_numpy, remote_from_settings
 from kvtier.coherence.states import BlockState, Event, HoldState, next_states
 from kvtier.config import Settings
-from kvtier.errors import BadRequest, CapacityError, LeaseError, NamespaceError
+from kvtier.errors import (BadRequest, CapacityError, LeaseError, NamespaceError,
+                           StorageError)
 from kvtier.pagetable.store import Catalog, NamespaceRecord, check_writable
 from kvtier.pagetable.table import PageTable
 from kvtier.tiers.host import SlotPool
 from kvtier.tiers.nvme import Backend, SegmentLog, make_backend
 from kvtier.types import SERVE_ORDER, Tier
 
+log = logging.getLogger("kvtier.engine")
 PoolFactory = Callable[[str, int, int], SlotPool]
 MAX_BLOCK_BYTES = 1 << 30
 MAX_KEY_WIDTH = 64
@@ -101,7 +104,7 @@ class Engine(Eviction, Transfers, FastPath):
             SlotPool(f"{rec.name}/host", rec.block_bytes, host_slots))}
         if self.hbm_pool_factory is not None and s.hbm_capacity >= rec.block_bytes:
             pool = self.hbm_pool_factory(f"{rec.name}/hbm", rec.block_bytes,
-                                         s.hbm_capacity // rec.block_bytes)
+                                         self._hbm_slots(rec))
             slots[Tier.HBM] = SlotState.for_pool(pool)
         log = None
         if s.nvme_capacity > 0:
@@ -111,6 +114,32 @@ class Engine(Eviction, Transfers, FastPath):
                        PageTable(rec.key_width), slots, log)
         self.namespaces[rec.name] = ns
         return ns
+
+    def _hbm_slots(self, rec: NamespaceRecord) -> int:
+        """The namespace's HBM pool size: hbm_capacity, or under hbm_reserve = history the
+        alpha-weighted peaks of earlier runs (coherence.reserve)."""
+        cap = self.settings.hbm_capacity // rec.block_bytes
+        if self.settings.hbm_reserve != "history":
+            return cap
+        peaks = self.catalog.meta(f"hbm_peaks:{rec.ns_id}")
+        peaks = [int(p) for p in peaks] if isinstance(peaks, list) else []
+        return reserve.pool_slots(peaks, self.settings.hbm_reserve_alpha, cap)
+
+    def _record_hbm_demand(self) -> None:
+        """Add this run's peak HBM demand to each namespace's history. Metadata that only
+        sizes the next run's pool: a failed write is logged and the close goes on."""
+        for ns in self.namespaces.values():
+            st = ns.slots.get(Tier.HBM)
+            if st is None:
+                continue
+            key = f"hbm_peaks:{ns.ns_id}"
+            old = self.catalog.meta(key)
+            try:
+                self.catalog.set_meta(key, reserve.record(
+                    old if isinstance(old, list) else [], st.peak_demand))
+            except StorageError as exc:
+                log.warning("HBM demand of %s not recorded (%s); the next run sizes its pool "
+                            "from the older history", ns.name, exc)
 
     def create_namespace(self, name: str, block_bytes: int, key_width: int = 16,
                          layout: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -157,6 +186,8 @@ class Engine(Eviction, Transfers, FastPath):
                                 f"{ns.name!r} ({st.pool.n_slots} slots); send smaller batches "
                                 f"or raise {tier.label}_capacity")
         need_budget = tier is Tier.HOST
+        if tier is Tier.HBM:
+            st.peak_demand = max(st.peak_demand, st.pool.n_slots - st.pool.free_count + n)
         short = n - st.pool.free_count
         if need_budget:
             over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
@@ -656,6 +687,7 @@ class Engine(Eviction, Transfers, FastPath):
         with self.lock:
             if flush:
                 self.flush()
+            self._record_hbm_demand()
             for ns in self.namespaces.values():
                 if ns.log is not None:
                     ns.log.close()

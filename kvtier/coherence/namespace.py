@@ -30,6 +30,7 @@ class SlotState:
     slot_row: np.ndarray
     leases: np.ndarray
     retired: np.ndarray
+    peak_demand: int = 0      # most slots asked of the pool at once (coherence.reserve)
 
     @classmethod
     def for_pool(cls, pool: SlotPool) -> "SlotState":

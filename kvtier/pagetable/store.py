@@ -67,6 +67,7 @@ class Catalog:
             raise DataDirError(f"cannot open LMDB under {self.path}: {exc}; check that data_dir "
                                "is writable and not on a network file system") from None
         self._ns_db = self.env.open_db(b"namespaces")
+        self._meta_db = self.env.open_db(b"meta")
         self._dbs: dict[int, Any] = {}
         self.map_grows = 0
 
@@ -120,6 +121,24 @@ class Catalog:
                                "layout": layout})
         self._write(lambda txn: txn.put(name.encode(), value, db=self._ns_db))
         return rec
+
+    # ------------------------------------------------------------------ service metadata
+
+    def meta(self, key: str) -> Any:
+        """A small msgpack value the service keeps between runs (None when absent or
+        unreadable: metadata only tunes, it never holds blocks)."""
+        with self.env.begin(db=self._meta_db) as txn:
+            raw = txn.get(key.encode())
+        if raw is None:
+            return None
+        try:
+            return msgpack.unpackb(raw)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return None
+
+    def set_meta(self, key: str, value: Any) -> None:
+        packed = msgpack.packb(value)
+        self._write(lambda txn: txn.put(key.encode(), packed, db=self._meta_db))
 
     # ------------------------------------------------------------------ records
 
