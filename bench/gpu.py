@@ -11,6 +11,10 @@ real `kvtier serve` (host tier pinned in both processes):
     kernel_gbps_16k           the gather launch alone over the same mapped segment (the 16-byte
                               row kernel; kernel8_gbps_16k: the 8-byte word kernel)
     control_ms_16k / _64k     a get of the 4,096 keys and its release, no bytes moved
+    onboard_hbm_gbps_*        get with tier="hbm": blocks in the service's HBM pool, opened by
+                              CUDA IPC, gathered device to device (ceiling: d2d_gbps, one 1 GiB
+                              device copy); offload_hbm_gbps_*: put with tier="hbm", whose
+                              commit writes through to host and hashes there
     first_request_ms          the first 4,096 x 16 KiB get after start (worker warmed with
                               kvtier.gpu.warm()), against steady_p50_ms
     nvme_to_hbm_gbps          kvikio reads of 64 KiB records into device memory, against a
@@ -78,7 +82,10 @@ def ceilings() -> dict:
     d = torch.empty(size, dtype=torch.uint8, device="cuda")
     h2d = med(lambda: d.copy_(h, non_blocking=True), 5)
     d2h = med(lambda: h.copy_(d, non_blocking=True), 5)
-    return {"pinned_h2d_gbps": round(size / h2d / 1e9, 2), "pinned_d2h_gbps": round(size / d2h / 1e9, 2)}
+    d2 = torch.empty_like(d)
+    d2d = med(lambda: d2.copy_(d), 5)
+    return {"pinned_h2d_gbps": round(size / h2d / 1e9, 2),
+            "pinned_d2h_gbps": round(size / d2h / 1e9, 2), "d2d_gbps": round(size / d2d / 1e9, 2)}
 
 
 def service_path(sock: str, bb: int, reps: int) -> dict:
@@ -136,6 +143,13 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
             rep = c._call("get", ns=ns.name, keys=kb)
             c._call("release", lease=rep["lease"])
         ctl = med(control, reps)
+        # The HBM tier over CUDA IPC: blocks put into the service's HBM pool (written through
+        # to host at commit), then gathered device to device.
+        hbm_put = med(lambda: ns.put(kb, src, tier="hbm"), reps)
+        hbm_get = med(lambda: ns.get(kb, out=out, rows=rows, tier="hbm"), reps)
+        if not torch.equal(out[torch.as_tensor(rows, device="cuda")],
+                           src[torch.as_tensor(np.arange(N), device="cuda")]):
+            raise SystemExit("the HBM tier returned wrong bytes")
         seg = ns._gpu()
         dst = rows_view(out, N, bb)
         lease = c._call("get", ns=ns.name, keys=kb)
@@ -150,6 +164,8 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
             f"offload_gbps_{tag}": round(nbytes / off / 1e9, 2),
             f"kernel_gbps_{tag}": round(nbytes / kern / 1e9, 2),
             f"kernel8_gbps_{tag}": round(nbytes / kern8 / 1e9, 2),
+            f"onboard_hbm_gbps_{tag}": round(nbytes / hbm_get / 1e9, 2),
+            f"offload_hbm_gbps_{tag}": round(nbytes / hbm_put / 1e9, 2),
             f"first_request_ms_{tag}": round(first * 1000, 3),
             f"control_ms_{tag}": round(ctl * 1000, 3),
             f"onboard_timeline_ms_{tag}": timeline,
@@ -240,7 +256,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="kvtier-gpu-")
     out = ceilings()
     svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="3GiB",
-                  nvme_capacity="0").start()
+                  nvme_capacity="0", hbm_capacity="1GiB").start()
     try:
         out.update(service_path(str(svc.socket), 16384, args.reps))
         out.update(service_path(str(svc.socket), 65536, args.reps))

@@ -206,6 +206,44 @@ class MappedSegment:
             self.ptr = 0
 
 
+class IpcPool:
+    """A worker's view of the service's HBM pool, opened from its CUDA IPC handle (ns_open's
+    ``hbm``). Gets and puts with tier="hbm" move blocks between its slots and the worker's
+    tensors device to device. Opened with lazy peer access, so a worker on another GPU of the
+    host reads it by peer copies where P2P is available (through host memory otherwise, which
+    CUDA does for the kernel)."""
+
+    _LAZY_PEER_ACCESS = 1            # cudaIpcMemLazyEnablePeerAccess
+
+    def __init__(self, handle: bytes, n_slots: int, block_bytes: int) -> None:
+        import cupy
+        if block_bytes % 8:
+            raise BadRequest("the CUDA path needs block_bytes that are a multiple of 8")
+        self.ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle, self._LAZY_PEER_ACCESS)
+        mem = cupy.cuda.UnownedMemory(self.ptr, n_slots * block_bytes, self)
+        self.dev = cupy.ndarray((n_slots, block_bytes // 8), dtype=cupy.uint64,
+                                memptr=cupy.cuda.MemoryPointer(mem, 0))
+        self.indices = PinnedIndices()
+
+    def gather(self, slots: np.ndarray, out: Any, rows: np.ndarray) -> None:
+        MappedSegment._move(self.dev, out, slots, rows, self.indices)
+
+    def scatter(self, src: Any, slots: np.ndarray, rows: np.ndarray) -> None:
+        MappedSegment._move(src, self.dev, rows, slots, self.indices)
+
+    def sync(self) -> None:
+        synchronize()
+        self.indices.reset()
+
+    def close(self) -> None:
+        import cupy
+        if self.ptr:
+            synchronize()
+            self.indices.close()
+            cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
+            self.ptr = 0
+
+
 def synchronize() -> None:
     import cupy
     cupy.cuda.get_current_stream().synchronize()

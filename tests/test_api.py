@@ -334,6 +334,22 @@ print("the write went through", flush=True)
 """
 
 
+def test_slots_of_a_tier_the_service_lacks_or_cannot_lease_are_refused(service):
+    with kvtier.Client(service.socket) as c:
+        ns = c.namespace("m", block_bytes=BB)
+        ns.put(keys([0]), blocks(1, BB))
+        for tier, words in (("hbm", "no hbm tier"), ("nvme", "host or hbm"),
+                            ("tape", "unknown tier")):
+            with pytest.raises(BadRequest, match=words):
+                c._call("get", ns="m", keys=keys([0]), tier=tier)
+            with pytest.raises(BadRequest, match=words):
+                c._call("reserve", ns="m", keys=keys([1]), tier=tier)
+        with pytest.raises(BadRequest, match="CUDA tensors"):
+            ns.get(keys([0]), tier="hbm")
+        assert ns.get(keys([0]))[0].all()                # the connection is still in step
+        assert c.stats()["reservations"] == 0
+
+
 def test_a_stray_write_into_committed_slots_faults_instead_of_corrupting(service):
     with kvtier.Client(service.socket) as c:
         ns = c.namespace("m", block_bytes=BB)

@@ -99,6 +99,32 @@ def test_large_cuda_batches_round_trip_in_pipelined_chunks(gpu_service):
         assert c.stats()["leases"] == 0
 
 
+def test_hbm_slots_over_the_socket_by_cuda_ipc(tmp_path: Path):
+    # A service with an HBM tier hands its pool to the worker by CUDA IPC: puts and gets with
+    # tier="hbm" move blocks device to device, the commit writes them through to host, and a
+    # later host-tier rewrite makes the HBM copy stale, so the next HBM get brings it up again.
+    svc = Service(tmp_path / "svc", admin=False, host_capacity="64MiB", nvme_capacity="256MiB",
+                  hbm_capacity="64MiB").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("hbm", block_bytes=BB)
+            src = torch.randint(0, 255, (300, BB), dtype=torch.uint8, device="cuda")
+            assert ns.put(keys(range(300)), src, tier="hbm").tolist() == [1] * 300
+            out = torch.zeros_like(src)
+            found, _ = ns.get(keys(range(300)), out=out, tier="hbm")
+            assert found.all() and torch.equal(out, src)
+            host = np.empty((300, BB), np.uint8)
+            assert ns.get(keys(range(300)), out=host)[0].all()       # written through
+            assert (host == src.cpu().numpy()).all()
+            new = blocks(10, BB, 4)
+            ns.put(keys(range(10)), new)                              # host rewrite: v2
+            found, _ = ns.get(keys(range(10)), out=out[:10], tier="hbm")
+            assert found.all() and (out[:10].cpu().numpy() == new).all()
+            assert c.stats()["leases"] == 0
+    finally:
+        svc.stop()
+
+
 class HbmModel(EngineModel):
     """The engine's state machine with a real HBM pool in place of the stand-in."""
 

@@ -150,6 +150,8 @@ class NamespaceHandle:
         self._seg: SegmentMap | None = None
         self._arr: np.ndarray | None = None
         self._mapped: Any = None           # kvtier.gpu.MappedSegment, made on first CUDA use
+        self._ipc: Any = None              # kvtier.gpu.IpcPool of the service's HBM pool
+        self._hbm_info: dict[str, Any] | None = None
         self._generation = -1
 
     def _stale(self) -> bool:
@@ -174,9 +176,10 @@ class NamespaceHandle:
         self._seg.write(slots, src)
 
     def close(self) -> None:
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
+        for dev in (self._mapped, self._ipc):
+            if dev is not None:
+                dev.close()
+        self._mapped = self._ipc = None
         self._arr = None
         if self._seg is not None:
             self._seg.close()
@@ -189,28 +192,45 @@ class Namespace(NamespaceHandle):
     def _view(self) -> np.ndarray:
         if self._stale():
             info, fd = self._client._open_mapped(self.name)
+            self._hbm_info = info.get("hbm")
             return self._attach(info["map_bytes"], fd)
         return self._arr
 
-    def _gpu(self) -> Any:
-        from kvtier.gpu import MappedSegment
+    def _gpu(self, tier: str = "host") -> Any:
+        """The device-side view of tier's slots: the mapped, registered host segment, or the
+        service's HBM pool opened by CUDA IPC (tier="hbm")."""
+        from kvtier.gpu import IpcPool, MappedSegment
         self._view()
+        if tier == "hbm":
+            if not self._hbm_info:
+                raise BadRequest(f"namespace {self.name!r} has no HBM tier on this service; "
+                                 "start it with hbm_capacity on a CUDA host, or use tier='host'")
+            if self._ipc is None:        # _attach drops it with the mapping of its connection
+                self._ipc = IpcPool(self._hbm_info["ipc"], self._hbm_info["slots"],
+                                    self.block_bytes)
+            return self._ipc
+        if tier != "host":
+            raise BadRequest(f"tier must be 'host' or 'hbm', not {tier!r}")
         if self._mapped is None:         # _attach drops it with the mapping it registered
             self._mapped = MappedSegment(self._seg.gpu_view())
         return self._mapped
 
     def put(self, keys: Any, blocks: Any, parents: Any = None, verify: bool = True,
-            rows: np.ndarray | None = None) -> np.ndarray:
+            rows: np.ndarray | None = None, tier: str = "host") -> np.ndarray:
         """Store blocks under keys (two-phase: reserve, write, commit). Returns new versions.
 
-        ``blocks`` may be a CUDA tensor: the blocks are then copied by one scatter launch from
-        its rows (``rows[i]`` for key i, default 0..n-1) into the reserved shared slots, and
-        the service checksums them at commit (``verify`` applies to host inputs).
+        ``blocks`` may be a CUDA tensor: the blocks are then copied by one scatter launch per
+        chunk from its rows (``rows[i]`` for key i, default 0..n-1) into the reserved slots,
+        and the service checksums them at commit (``verify`` applies to host inputs). With
+        tier="hbm" the slots are in the service's HBM pool (device to device); the service
+        writes the blocks through to host memory at commit.
         """
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width
         if is_cuda_tensor(blocks):
-            return self._put_cuda(kb, n, blocks, parents, rows)
+            return self._put_cuda(kb, n, blocks, parents, rows, tier)
+        if tier != "host":
+            raise BadRequest("tier='hbm' takes CUDA tensors; host data goes to the host tier")
         src = blocks_view(blocks, n, self.block_bytes)
         pb = None if parents is None else pack_keys(parents, self.key_width)
         c = self._client
@@ -236,48 +256,54 @@ class Namespace(NamespaceHandle):
         return np.frombuffer(r["versions"], "<u8")
 
     def _put_cuda(self, kb: bytes, n: int, blocks: Any, parents: Any,
-                  rows: np.ndarray | None) -> np.ndarray:
+                  rows: np.ndarray | None, tier: str = "host") -> np.ndarray:
         """One scatter launch per chunk (kvtier.api.pipeline), straight from the tensor's rows
         into the reserved slots; the service checksums them at commit."""
         from kvtier.gpu import rows_view
         self._client._ensure()
         src = rows_view(blocks, n, self.block_bytes)
-        seg = self._gpu()
+        seg = self._gpu(tier)
         pb = None if parents is None else pack_keys(parents, self.key_width)
         src_rows = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
 
         def write(slots: np.ndarray, lo: int, hi: int) -> None:
             seg.scatter(src, slots, src_rows[lo:hi])
-        return pipeline.put(self, kb, n, pb, write, seg.sync)
+        return pipeline.put(self, kb, n, pb, write, seg.sync, {"tier": tier})
 
-    def _get_cuda(self, kb: bytes, n: int, out: Any, rows: np.ndarray | None) -> np.ndarray:
+    def _get_cuda(self, kb: bytes, n: int, out: Any, rows: np.ndarray | None,
+                  tier: str = "host") -> np.ndarray:
         """One gather launch per chunk, launched as each chunk's reply arrives; the leases end
         after the stream has synchronised (the kernels have read the slots)."""
         from kvtier.gpu import rows_view
         self._client._ensure()
         dst = rows_view(out, n, self.block_bytes)
-        seg = self._gpu()
+        seg = self._gpu(tier)
         dst_rows = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
 
         def move(rep: GetReply, lo: int) -> None:
             idx = np.flatnonzero(rep.found)
             seg.gather(rep.slots[idx], dst, dst_rows[lo + idx])
-        return pipeline.get(self, kb, n, move, seg.sync)
+        return pipeline.get(self, kb, n, move, seg.sync, {"tier": tier})
 
     def get(self, keys: Any, out: Any = None, verify: bool = False,
-            rows: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
+            rows: np.ndarray | None = None, tier: str = "host") -> tuple[np.ndarray, Any]:
         """Copy the blocks of keys into out (or a new (n, block_bytes) array).
 
         Returns (found mask, out as a uint8 array view). Missing blocks leave zeroed rows.
         ``out`` may be a CUDA tensor: one gather launch copies the leased slots into its rows
         (``rows[i]`` for key i, default 0..n-1; missing blocks leave their rows untouched).
         The slots were checksummed at commit and cannot change while leased; ``verify=True``
-        re-hashes the copy (host outputs only; see the module docstring).
+        re-hashes the copy (host outputs only; see the module docstring). With tier="hbm" (CUDA
+        outputs) the service leases the blocks in its HBM pool, bringing up the ones that are
+        not there yet, and the gather runs device to device.
         """
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width
         if out is not None and is_cuda_tensor(out):
-            return self._get_cuda(kb, n, out, rows), out
+            return self._get_cuda(kb, n, out, rows, tier), out
+        if tier != "host":
+            raise BadRequest("tier='hbm' fills CUDA tensors; host outputs come from the host "
+                             "tier")
         dst = (np.empty((n, self.block_bytes), dtype=np.uint8) if out is None
                else blocks_view(out, n, self.block_bytes, writable=True))
         c = self._client

@@ -43,16 +43,18 @@ def chunks(n: int, size: int | None = None) -> list[tuple[int, int]]:
 
 
 def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], None],
-        finish: Callable[[], None] = lambda: None) -> np.ndarray:
+        finish: Callable[[], None] = lambda: None,
+        extra: dict[str, Any] | None = None) -> np.ndarray:
     """Lease and move keys' blocks chunk by chunk; move(reply, lo) starts one chunk's move,
-    finish() waits for all of them. Returns the found mask. Leases are released (piggybacked
-    on the next request) once finish() has returned."""
+    finish() waits for all of them; extra goes into every request (tier). Returns the found
+    mask. Leases are released (piggybacked on the next request) once finish() has returned."""
     from kvtier.api.client import GetReply
     c = ns._client
     w = ns.key_width
     parts = chunks(n)
     last = len(parts) - 1
-    ids = [c._send("get", {"ns": ns.name, "keys": kb[lo * w:hi * w]}, piggyback=i == last)
+    ids = [c._send("get", {"ns": ns.name, "keys": kb[lo * w:hi * w], **(extra or {})},
+                   piggyback=i == last)
            for i, (lo, hi) in enumerate(parts)]
     found = np.zeros(n, dtype=bool)
     leases: list[int] = []
@@ -91,17 +93,20 @@ def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], No
 
 def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
         write: Callable[[np.ndarray, int, int], bytes | None],
-        sync: Callable[[], None] = lambda: None) -> np.ndarray:
+        sync: Callable[[], None] = lambda: None,
+        extra: dict[str, Any] | None = None) -> np.ndarray:
     """Reserve, fill and commit keys' blocks chunk by chunk. write(slots, lo, hi) fills the
     reserved slots of keys lo..hi and returns their packed checksums (or None: the service
-    hashes); sync() waits until written bytes are in the slots. Returns the new versions."""
+    hashes); sync() waits until written bytes are in the slots; extra goes into every reserve
+    (tier). Returns the new versions."""
     c = ns._client
     w = ns.key_width
     parts = chunks(n)
     last = len(parts) - 1
     reserve_ids = [c._send("reserve", {"ns": ns.name, "keys": kb[lo * w:hi * w],
                                        "parents": None if parents is None
-                                       else parents[lo * w:hi * w]}, piggyback=i == last)
+                                       else parents[lo * w:hi * w], **(extra or {})},
+                           piggyback=i == last)
                    for i, (lo, hi) in enumerate(parts)]
     commit_ids: list[tuple[int, int, int]] = []       # (lo, hi, request id)
     error: BaseException | None = None

@@ -14,13 +14,18 @@ Operations (PROTOCOL_VERSION 1):
     hello          {version, client?}                  -> {version, server, pid, uid}
     ns_create      {name, block_bytes, key_width?, layout?} -> namespace info
     ns_open        {name, map?}                        -> info, and with map=True the host
-                                                          segment's fd over SCM_RIGHTS
-    reserve        {ns, keys, parents?}                -> {rid, slots}
+                                                          segment's fd over SCM_RIGHTS and,
+                                                          on GPU hosts, hbm: {ipc, slots,
+                                                          device} (CUDA IPC of the HBM pool)
+    reserve        {ns, keys, parents?, tier?}         -> {rid, slots}
     commit         {rid, checksums?}                   -> {versions}
     abort          {rid}                               -> {}
     put            {ns, keys, data, parents?}          -> {versions}       (inline fallback)
-    get            {ns, keys, inline?}                 -> {lease, found, slots, versions,
+    get            {ns, keys, inline?, tier?}          -> {lease, found, slots, versions,
                                                            checksums, data?}
+
+``tier`` ("host" by default, or "hbm") names the pool whose slots a reserve hands out and a get
+leases: "hbm" slots index the HBM pool a worker opened from ns_open's hbm handle.
     release        {lease, slots?}                     -> {}
     match_prefix   {ns, keys}                          -> {n}
     delete         {ns, keys}                          -> {deleted}

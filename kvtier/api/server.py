@@ -298,11 +298,16 @@ class Server:
             pool = ns.slots[Tier.HOST].pool
             info["map_bytes"] = pool.n_slots * pool.block_bytes
             info["_fd"] = pool.fd
+            hbm = ns.slots.get(Tier.HBM)
+            if hbm is not None and hasattr(hbm.pool, "ipc_handle"):
+                # The HBM pool, for workers on this host: CUDA IPC of its one allocation.
+                info["hbm"] = {"ipc": hbm.pool.ipc_handle(), "slots": hbm.pool.n_slots,
+                               "device": hbm.pool.device}
         return info
 
     async def op_reserve(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         res = await self._run(self.engine.reserve, P.arg(req, "ns", str), P.arg(req, "keys", bytes),
-                              P.arg(req, "parents", bytes, None), Tier.HOST, client.cid)
+                              P.arg(req, "parents", bytes, None), _slot_tier(req), client.cid)
         return {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
 
     async def op_commit(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
@@ -332,14 +337,19 @@ class Server:
         name = P.arg(req, "ns", str)
         keys = P.arg(req, "keys", bytes)
         inline = P.arg(req, "inline", bool, False)
-        done, res = self._fast(self.engine.try_get, name, keys, client.cid)
-        if done and res is not None:
-            return self._get_reply(client, name, keys, res, inline)
-        return self._get_slow(client, name, keys, inline)
+        tier = _slot_tier(req)
+        if inline and tier is not Tier.HOST:
+            raise BadRequest("inline gets are served from the host tier; drop tier or inline")
+        if tier is Tier.HOST:
+            done, res = self._fast(self.engine.try_get, name, keys, client.cid)
+            if done and res is not None:
+                return self._get_reply(client, name, keys, res, inline)
+        return self._get_slow(client, name, keys, inline, tier)
 
-    async def _get_slow(self, client: ClientInfo, name: str, keys: bytes,
-                        inline: bool) -> dict[str, Any]:
-        res = await self._run(self.engine.get, name, keys, client.cid)
+    async def _get_slow(self, client: ClientInfo, name: str, keys: bytes, inline: bool,
+                        tier: Tier = Tier.HOST) -> dict[str, Any]:
+        # A get from HBM may copy host blocks up to the GPU: always off the loop.
+        res = await self._run(self.engine.get, name, keys, client.cid, tier)
         return self._get_reply(client, name, keys, res, inline)
 
     def _get_reply(self, client: ClientInfo, name: str, keys: bytes, res: Any,
@@ -400,6 +410,14 @@ class Server:
 
     async def op_stats(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         return await self._run(self.engine.stats)
+
+
+def _slot_tier(req: dict[str, Any]) -> Tier:
+    """The tier whose slots a get leases or a reserve hands out: host (default) or hbm."""
+    tier = Tier.parse(P.arg(req, "tier", str, "host"))
+    if tier not in (Tier.HOST, Tier.HBM):
+        raise BadRequest(f"slots come from the host or hbm tier, not {tier.label}")
+    return tier
 
 
 async def _awaited(aw: Awaitable[Any]) -> Any:
