@@ -262,11 +262,11 @@ def main() -> None:
         out.update(service_path(str(svc.socket), 65536, args.reps))
     finally:
         svc.stop()
-    out.update(hash_rates())
     try:
         out.update(nvme_path(work))
     except ImportError as exc:
         out["nvme_error"] = str(exc)
+    out.update(hash_rates())
     ceil = out["pinned_h2d_gbps"]
     for k in ("onboard_gbps_16k", "onboard_gbps_64k", "kernel_gbps_16k"):
         out[f"ratio_{k}"] = round(out[k] / ceil, 3)

@@ -197,21 +197,24 @@ class MappedSegment:
         blocks = min(65535, max(1, (n * words + threads - 1) // threads))
         _kernel()((blocks,), (threads,), (src, dst, sr, dr, np.int64(n), np.int64(words)))
 
-    def close(self) -> None:
+    def _release(self) -> None:
         import cupy
+        cupy.cuda.runtime.hostUnregister(self.ptr)
+
+    def close(self) -> None:
         if self.ptr:
             synchronize()
             self.indices.close()
-            cupy.cuda.runtime.hostUnregister(self.ptr)
+            self._release()
             self.ptr = 0
 
 
-class IpcPool:
+class IpcPool(MappedSegment):
     """A worker's view of the service's HBM pool, opened from its CUDA IPC handle (ns_open's
     ``hbm``). Gets and puts with tier="hbm" move blocks between its slots and the worker's
-    tensors device to device. Opened with lazy peer access, so a worker on another GPU of the
-    host reads it by peer copies where P2P is available (through host memory otherwise, which
-    CUDA does for the kernel)."""
+    tensors device to device, by MappedSegment's gather and scatter. Opened with lazy peer
+    access, so a worker on another GPU of the host reads it by peer copies where P2P is
+    available (through host memory otherwise, which CUDA does for the kernel)."""
 
     _LAZY_PEER_ACCESS = 1            # cudaIpcMemLazyEnablePeerAccess
 
@@ -225,23 +228,9 @@ class IpcPool:
                                 memptr=cupy.cuda.MemoryPointer(mem, 0))
         self.indices = PinnedIndices()
 
-    def gather(self, slots: np.ndarray, out: Any, rows: np.ndarray) -> None:
-        MappedSegment._move(self.dev, out, slots, rows, self.indices)
-
-    def scatter(self, src: Any, slots: np.ndarray, rows: np.ndarray) -> None:
-        MappedSegment._move(src, self.dev, rows, slots, self.indices)
-
-    def sync(self) -> None:
-        synchronize()
-        self.indices.reset()
-
-    def close(self) -> None:
+    def _release(self) -> None:
         import cupy
-        if self.ptr:
-            synchronize()
-            self.indices.close()
-            cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
-            self.ptr = 0
+        cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
 def synchronize() -> None:

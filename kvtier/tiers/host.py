@@ -66,6 +66,13 @@ class SlotPool(SlotStack):
         return memoryview(self._mm)[start: start + self.block_bytes]
 
     def close(self) -> None:
+        if self.pinned and self.array.size:
+            # Unregister before the unmap: CUDA would otherwise keep the range registered, and
+            # the next allocation at that address fails with CUDA_ERROR_ALREADY_MAPPED (seen
+            # in kvikio's bounce buffers on the H200 host).
+            import cupy
+            cupy.cuda.runtime.hostUnregister(self.array.ctypes.data)
+            self.pinned = False
         self.array = np.empty((0, self.block_bytes), dtype=np.uint8)
         try:
             self._mm.close()
