@@ -395,14 +395,16 @@ def test_large_batches_go_in_pipelined_chunks_and_round_trip(tmp_path: Path):
 
 def test_a_chunk_that_cannot_be_reserved_stores_the_chunks_before_it(tmp_path: Path):
     # A real shortage: 2,500 blocks of 4 KiB into a host tier of 8 MiB (2,048 blocks) with no
-    # NVMe to evict to. The first two chunks fit and are committed, the third is refused.
+    # NVMe to evict to. Chunks of 256, 1,024, 1,024 and 196: the first two fit and are
+    # committed, the third is refused, and the fourth, reserved before the refusal was read,
+    # is aborted.
     with big_namespace(tmp_path, "8MiB") as (c, ns):
         data = blocks(2500, 4096, 6)
-        with pytest.raises(kvtier.errors.CapacityError, match="2048 of 2500 blocks"):
+        with pytest.raises(kvtier.errors.CapacityError, match="1280 of 2500 blocks"):
             ns.put(keys(range(2500)), data)
-        found, got = ns.get(keys(range(2048)))
-        assert found.all() and (got == data[:2048]).all()
-        assert not ns.get(keys(range(2048, 2500)))[0].any()
+        found, got = ns.get(keys(range(1280)))
+        assert found.all() and (got == data[:1280]).all()
+        assert not ns.get(keys(range(1280, 2500)))[0].any()
         st = c.stats()
         assert st["leases"] == 0 and st["reservations"] == 0
         assert c.ping() > 0                 # the connection is still in step
@@ -421,3 +423,14 @@ def test_a_corrupt_block_in_one_chunk_fails_the_get_and_leaks_no_lease(tmp_path:
         with pytest.raises(kvtier.errors.ChecksumError):
             ns.get(keys(range(2500)), verify=True)
         assert c.stats()["leases"] == 0
+
+
+def test_chunk_plan_covers_every_key_once_with_a_short_first_chunk():
+    from kvtier.api.pipeline import chunks
+    assert chunks(2048) == [(0, 2048)]
+    assert chunks(2500) == [(0, 256), (256, 1280), (1280, 2304), (2304, 2500)]
+    for n in (2049, 4096, 5000, 10007):
+        parts = chunks(n)
+        assert parts[0] == (0, 256) and parts[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert max(hi - lo for lo, hi in parts) == 1024
