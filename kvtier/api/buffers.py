@@ -55,6 +55,9 @@ def as_u8(data: Any) -> np.ndarray:
 
 def blocks_view(data: Any, n: int, block_bytes: int, writable: bool = False) -> np.ndarray:
     """data as an (n, block_bytes) uint8 array; BadRequest when the size is wrong."""
+    if (type(data) is np.ndarray and data.dtype == np.uint8 and data.shape == (n, block_bytes)
+            and data.flags.c_contiguous and (data.flags.writeable or not writable)):
+        return data                     # already the shape asked for: the latency path
     arr = as_u8(data)
     if arr.size != n * block_bytes:
         raise BadRequest(f"{arr.size} bytes for {n} blocks of {block_bytes}; each block must be "

@@ -38,6 +38,7 @@ import array
 import os
 import select
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -438,7 +439,7 @@ class Client:
         self._next += 1
         body = {"id": self._next, "op": op, **{k: v for k, v in args.items() if v is not None}}
         if self._pending and piggyback:
-            body["release_first"] = P.arr(np.asarray(self._pending), "<u8")
+            body["release_first"] = struct.pack(f"<{len(self._pending)}Q", *self._pending)
             self._pending.clear()
         self._sendall(P.pack(body))
         return self._next

@@ -47,7 +47,8 @@ def _addr(buf: memoryview | bytearray) -> int:
 
 
 class Aio:
-    """A context of ``depth`` in-flight requests. run() submits a batch and waits for it."""
+    """A context of up to ``depth`` in-flight requests. run() keeps a window of them in flight
+    over a batch of any length and returns when all are done."""
 
     def __init__(self, depth: int = 256) -> None:
         if _SETUP < 0:
@@ -70,74 +71,97 @@ class Aio:
         except OSError:
             return False
 
-    def run(self, opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]]
-            ) -> np.ndarray:
+    def run(self, opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]],
+            window: int | None = None) -> np.ndarray:
         """Each request is (fd, buffers, file offset): one PREADV or PWRITEV. Returns the bytes
-        moved per request, or -errno. Submits in groups of at most ``depth``."""
+        moved per request, or -errno. At most ``window`` (default: depth) are in flight; as
+        each completes the next is submitted, so a long batch keeps the device's queue full
+        instead of draining it every ``depth`` requests."""
         out = np.empty(len(requests), dtype=np.int64)
+        window = max(1, min(window or self.depth, self.depth))
         with self._lock:
-            for lo in range(0, len(requests), self.depth):
-                self._run_group(opcode, requests[lo: lo + self.depth], out[lo:])
+            self._run_window(opcode, requests, out, window)
         return out
 
-    def _run_group(self, opcode: int, group: Sequence[tuple[int, Sequence[memoryview], int]],
-                   out: np.ndarray) -> None:
-        n = len(group)
-        iovecs = []                      # kept alive until the kernel is done with them
-        cb = self._iocbs[:n]
-        cb[:] = 0
-        cb["data"] = np.arange(n)
-        cb["fildes"] = [g[0] for g in group]
-        cb["offset"] = [g[2] for g in group]
+    def _fill(self, opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]],
+              first: int, slots: list[int], iovecs: dict[int, np.ndarray]) -> None:
+        """Write the iocbs at ``slots`` for requests[first:first + len(slots)]."""
+        idx = np.asarray(slots, dtype=np.int64)
+        group = requests[first:first + len(slots)]
+        cb = self._iocbs
+        cb[idx] = np.zeros(idx.size, dtype=_IOCB)
+        cb["data"][idx] = np.arange(first, first + idx.size)
+        cb["fildes"][idx] = [g[0] for g in group]
+        cb["offset"][idx] = [g[2] for g in group]
         if all(len(g[1]) == 1 for g in group):
             # One buffer each: plain PREAD/PWRITE, no iovec arrays to build.
-            cb["opcode"] = _PLAIN[opcode]
-            cb["buf"] = [_addr(g[1][0]) for g in group]
-            cb["nbytes"] = [len(g[1][0]) for g in group]
-        else:
-            cb["opcode"] = opcode
-            for i, (_fd, bufs, _offset) in enumerate(group):
-                iov = np.empty(len(bufs), dtype=_IOVEC)
-                iov["base"] = [_addr(b) for b in bufs]
-                iov["len"] = [len(b) for b in bufs]
-                iovecs.append(iov)
-                cb[i]["buf"] = iov.ctypes.data
-                cb[i]["nbytes"] = len(bufs)
+            cb["opcode"][idx] = _PLAIN[opcode]
+            cb["buf"][idx] = [_addr(g[1][0]) for g in group]
+            cb["nbytes"][idx] = [len(g[1][0]) for g in group]
+            return
+        cb["opcode"][idx] = opcode
+        for slot, (_fd, bufs, _offset) in zip(slots, group):
+            iov = np.empty(len(bufs), dtype=_IOVEC)
+            iov["base"] = [_addr(b) for b in bufs]
+            iov["len"] = [len(b) for b in bufs]
+            iovecs[slot] = iov              # alive until the kernel has completed it
+            cb["buf"][slot] = iov.ctypes.data
+            cb["nbytes"][slot] = len(bufs)
+
+    def _run_window(self, opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]],
+                    out: np.ndarray, window: int) -> None:
+        n = len(requests)
+        free = list(range(self.depth - 1, -1, -1))
+        iovecs: dict[int, np.ndarray] = {}
         base = self._iocbs.ctypes.data
-        self._ptrs[:n] = base + np.arange(n, dtype=np.uint64) * _IOCB.itemsize
-        done = 0
-        while done < n:
-            got = _syscall(_SUBMIT, self._ctx, ctypes.c_long(n - done),
-                           ctypes.c_void_p(self._ptrs.ctypes.data + done * 8))
-            if got < 0:
-                e = ctypes.get_errno()
-                if e == errno.EAGAIN:
-                    break
-                raise OSError(e, f"io_submit: {os.strerror(e)}")
-            done += got
-        submitted = done
-        reaped = 0
-        while reaped < submitted:
-            got = _syscall(_GETEVENTS, self._ctx, ctypes.c_long(1),
-                           ctypes.c_long(self.depth), ctypes.c_void_p(self._events.ctypes.data),
-                           None)
-            if got < 0:
-                e = ctypes.get_errno()
-                if e == errno.EINTR:
+        nxt = inflight = 0
+        while nxt < n or inflight:
+            k = min(window - inflight, n - nxt)
+            if k > 0:
+                slots = [free.pop() for _ in range(k)]
+                self._fill(opcode, requests, nxt, slots, iovecs)
+                self._ptrs[:k] = base + np.asarray(slots, dtype=np.uint64) * _IOCB.itemsize
+                got = _syscall(_SUBMIT, self._ctx, ctypes.c_long(k),
+                               ctypes.c_void_p(self._ptrs.ctypes.data))
+                if got < 0:
+                    e = ctypes.get_errno()
+                    if e != errno.EAGAIN:
+                        raise OSError(e, f"io_submit: {os.strerror(e)}")
+                    got = 0
+                for slot in slots[got:]:            # not taken: back to the free list
+                    iovecs.pop(slot, None)
+                    free.append(slot)
+                nxt += got
+                inflight += got
+                if got == 0 and inflight == 0:
+                    # The kernel's queue refused even one with nothing in flight: do it here.
+                    self._sync_one(opcode, requests[nxt], out, nxt)
+                    nxt += 1
                     continue
-                raise OSError(e, f"io_getevents: {os.strerror(e)}")
-            ev = self._events[:got]
-            out[ev["data"].astype(np.int64)] = ev["res"]
-            reaped += got
-        if submitted < n:                 # the queue refused some: do them synchronously
-            for i in range(submitted, n):
-                fd, bufs, offset = group[i]
-                try:
-                    out[i] = (os.preadv if opcode == IOCB_CMD_PREADV else os.pwritev)(
-                        fd, bufs, offset)
-                except OSError as exc:
-                    out[i] = -(exc.errno or errno.EIO)
-        del iovecs
+            if inflight:
+                got = _syscall(_GETEVENTS, self._ctx, ctypes.c_long(1),
+                               ctypes.c_long(self.depth),
+                               ctypes.c_void_p(self._events.ctypes.data), None)
+                if got < 0:
+                    e = ctypes.get_errno()
+                    if e == errno.EINTR:
+                        continue
+                    raise OSError(e, f"io_getevents: {os.strerror(e)}")
+                ev = self._events[:got]
+                out[ev["data"].astype(np.int64)] = ev["res"]
+                for slot in ((ev["obj"] - base) // _IOCB.itemsize).astype(np.int64).tolist():
+                    iovecs.pop(slot, None)
+                    free.append(slot)
+                inflight -= got
+
+    @staticmethod
+    def _sync_one(opcode: int, request: tuple[int, Sequence[memoryview], int],
+                  out: np.ndarray, i: int) -> None:
+        fd, bufs, offset = request
+        try:
+            out[i] = (os.preadv if opcode == IOCB_CMD_PREADV else os.pwritev)(fd, bufs, offset)
+        except OSError as exc:
+            out[i] = -(exc.errno or errno.EIO)
 
     def close(self) -> None:
         if self._ctx.value:

@@ -119,7 +119,7 @@ class SegmentLog:
 
     def __init__(self, directory: Path, ns_id: int, block_bytes: int, segment_bytes: int,
                  io_threads: int = 4, backend: Backend | None = None,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, aio_depth: int = 256) -> None:
         self.dir = Path(directory)
         self.readonly = readonly
         self.foreign: list[Path] = []     # files skipped in readonly mode (kvtier check)
@@ -140,7 +140,7 @@ class SegmentLog:
         # O_DIRECT files of the POSIX back-end, where it is truly asynchronous.
         self._aio = None
         if self.direct and type(self.backend) is PosixBackend and Aio.available():
-            self._aio = Aio(depth=256)
+            self._aio = Aio(depth=aio_depth)       # requests in flight at most (a window)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
