@@ -239,7 +239,7 @@ class Namespace(NamespaceHandle):
         if self.inline:
             r = c._call("put", ns=self.name, keys=kb, data=src.tobytes(), parents=pb)
             return np.frombuffer(r["versions"], "<u8")
-        view = self._view()
+        self._view()                     # mapped (and remapped after a restart) before reserve
         if len(pipeline.chunks(n)) > 1:
             def write(slots: np.ndarray, lo: int, hi: int) -> bytes | None:
                 self._write(slots, src[lo:hi])

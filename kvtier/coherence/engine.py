@@ -21,7 +21,7 @@ Lifecycle of a get:
        owner's disconnect (release_owner)
 
 Only the engine (this module and its parts: coherence.eviction, coherence.transfers,
-coherence.fastpath for single-key gets, and
+coherence.fastpath for resident gets, coherence.leases for ending holds, and
 coherence.persist for the NVMe side) writes to the page table. Every public method takes the
 engine lock, so the server may call them from worker threads; disk I/O never runs on the asyncio
 loop. The lock is held during NVMe I/O (a get that reads NVMe, a flush): simple and safe, and
@@ -44,6 +44,7 @@ from kvtier.coherence.namespace import (EngineCounters, GetResult, Lease, Namesp
                                         Reservation, SlotState)
 from kvtier.coherence.eviction import Eviction
 from kvtier.coherence.fastpath import FastPath
+from kvtier.coherence.leases import Holds
 from kvtier.coherence.policies import POLICIES
 from kvtier.coherence.transfers import Transfers, _to_numpy, remote_from_settings
 from kvtier.coherence.states import BlockState, Event, HoldState, next_states
@@ -67,7 +68,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return block_checksums(pool.array, slots.tolist())
 
 
-class Engine(Eviction, Transfers, FastPath):
+class Engine(Eviction, Transfers, FastPath, Holds):
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -488,105 +489,6 @@ class Engine(Eviction, Transfers, FastPath):
                          .astype(np.uint64),
                          np.where(found, cols["checksum"][np.maximum(rows, 0)], 0)
                          .astype(np.uint64), lid, tier)
-
-    def release(self, lease_id: int, owner: int = 0, slots: np.ndarray | None = None) -> None:
-        """End a lease, or with ``slots`` only the part of it holding those slots."""
-        with self.lock:
-            lease = self.leases.get(lease_id)
-            if lease is None or lease.owner != owner:
-                raise LeaseError(f"lease {lease_id} is unknown, already released, expired or not "
-                                 "yours")
-            if slots is None or len(slots) == 0:
-                del self.leases[lease_id]
-                self._end_lease(lease, HoldState.RELEASED)
-                return
-            slots = lease.ns.slots[lease.tier].pool.check_slots(np.asarray(slots))
-            keep = np.ones(lease.slots.size, dtype=bool)
-            for s in slots.tolist():
-                hit = np.flatnonzero((lease.slots == s) & keep)
-                if hit.size == 0:
-                    raise LeaseError(f"slot {s} is not held by lease {lease_id}; nothing released")
-                keep[hit[0]] = False
-            part = Lease(lease.lid, lease.ns, lease.tier, lease.slots[~keep], lease.rows[~keep],
-                         lease.versions[~keep], owner, lease.deadline)
-            lease.slots, lease.rows, lease.versions = (lease.slots[keep], lease.rows[keep],
-                                                       lease.versions[keep])
-            self._end_lease(part, HoldState.RELEASED)
-            if lease.slots.size == 0:
-                del self.leases[lease_id]
-
-    def release_many(self, lease_ids: list[int], owner: int = 0) -> int:
-        """End several whole leases at once: the releases a client piggybacks on a request.
-        Leases of one namespace and tier end in one pass (four leases of 1,024 slots cost ~50
-        us each one by one on the H200 host, in front of the request that carried them).
-        Returns how many ids were unknown, already ended or not owner's; those change
-        nothing."""
-        with self.lock:
-            groups: dict[tuple[int, Tier], list[Lease]] = {}
-            bad = 0
-            for lid in lease_ids:
-                lease = self.leases.get(lid)
-                if lease is None or lease.owner != owner:
-                    bad += 1
-                    continue
-                del self.leases[lid]
-                groups.setdefault((id(lease.ns), lease.tier), []).append(lease)
-            for group in groups.values():
-                if len(group) == 1:
-                    self._end_lease(group[0], HoldState.RELEASED)
-                    continue
-                for lease in group:
-                    lease.state = HoldState.RELEASED
-                first = group[0]
-                merged = Lease(0, first.ns, first.tier,
-                               np.concatenate([g.slots for g in group]),
-                               np.concatenate([g.rows for g in group]),
-                               np.concatenate([g.versions for g in group]), owner, 0.0)
-                self._end_lease(merged, HoldState.RELEASED)
-            return bad
-
-    def _end_lease(self, lease: Lease, state: HoldState) -> None:
-        if lease.slots.size == 1:
-            self._end_lease_one(lease, state)
-            return
-        lease.state = state
-        ns = lease.ns
-        self._unpin(ns, lease.tier, lease.slots)
-        cols = ns.table.cols
-        live = (lease.rows < ns.table.n_rows)
-        rows = lease.rows[live]
-        same = cols["version"][rows] == lease.versions[live]
-        r = rows[same]
-        np.subtract.at(cols["leases"], r, np.minimum(cols["leases"][r], 1))
-
-    def release_owner(self, owner: int) -> int:
-        """End every lease and reservation of a disconnected client. Returns how many."""
-        with self.lock:
-            n = 0
-            for lid in [k for k, v in self.leases.items() if v.owner == owner]:
-                self._end_lease(self.leases.pop(lid), HoldState.RELEASED)
-                n += 1
-            for rid in [k for k, v in self.reservations.items() if v.owner == owner]:
-                self._end_reservation(self.reservations.pop(rid), HoldState.RELEASED)
-                n += 1
-            return n
-
-    def reap(self, now: float | None = None) -> int:
-        """Expire reservations and leases past their deadline. Returns how many."""
-        now = time.monotonic() if now is None else now
-        with self.lock:
-            n = 0
-            for rid in [k for k, v in self.reservations.items() if v.deadline < now]:
-                self._end_reservation(self.reservations.pop(rid), HoldState.EXPIRED)
-                self.counters.expired_reservations += 1
-                n += 1
-            for lid in [k for k, v in self.leases.items() if v.deadline < now]:
-                self._end_lease(self.leases.pop(lid), HoldState.EXPIRED)
-                self.counters.expired_leases += 1
-                n += 1
-            return n
-
-    # ------------------------------------------------------------------ other ops
 
     def read(self, namespace: str, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """get + copy + release, for in-process readers: (found mask, n x block_bytes array)."""
