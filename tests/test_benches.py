@@ -1,0 +1,55 @@
+"""Smoke runs of the benchmarks at tiny sizes: each starts what it measures against for real
+(kvtier serve, redis-server, fio), runs, and prints the figures its issue names. Only the shape
+and sanity of the output are checked: tests never assert timings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(*args: str) -> dict:
+    out = subprocess.run([sys.executable, *args, "--json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["machine"]["cores"] >= 1
+    return result
+
+
+def _positive(result: dict, *names: str) -> None:
+    for name in names:
+        assert result[name] > 0, f"{name} = {result[name]!r}"
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_api_bench_smoke():
+    r = _bench("bench/api.py", "--blocks", "64", "--batch", "16", "--rounds", "1",
+               "--single", "50")
+    _positive(r, "get_gbps", "put_gbps", "redis_get_gbps", "memcpy_gbps", "p50_us", "p99_us",
+              "ratio_get_vs_redis", "ratio_get_vs_memcpy", "get_verify_gbps", "inline_get_gbps")
+    assert r["p50_us"] <= r["p99_us"] <= r["max_us"]
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
+def test_nvme_bench_smoke(tmp_path: Path):
+    r = _bench("bench/nvme.py", "--size", "32MiB", "--runtime", "0.3", "--rounds", "1",
+               "--dir", str(tmp_path))
+    for name in ("seq_read", "rand_read", "seq_write"):
+        _positive(r, f"{name}_gbps", f"fio_{name}_gbps", f"ratio_{name}")
+        assert len(r[f"{name}_rounds"]["kvtier"]) == len(r[f"{name}_rounds"]["fio"]) == 1
+
+
+def test_pagetable_and_engine_bench_smoke():
+    r = _bench("bench/pagetable.py", "--entries", "20000", "--repeat", "20")
+    _positive(r, "bytes_per_entry", "lookup_1k_ms", "baseline_dict_lookup_1k_ms")
+    r = _bench("bench/engine.py", "--blocks", "128", "--batch", "16")
+    _positive(r, "host_get_gbps", "host_put_gbps", "nvme_get_gbps", "nvme_put_gbps",
+              "memcpy_gbps", "pread_gbps")
