@@ -361,6 +361,7 @@ class Client:
         self.path = str(path or default_socket())
         self.timeout = timeout
         self.spin_us = spin_us
+        self._recent_wait_us = spin_us / 2
         self.name = name or f"pid-{os.getpid()}"
         self.generation = 0
         self.release_errors = 0
@@ -462,18 +463,31 @@ class Client:
             raise ServiceUnavailable(f"kvtier at {self.path} went away: {exc}") from None
 
     def _wait(self) -> None:
-        """Until the socket is readable. Spins for spin_us first: on the dev VM a reply that
-        wakes a sleeping client costs ~30 us more than one it is spinning for (a hello round
-        trip of 48 us against 18 us), and a worker waiting on its KV blocks has nothing else to
-        run. Then poll() with the call's timeout."""
+        """Until the socket is readable. Spins first: on the dev VM a reply that wakes a
+        sleeping client costs ~30 us more than one it is spinning for (a hello round trip of
+        48 us against 18 us), and a worker waiting on its KV blocks has nothing else to run.
+        The spin lasts twice the recent waits (at least 50 us, at most spin_us): long enough
+        for the reply that is on its way, not a millisecond of a core for a slow one, where
+        30 us matter less. Then poll() with the call's timeout."""
         if self.spin_us > 0:
-            end = time.perf_counter() + self.spin_us * 1e-6
+            t0 = time.perf_counter()
+            end = t0 + min(self.spin_us, max(50.0, 2.0 * self._recent_wait_us)) * 1e-6
             while time.perf_counter() < end:
                 if self._poll.poll(0):
+                    self._note_wait(t0)
                     return
+            if not self._poll.poll(self.timeout * 1000):
+                self.close_socket()
+                raise ServiceUnavailable(f"no reply from kvtier within {self.timeout} s")
+            self._note_wait(t0)
+            return
         if not self._poll.poll(self.timeout * 1000):
             self.close_socket()
             raise ServiceUnavailable(f"no reply from kvtier within {self.timeout} s")
+
+    def _note_wait(self, t0: float) -> None:
+        waited = (time.perf_counter() - t0) * 1e6
+        self._recent_wait_us = 0.8 * self._recent_wait_us + 0.2 * waited
 
     def _send_nowait(self, op: str, **args: Any) -> None:
         """Send a request whose reply is read and dropped later (pipelined)."""
