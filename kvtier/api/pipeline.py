@@ -131,8 +131,9 @@ def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
             error = exc
             try:
                 sync()           # no launched write may land in slots an abort hands back
-            finally:
-                c._send_nowait("abort", rid=r["rid"])
+            except BaseException:
+                pass             # the first failure is the one raised, after every reply is read
+            c._send_nowait("abort", rid=r["rid"])
             continue
         commit_ids.append((lo, hi, c._send("commit", {"rid": r["rid"], "checksums": sums})))
     versions = np.zeros(n, dtype=np.uint64)
