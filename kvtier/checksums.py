@@ -2,7 +2,7 @@
 
 Every committed block is hashed by the service, and a verifying client hashes what it copied.
 This is the largest cost of a big put: on the H200 host a 4,096 x 64 KiB commit spends ~44 ms
-hashing (bench/results/gpu-h200.json, commit_hash_gbps_1: 6-7 GB/s), on the development VM
+hashing (bench/results/gpu-h200.json, commit_hash_gbps: 5.5-7 GB/s), on the development VM
 ~21 GB/s.
 
 Threads were tried and measured, and are not used: xxhash releases the GIL, and two threads
