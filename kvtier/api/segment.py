@@ -22,8 +22,10 @@ Windows are whole pages: where block_bytes is not a multiple of the page size, t
 neighbouring slot that share a page with a reserved one are writable during the copy too.
 GPU workers register a second, writable mapping with CUDA (gpu_view; kvtier.gpu.MappedSegment):
 the kernels write only the reserved slots the service names. Costs: two mprotect calls per run
-of consecutive reserved slots; a batch whose slots are scattered over more than _MAX_RUNS runs
-opens the span from its first to its last slot instead.
+of reserved slots (gaps of up to 256 KiB closed into the window), and per page: on the dev VM a
+4 MiB put of consecutive slots took 0.65-0.87 ms through its window against 0.40-0.45 ms without,
+and one of 64 scattered slots 1.7-1.9 ms against 0.42 ms. The free list hands a rewrite's
+batch back its predecessor's run of slots, so puts are mostly the first case.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _PAGE = mmap.PAGESIZE
-_MAX_RUNS = 16
+_MERGE_GAP = 256 << 10
 
 
 class SegmentMap:
@@ -63,13 +65,16 @@ class SegmentMap:
             raise OSError(err, f"mprotect of the namespace segment: {os.strerror(err)}")
 
     def _runs(self, slots: np.ndarray) -> list[tuple[int, int]]:
-        """Byte ranges covering slots: one per run of consecutive slots, or one span."""
+        """Byte ranges covering slots: runs of consecutive slots, with gaps of up to
+        _MERGE_GAP bytes merged into one window. mprotect costs a syscall (~10 us on the dev
+        VM) plus ~0.13 us per page, so closing a gap of fewer than ~64 pages costs less than a
+        second pair of calls; a span over a whole scattered batch (64 slots in a 128 MiB
+        segment: 8.5 ms against 0.43 ms for the copy itself) costs far more."""
         s = np.unique(slots.astype(np.int64))
         if s.size == 0:
             return []
-        breaks = np.flatnonzero(np.diff(s) != 1)
-        if breaks.size + 1 > _MAX_RUNS:
-            return [(int(s[0]) * self.block_bytes, (int(s[-1]) + 1) * self.block_bytes)]
+        gap_slots = max(0, _MERGE_GAP // self.block_bytes)
+        breaks = np.flatnonzero(np.diff(s) > gap_slots + 1)
         starts = np.r_[s[0], s[breaks + 1]]
         ends = np.r_[s[breaks], s[-1]] + 1
         return [(int(a) * self.block_bytes, int(b) * self.block_bytes)
