@@ -11,6 +11,7 @@ from kvtier.coherence import reserve
 from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
 from kvtier.errors import ConfigError
+from kvtier.pagetable.store import Catalog
 from kvtier.types import Tier
 from tests.conftest import blocks, hbm_standin, keys
 
@@ -71,3 +72,20 @@ def test_alpha_must_be_a_fraction(tmp_path: Path):
             make_settings({"data_dir": str(tmp_path), "hbm_reserve_alpha": bad})
     with pytest.raises(ConfigError, match="hbm_reserve"):
         make_settings({"data_dir": str(tmp_path), "hbm_reserve": "sometimes"})
+
+
+@pytest.mark.parametrize("garbage", [b"\xc1\xff not msgpack", b"\xa3abc"])
+def test_a_damaged_history_on_disk_falls_back_to_capacity_and_is_rewritten(tmp_path: Path,
+                                                                          garbage: bytes):
+    # The history lives in LMDB's meta db; bytes that are not msgpack, or msgpack that is not
+    # a list, size the pool at hbm_capacity, and the next close writes a sound history again.
+    _run(tmp_path, "history", 7)
+    cat = Catalog(tmp_path / "d" / "meta")                 # the engine is closed: edit its LMDB
+    with cat.env.begin(write=True, db=cat._meta_db) as txn:
+        txn.put(b"hbm_peaks:1", garbage)
+    cat.close()
+    eng = _engine(tmp_path, "history")
+    eng.create_namespace("m", BB)
+    assert eng.namespace("m").slots[Tier.HBM].pool.n_slots == 64
+    eng.close()
+    assert _run(tmp_path, "history", 1) == 1      # the fresh history: the last run's 0 demand

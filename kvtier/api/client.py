@@ -454,7 +454,9 @@ class Client:
                     view = view[self._sock.send(view):]
                 except BlockingIOError:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not select.select([], [self._sock], [], left)[1]:
+                    out = select.poll()       # poll, not select: no FD_SETSIZE limit
+                    out.register(self._sock, select.POLLOUT)
+                    if left <= 0 or not out.poll(left * 1000):
                         self.close_socket()
                         raise ServiceUnavailable(f"kvtier did not take a request within "
                                                  f"{self.timeout} s") from None
@@ -469,21 +471,17 @@ class Client:
         The spin lasts twice the recent waits (at least 50 us, at most spin_us): long enough
         for the reply that is on its way, not a millisecond of a core for a slow one, where
         30 us matter less. Then poll() with the call's timeout."""
+        t0 = time.perf_counter()
         if self.spin_us > 0:
-            t0 = time.perf_counter()
             end = t0 + min(self.spin_us, max(50.0, 2.0 * self._recent_wait_us)) * 1e-6
             while time.perf_counter() < end:
                 if self._poll.poll(0):
                     self._note_wait(t0)
                     return
-            if not self._poll.poll(self.timeout * 1000):
-                self.close_socket()
-                raise ServiceUnavailable(f"no reply from kvtier within {self.timeout} s")
-            self._note_wait(t0)
-            return
         if not self._poll.poll(self.timeout * 1000):
             self.close_socket()
             raise ServiceUnavailable(f"no reply from kvtier within {self.timeout} s")
+        self._note_wait(t0)
 
     def _note_wait(self, t0: float) -> None:
         waited = (time.perf_counter() - t0) * 1e6

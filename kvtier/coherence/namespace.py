@@ -129,3 +129,12 @@ class GetResult:
     checksums: np.ndarray
     lease_id: int
     tier: Tier
+
+
+def add_one(counts: np.ndarray, idx: np.ndarray, delta: int = 1) -> None:
+    """counts[idx] += 1 (or -= 1), counting repeated indices. numpy 2's ufunc.at takes ~9 us
+    for 4,096 indices on the dev VM, less than the sort that used to prove them distinct
+    (~80 us) so that plain fancy += could be used. The step is of the counts' own type: a
+    Python int made ufunc.at ~10x slower (110 us for 4,096 on the dev VM)."""
+    step = counts.dtype.type(abs(delta))      # unsigned counters: subtract, never add -1
+    (np.add if delta > 0 else np.subtract).at(counts, idx, step)
