@@ -24,7 +24,7 @@ import xxhash
 
 from kvtier.errors import DataDirError, KvtierError
 from kvtier.pagetable.store import Catalog
-from kvtier.tiers.nvme import ALIGN, HEADER_BYTES, SegmentLog, _aligned
+from kvtier.tiers.nvme import ALIGN, SegmentLog, _aligned
 
 BATCH = 256
 
@@ -120,7 +120,7 @@ def _check_records(name: str, block_bytes: int, log: SegmentLog, keys: np.ndarra
                 ok[i], problems[i] = False, "bad_record"
             elif seg is None:
                 ok[i], problems[i] = False, "missing_segment"
-            elif start < HEADER_BYTES or start + log.record_bytes > seg.size:
+            elif not seg.holds(start, log.record_bytes):
                 ok[i], problems[i] = False, "truncated"
         idx = np.flatnonzero(ok)
         if idx.size:

@@ -81,7 +81,7 @@ def test_orphan_segments_are_reported_and_removed_on_repair(damaged):
     data, seg, _ = damaged
     from kvtier.tiers.nvme import _HEADER, MAGIC
     orphan = seg.with_name("seg-00000099.kvt")
-    orphan.write_bytes(_HEADER.pack(MAGIC, BB, BB, 1, 99).ljust(4096, b"\0"))   # no records
+    orphan.write_bytes(_HEADER.pack(MAGIC, BB, BB, 1, 99, 4096).ljust(4096, b"\0"))  # no records
     foreign = seg.with_name("seg-00000098.kvt")
     foreign.write_bytes(b"someone else's file" * 300)
     rep = check(data).as_dict()

@@ -77,3 +77,54 @@ def test_compaction_candidates_follow_live_bytes(tmp_path: Path):
     assert log.compaction_candidates(0.5) == [first]
     assert log.remove(first) > 0 and first not in log.segments
     log.close()
+
+
+@pytest.mark.parametrize("block_bytes, start", [(65536, 65536), (1 << 20, 1 << 20),
+                                                 (4 << 20, 1 << 20), (20480, 20480)])
+def test_records_start_on_their_own_alignment(tmp_path: Path, block_bytes: int, start: int):
+    log = SegmentLog(tmp_path, 1, block_bytes, 16 << 20)
+    segs, offs = log.append(_blocks(3, block_bytes))
+    assert log.data_start == start
+    assert (offs.astype(np.int64) * 4096).tolist() == [start + i * block_bytes for i in range(3)]
+    log.close()
+
+
+def test_format_1_segments_are_still_read(tmp_path: Path):
+    """A segment written before aligned records: the v1 header, records right after 4 KiB."""
+    from kvtier.tiers.nvme import _HEADER_V1, MAGIC_V1
+    data = _blocks(3, 65536)
+    raw = _HEADER_V1.pack(MAGIC_V1, 65536, 65536, 1, 1).ljust(HEADER_BYTES, b"\0")
+    (tmp_path / "seg-00000001.kvt").write_bytes(raw + b"".join(bytes(d) for d in data))
+    log = SegmentLog(tmp_path, 1, 65536, 1 << 20)
+    offs = np.array([1, 17, 33], dtype=np.uint32)              # 4 KiB + i * 64 KiB, in 4 KiB
+    segs = np.ones(3, dtype=np.int32)
+    outs = [memoryview(bytearray(65536)) for _ in data]
+    assert log.read(segs, offs, outs).all()
+    assert [bytes(o) for o in outs] == [bytes(d) for d in data]
+    assert log.in_bounds(segs, offs).tolist() == [True, True, True]
+    # Appends continue the old segment on its own layout; the next segment is format 2.
+    s2, o2 = log.append(data[:1])
+    assert s2.tolist() == [1] and int(o2[0]) * 4096 == HEADER_BYTES + 3 * 65536
+    s3, o3 = log.append(_blocks(15, 65536))
+    assert s3[-1] == 2 and int(o3[s3 == 2][0]) * 4096 == 65536
+    log.close()
+
+
+def test_offsets_off_a_record_boundary_are_refused(tmp_path: Path):
+    log = SegmentLog(tmp_path, 1, 65536, 1 << 20)
+    segs, offs = log.append(_blocks(3, 65536))
+    bad = offs + 1                                             # 4 KiB into a record
+    out = [memoryview(bytearray(65536)) for _ in range(3)]
+    assert log.read(segs, bad, out).tolist() == [False] * 3
+    assert log.in_bounds(segs, bad).tolist() == [False] * 3
+    assert log.in_bounds(segs + 7, offs).tolist() == [False] * 3      # no such segment
+    assert log.in_bounds(segs, offs).tolist() == [True] * 3
+    log.close()
+
+
+def test_a_header_with_a_bad_data_start_is_not_a_segment(tmp_path: Path):
+    from kvtier.tiers.nvme import _HEADER, MAGIC
+    raw = _HEADER.pack(MAGIC, 65536, 65536, 1, 1, 100).ljust(HEADER_BYTES, b"\0")
+    (tmp_path / "seg-00000001.kvt").write_bytes(raw)
+    with pytest.raises(DataDirError, match="not a kvtier segment"):
+        SegmentLog(tmp_path, 1, 65536, 1 << 20)

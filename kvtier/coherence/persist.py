@@ -27,7 +27,7 @@ from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.errors import StorageError
 from kvtier.pagetable.store import FLAG_PARENT, record_dtype
 from kvtier.tiers.host import SlotPool
-from kvtier.tiers.nvme import ALIGN, HEADER_BYTES, _aligned
+from kvtier.tiers.nvme import _aligned
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ def _make_room(engine: "Engine", ns: "Namespace", n: int) -> int:
     rec = ns.log.record_bytes
 
     def fits() -> int:
-        free = cap - _nvme_used(engine) - HEADER_BYTES
+        free = cap - _nvme_used(engine) - ns.log.data_start   # a new segment's head
         return max(0, min(n, free // rec))
 
     if fits() == n:
@@ -276,10 +276,7 @@ def load_namespace(engine: "Engine", ns: "Namespace") -> int:
     engine.counters.records_dropped += malformed
     if keys.size == 0:
         return 0
-    sizes = {sid: seg.size for sid, seg in ns.log.segments.items()}
-    seg_size = np.array([sizes.get(int(s), 0) for s in recs["seg"]], dtype=np.int64)
-    start = recs["off"].astype(np.int64) * ALIGN
-    valid = ((start >= HEADER_BYTES) & (start + ns.log.record_bytes <= seg_size)
+    valid = (ns.log.in_bounds(recs["seg"], recs["off"])
              & (recs["size"] == ns.block_bytes) & (recs["version"] > 0))
     if not valid.all():
         engine.counters.records_dropped += int((~valid).sum())

@@ -3,8 +3,16 @@
 On disk::
 
     <data_dir>/nvme/ns-<id>/seg-00000001.kvt
-        [4 KiB header: magic, block_bytes, record_bytes, namespace id, segment id]
+        [4 KiB header: magic, block_bytes, record_bytes, namespace id, segment id, data start]
+        [unused up to data start]
         [record 0][record 1]...          each record_bytes = block_bytes rounded up to 4 KiB
+
+Records begin at ``data start``: record_bytes rounded up from the header, at most 1 MiB, so a
+64 KiB record sits on a 64 KiB boundary and a 1 MiB one on a 1 MiB boundary, as fio's blocks do.
+Format 1 segments (magic KVTSEG01, written before 2026-12) have no such field and start their
+records right after the 4 KiB header; they are read as before. The offset 4 KiB past an
+alignment cost 5-8% of sequential-read bandwidth on the development VM's disk, for fio too
+(docs/DESIGN-NOTES.md, "Aligned records").
 
 A record is a block's bytes and nothing else: the page table (LMDB) says which key and version
 lives where, and the xxh3-64 checksum kept there is checked on every read, so a record never has
@@ -40,11 +48,14 @@ import numpy as np
 from kvtier.errors import DataDirError, StorageError
 from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, Aio
 
-MAGIC = b"KVTSEG01"
+MAGIC = b"KVTSEG02"
+MAGIC_V1 = b"KVTSEG01"             # records at HEADER_BYTES; still read, never written
 HEADER_BYTES = 4096
 ALIGN = 4096
+DATA_ALIGN_MAX = 1 << 20           # records align to their own size, up to this
 IOV_MAX = 1024
-_HEADER = struct.Struct("<8sIIII")
+_HEADER = struct.Struct("<8sIIIII")
+_HEADER_V1 = struct.Struct("<8sIIII")
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -112,6 +123,12 @@ class Segment:
     size: int          # bytes written so far, header included
     live: int = 0      # bytes of records that a page-table row points to
     direct: bool = False   # opened with O_DIRECT (the file system allowed it)
+    start: int = HEADER_BYTES   # file offset of record 0
+
+    def holds(self, offset: int, record_bytes: int) -> bool:
+        """True when a whole record at file offset ``offset`` lies inside what was written."""
+        return (offset >= self.start and (offset - self.start) % record_bytes == 0
+                and offset + record_bytes <= self.size)
 
 
 class SegmentLog:
@@ -126,7 +143,9 @@ class SegmentLog:
         self.ns_id = ns_id
         self.block_bytes = block_bytes
         self.record_bytes = round_up(block_bytes)
-        self.segment_bytes = max(segment_bytes, HEADER_BYTES + self.record_bytes)
+        # Where new segments put record 0 (see the module docstring).
+        self.data_start = round_up(HEADER_BYTES, min(self.record_bytes, DATA_ALIGN_MAX))
+        self.segment_bytes = max(segment_bytes, self.data_start + self.record_bytes)
         self.direct = block_bytes % ALIGN == 0
         self.backend = backend or PosixBackend()
         self.segments: dict[int, Segment] = {}
@@ -166,15 +185,15 @@ class SegmentLog:
                                    "link, or wrong permissions?)") from None
             buf = _aligned(HEADER_BYTES)
             got = os.preadv(fd, [memoryview(buf)], 0)   # aligned, so O_DIRECT accepts it
-            hdr = bytes(buf[: _HEADER.size]) if got >= _HEADER.size else b""
-            if len(hdr) < _HEADER.size:
+            if got < _HEADER_V1.size:
                 # A segment whose header never reached the disk holds nothing LMDB points to.
                 self.backend.close(fd)
                 if not self.readonly:
                     path.unlink()
                 continue
-            magic, block_bytes, record_bytes, ns_id, sid = _HEADER.unpack(hdr)
-            if magic != MAGIC or block_bytes != self.block_bytes or sid != seg_id:
+            magic, block_bytes, record_bytes, ns_id, sid, start = _unpack_header(bytes(buf))
+            if (magic is None or block_bytes != self.block_bytes or sid != seg_id
+                    or record_bytes != self.record_bytes):
                 self.backend.close(fd)
                 if self.readonly:
                     self.foreign.append(path)
@@ -183,9 +202,9 @@ class SegmentLog:
                     f"{path} is not a kvtier segment of this namespace (bad header); move it out "
                     "of the data directory or run `kvtier check --repair`")
             size = os.fstat(fd).st_size
-            size = HEADER_BYTES + (size - HEADER_BYTES) // self.record_bytes * self.record_bytes
-            self.segments[seg_id] = Segment(seg_id, path, fd, max(size, HEADER_BYTES),
-                                            direct=_is_direct(fd))
+            size = start + max(0, size - start) // self.record_bytes * self.record_bytes
+            self.segments[seg_id] = Segment(seg_id, path, fd, size, direct=_is_direct(fd),
+                                            start=start)
 
     def _new_segment(self) -> Segment:
         seg_id = max(self.segments, default=0) + 1
@@ -197,9 +216,10 @@ class SegmentLog:
         _preallocate(fd, self.segment_bytes)
         header = _aligned(HEADER_BYTES)
         header[: _HEADER.size] = _HEADER.pack(MAGIC, self.block_bytes, self.record_bytes,
-                                              self.ns_id, seg_id)
+                                              self.ns_id, seg_id, self.data_start)
         self._write_all(fd, [memoryview(header)], 0, path)
-        seg = Segment(seg_id, path, fd, HEADER_BYTES, direct=_is_direct(fd))
+        seg = Segment(seg_id, path, fd, self.data_start, direct=_is_direct(fd),
+                      start=self.data_start)
         self.segments[seg_id] = seg
         return seg
 
@@ -263,6 +283,16 @@ class SegmentLog:
         per = max(1, -(-len(bufs) // 16))
         reqs = [(seg.fd, bufs[i: i + per], seg.size + i * self.record_bytes)
                 for i in range(0, len(bufs), per)]
+        # Extend the file over the chunk first. ext4 runs an O_DIRECT write that extends i_size
+        # synchronously inside io_submit (it must update the size on completion), so appends
+        # past the end went one at a time: io_submit took 9.8 ms per 16 MiB and io_getevents
+        # found them done (strace -w, bench/nvme.py). Inside i_size they are truly in flight.
+        # The size reaches the disk with the fdatasync that follows, before LMDB points at any
+        # of these records; after a crash in between, the tail is records no row refers to.
+        try:
+            os.ftruncate(seg.fd, seg.size + len(bufs) * self.record_bytes)
+        except OSError as exc:
+            raise StorageError(f"cannot extend {seg.path}: {exc.strerror}") from None
         res = self._aio.run(IOCB_CMD_PWRITEV, reqs)
         for (_fd, b, _off), got in zip(reqs, res.tolist()):
             if got != sum(len(x) for x in b):
@@ -308,7 +338,7 @@ class SegmentLog:
         for k in order.tolist():
             sid, off = int(segs[k]), int(offs[k]) * ALIGN
             seg = self.segments.get(sid)
-            if seg is None or off < HEADER_BYTES or off + self.record_bytes > seg.size:
+            if seg is None or not seg.holds(off, self.record_bytes):
                 ok[k] = False
                 continue
             if sid == prev_seg and off == prev_off + self.record_bytes and len(runs[-1][2]) < IOV_MAX:
@@ -344,6 +374,8 @@ class SegmentLog:
                     outs[k][:] = tmp[j * self.record_bytes: j * self.record_bytes + self.block_bytes]
             return []
 
+        if not runs:                # every record was refused by read()'s bounds check
+            return []
         self.bytes_read += self.record_bytes * sum(len(r[2]) for r in runs)
         if self._aio is not None and all(r[0].direct for r in runs) and (
                 len(runs) > 1 or len(runs[0][2]) * self.record_bytes > (1 << 20)):
@@ -383,6 +415,19 @@ class SegmentLog:
                                      + self.block_bytes]
         return bad
 
+    def in_bounds(self, segs: np.ndarray, offs: np.ndarray) -> np.ndarray:
+        """Per record (segment id, offset in 4 KiB units): True when its segment is open and a
+        whole record at that offset, on a record boundary, lies inside what was written. The
+        vectorised form of Segment.holds, for restart and `kvtier check`."""
+        segs = np.asarray(segs, dtype=np.int64)
+        off = np.asarray(offs, dtype=np.int64) * ALIGN
+        ids, inv = np.unique(segs, return_inverse=True)
+        known = [self.segments.get(int(i)) for i in ids.tolist()]
+        size = np.array([s.size if s else -1 for s in known], dtype=np.int64)[inv]
+        start = np.array([s.start if s else 0 for s in known], dtype=np.int64)[inv]
+        rec = self.record_bytes
+        return (size >= 0) & (off >= start) & ((off - start) % rec == 0) & (off + rec <= size)
+
     # ------------------------------------------------------------------ accounting
 
     def add_live(self, segs: np.ndarray, sign: int = 1) -> None:
@@ -400,7 +445,7 @@ class SegmentLog:
         active = self.active_id
         out = []
         for seg in self.segments.values():
-            body = seg.size - HEADER_BYTES
+            body = seg.size - seg.start
             if seg.seg_id != active and body > 0 and seg.live < threshold * body:
                 out.append((seg.live / body, seg.seg_id))
         return [sid for _, sid in sorted(out)]
@@ -426,6 +471,20 @@ class SegmentLog:
             for seg in self.segments.values():
                 self.backend.close(seg.fd)
             self.segments.clear()
+
+
+def _unpack_header(raw: bytes) -> tuple:
+    """(magic, block_bytes, record_bytes, ns_id, seg_id, data start) of either format; magic is
+    None when the file is not a kvtier segment, or its data start is not a record boundary."""
+    if raw[:8] == MAGIC:
+        fields = _HEADER.unpack(raw[: _HEADER.size])
+        start = fields[5]
+        if start < HEADER_BYTES or start % ALIGN:
+            return (None,) + fields[1:]
+        return fields
+    if raw[:8] == MAGIC_V1:
+        return _HEADER_V1.unpack(raw[: _HEADER_V1.size]) + (HEADER_BYTES,)
+    return (None, 0, 0, 0, 0, HEADER_BYTES)
 
 
 def _preallocate(fd: int, nbytes: int) -> None:
