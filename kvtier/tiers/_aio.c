@@ -2,11 +2,10 @@
  *
  * Why. The Python loop costs 20-40 us per turn on the 2-core development VM (two ctypes
  * syscalls and a few numpy calls), and a turn happens for every completion that frees a place
- * in the window. Random 64 KiB reads at iodepth 32 complete every 60-90 us there, so the loop
- * took a third of the core and bench/nvme.py read at 0.74 of fio's rate. This is the same loop
- * with the GIL released: it keeps `window` requests in flight until the batch is done, as
- * fio's libaio engine does. tiers/aio.py keeps the Python loop as the fallback where this module
- * was not built; tests run both on real files.
+ * in the window; this is the same loop with the GIL released, as fio's libaio engine runs it.
+ * Measured on that VM, bench/nvme.py gained nothing clear from it (the disk was the limit);
+ * what it does add is error handling the kernel's contract needs, below. tiers/aio.py keeps
+ * the Python loop as the fallback where this module was not built; tests run both.
  *
  * Contract (the caller in aio.py builds the arguments and checks them):
  *   run(ctx, iocbs, out, first, window) -> int

@@ -9,7 +9,7 @@ No new dependency: the iocbs live in a numpy structured array laid out as ``stru
 <linux/aio_abi.h>, one per request of the batch. The submit/reap loop runs in the optional C
 helper ``_aio.c`` (built by setup.py, the GIL released) and otherwise in Python, with the
 syscalls through libc's syscall(); the Python loop costs 20-40 us a completion on the
-development VM, which random 64 KiB reads notice. Only on x86-64 and aarch64 Linux; elsewhere
+development VM, though bench/nvme.py was disk-bound there either way. Only on x86-64 and aarch64 Linux; elsewhere
 ``Aio.available()`` is False and the tier uses threads.
 Thread-safety: run() serialises on the context's lock (the segment log keeps one Aio).
 """

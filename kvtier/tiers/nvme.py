@@ -10,9 +10,9 @@ On disk::
 Records begin at ``data start``: record_bytes rounded up from the header, at most 1 MiB, so a
 64 KiB record sits on a 64 KiB boundary and a 1 MiB one on a 1 MiB boundary, as fio's blocks do.
 Format 1 segments (magic KVTSEG01, written before 2026-12) have no such field and start their
-records right after the 4 KiB header; they are read as before. The offset 4 KiB past an
-alignment cost 5-8% of sequential-read bandwidth on the development VM's disk, for fio too
-(docs/DESIGN-NOTES.md, "Aligned records").
+records right after the 4 KiB header; they are read as before. On the development VM's disk
+the 4 KiB offset cost fio 5-8% and kvtier's sequential reads 1.28x (docs/DESIGN-NOTES.md,
+"NVMe: aligned records and extending writes").
 
 A record is a block's bytes and nothing else: the page table (LMDB) says which key and version
 lives where, and the xxh3-64 checksum kept there is checked on every read, so a record never has
