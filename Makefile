@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test bench-smoke clean
 
-$(STAMP): pyproject.toml setup.py kvtier/pagetable/_native.c kvtier/tiers/_aio.c
+$(STAMP): pyproject.toml setup.py kvtier/pagetable/_native.c kvtier/coherence/_fast.c \
+         kvtier/tiers/_aio.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.coherence import fastpath
 from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
 from kvtier.errors import (BadRequest, CapacityError, ChecksumError, DataDirError, LeaseError,
@@ -351,19 +352,30 @@ def _state(eng: Engine, ks: list[bytes]) -> dict:
             "host_used": eng.host_used}
 
 
-@pytest.mark.parametrize("n", [1, 5])
-def test_fast_paths_leave_the_state_the_batch_path_leaves(tmp_path: Path, n: int):
-    # Engine a serves the n resident keys alone (coherence.fastpath); engine b gets the same
-    # keys plus one absent key, which sends the batch through the general path. Every field a
-    # get touches must agree, after the get, after a rewrite that retires the leased slots,
-    # and after the release that frees them.
+@pytest.mark.parametrize("native", [True, False], ids=["c-helper", "numpy"])
+@pytest.mark.parametrize("n,repeat", [(1, False), (5, False), (5, True)])
+def test_fast_paths_leave_the_state_the_batch_path_leaves(tmp_path: Path, n: int, repeat: bool,
+                                                          native: bool, monkeypatch):
+    # Engine a serves the n resident keys alone (coherence.fastpath: the C helper, or its numpy
+    # reference); engine b gets the same keys plus one absent key, which sends the batch through
+    # the general path. Every field a get touches must agree, after the get, after a rewrite
+    # that retires the leased slots, and after the release that frees them. With repeat, the
+    # batch names its first key twice (two pins of one slot, one touch of the row).
+    if native and fastpath._fast is None:
+        pytest.skip("kvtier.coherence._fast was not built here")
+    if not native:
+        monkeypatch.setattr(fastpath, "_fast", None)
     ks = [key(i) for i in range(n)]
+    stored = ks
+    if repeat:
+        ks = ks + ks[:1]
+        n += 1
     engines = []
     for name in ("a", "b"):
         eng = Engine(make_settings({"data_dir": str(tmp_path / name), "host_capacity": "64KiB",
                                     "nvme_capacity": "0"}))
         eng.create_namespace("m", BB)
-        eng.put("m", b"".join(ks), blocks(n, BB, 1))
+        eng.put("m", b"".join(stored), blocks(len(stored), BB, 1))
         eng.release(eng.get("m", ks[0]).lease_id)     # an earlier access moves prev_access
         engines.append(eng)
     a, b = engines
@@ -377,7 +389,7 @@ def test_fast_paths_leave_the_state_the_batch_path_leaves(tmp_path: Path, n: int
     assert ra.slots.dtype == rb.slots.dtype and ra.versions.dtype == rb.versions.dtype
     assert _state(a, ks) == _state(b, ks)
     for eng in engines:
-        eng.put("m", b"".join(ks), blocks(n, BB, 2))     # the leased slots are retired
+        eng.put("m", b"".join(stored), blocks(len(stored), BB, 2))   # the leased slots retire
     assert _state(a, ks) == _state(b, ks)
     for eng, res in ((a, ra), (b, rb)):
         assert eng.namespace("m").slots[Tier.HOST].retired[res.slots[:n]].all()

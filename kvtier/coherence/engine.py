@@ -438,6 +438,9 @@ class Engine(Eviction, Transfers, FastPath, Holds):
         cols = ns.table.cols
         n = karr.size
         rows = ns.table.lookup(karr)
+        res = self._lease_native(ns, rows, owner, tier)
+        if res is not None:
+            return res
         found = rows >= 0
         if found.all():
             ver = cols["version"][rows]

@@ -9,7 +9,9 @@ calls. Here:
 - _get_one does the bookkeeping of one key on numpy scalars (a numpy call costs about a
   microsecond);
 - _lease_resident leases a batch that is all found and all current in the tier, gathering each
-  column once.
+  column once;
+- _lease_native does _lease_resident's checks and work in one C call (kvtier.coherence._fast),
+  and _end_native the release's; where that module was not built, the numpy versions run.
 
 Both leave exactly the state the general path leaves (rows, counters, lease, reply): the
 engine's tests compare the two field by field
@@ -27,6 +29,11 @@ import numpy as np
 from kvtier.coherence.namespace import GetResult, Lease, add_one
 from kvtier.coherence.states import HoldState
 from kvtier.types import Tier
+
+try:
+    from kvtier.coherence import _fast
+except ImportError:                       # not built: the numpy versions below run instead
+    _fast = None
 
 if TYPE_CHECKING:
     from kvtier.coherence.namespace import Namespace
@@ -78,17 +85,64 @@ class FastPath:
         add_one(ns.slots[tier].leases, slots64)
         add_one(cols["leases"], rows)
         self._touch(ns, rows)
+        self._count_hits(ns, n, tier)
+        lid = self._new_id()
+        self.leases[lid] = Lease(lid, ns, tier, slots64, rows, versions, owner,
+                                 time.monotonic() + self.settings.lease_timeout)
+        return GetResult(np.ones(n, dtype=bool), slots, versions.copy(), cols["checksum"][rows],
+                         lid, tier)
+
+    def _lease_native(self, ns: Namespace, rows: np.ndarray, owner: int,
+                      tier: Tier) -> GetResult | None:
+        """_lease_resident in one C call, checks included: None when the module is missing or
+        some row is not found or not current in tier (nothing was changed; the caller takes
+        the general path)."""
+        if _fast is None:
+            return None
+        cols = ns.table.cols
+        n = rows.size
+        st = ns.slots[tier]
+        slots = np.empty(n, dtype=np.int32)
+        versions = np.empty(n, dtype=np.uint64)
+        sums = np.empty(n, dtype=np.uint64)
+        if not _fast.lease_rows(cols["version"], cols["copy_ver"], cols["slot"], cols["leases"],
+                                cols["last_access"], cols["prev_access"], cols["freq"],
+                                cols["checksum"], st.leases, rows, ns.table.n_rows, int(tier),
+                                self.clock, slots, versions, sums):
+            return None
+        self.clock += n
+        self._count_hits(ns, n, tier)
+        lid = self._new_id()
+        self.leases[lid] = Lease(lid, ns, tier, slots.astype(np.int64), rows, versions, owner,
+                                 time.monotonic() + self.settings.lease_timeout)
+        return GetResult(np.ones(n, dtype=bool), slots, versions.copy(), sums, lid, tier)
+
+    def _count_hits(self, ns: Namespace, n: int, tier: Tier) -> None:
         c = self.counters
         c.gets += n
         c.get_hits += n
         tc = c.tiers[tier]
         tc.hits += n
         tc.bytes_read += n * ns.block_bytes
-        lid = self._new_id()
-        self.leases[lid] = Lease(lid, ns, tier, slots64, rows, versions, owner,
-                                 time.monotonic() + self.settings.lease_timeout)
-        return GetResult(np.ones(n, dtype=bool), slots, versions.copy(), cols["checksum"][rows],
-                         lid, tier)
+
+    def _end_native(self, lease: Lease) -> bool:
+        """_end_lease's unpinning and reader counts in one C call; False when the module is
+        missing (the caller runs the numpy version)."""
+        if _fast is None:
+            return False
+        ns = lease.ns
+        st = ns.slots[lease.tier]
+        gone = np.empty(lease.slots.size, dtype=np.int64)
+        k = _fast.unlease_rows(st.leases, st.retired, ns.table.cols["version"],
+                               ns.table.cols["leases"], ns.table.n_rows,
+                               np.ascontiguousarray(lease.slots, dtype=np.int64),
+                               np.ascontiguousarray(lease.rows, dtype=np.int64),
+                               np.ascontiguousarray(lease.versions, dtype=np.uint64), gone)
+        if k:
+            st.pool.free(gone[:k])
+            if lease.tier is Tier.HOST:
+                self.host_used -= k * ns.block_bytes
+        return True
 
     def _end_lease_one(self, lease: Lease, state: HoldState) -> None:
         """_end_lease for a lease of one slot."""

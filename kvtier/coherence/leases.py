@@ -82,6 +82,8 @@ class Holds:
             self._end_lease_one(lease, state)
             return
         lease.state = state
+        if self._end_native(lease):
+            return
         ns = lease.ns
         self._unpin(ns, lease.tier, lease.slots)
         cols = ns.table.cols

@@ -1,0 +1,220 @@
+/* kvtier.coherence._fast: the bookkeeping of a resident batch get, and of its release, in C.
+ *
+ * Why. A get of 64 resident keys spent ~40 us in Engine._get and ~17 us in release_many on the
+ * dev VM: about 30 numpy calls of a microsecond each over 64-element arrays, for work that is
+ * a few hundred nanoseconds of loads and stores. That was a fifth of bench/api.py's batch get
+ * and most of the service's share of it (docs/DESIGN-NOTES.md, "The resident get in C").
+ * fastpath.py keeps the numpy version as the reference and the fallback where this module was
+ * not built; the engine's tests run both and compare the state they leave field by field.
+ *
+ * Contract. Arrays are C-contiguous numpy arrays of the stated item sizes (checked); 2-D
+ * columns are (capacity, tiers). Rows must be below n_rows, and slots below the pool's size;
+ * anything else is refused before anything is written.
+ *
+ *   lease_rows(version u64[c], copy_ver u64[c, t], slot i32[c, s], leases u16[c],
+ *              last_access u64[c], prev_access u64[c], freq u32[c], checksum u64[c],
+ *              pool_leases u32[p], rows i64[n], n_rows, tier, clock,
+ *              out_slots i32[n], out_versions u64[n], out_checksums u64[n]) -> bool
+ *       When every row holds a current copy in tier (version > 0, copy_ver == version):
+ *       pins the slots (pool_leases += 1 per occurrence), counts the readers (leases += 1 per
+ *       occurrence), touches the rows as Engine._touch does (prev_access = the last_access
+ *       before this batch; last_access = clock + i + 1, the last occurrence winning; freq + 1
+ *       once per distinct row, as numpy's fancy += does), fills the outputs and returns True.
+ *       Otherwise returns False and writes nothing: the caller takes the general path.
+ *
+ *   unlease_rows(pool_leases u32[p], retired bool[p], version u64[c], leases u16[c], n_rows,
+ *                slots i64[n], rows i64[n], versions u64[n], out_gone i64[n]) -> int
+ *       Ends the pins of a lease: pool_leases -= 1 per slot (never below zero); a retired slot
+ *       whose last pin this was is un-retired and written to out_gone, once. Rows still at the
+ *       leased version (and below n_rows) lose a reader (never below zero). Returns the number
+ *       of slots in out_gone, which the caller hands back to the pool.
+ *
+ * No reference to any argument is kept. The GIL is held: these run under the engine lock, on
+ * batches that take microseconds.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    Py_buffer b[16];
+    int n;
+} Views;
+
+static void views_release(Views *v)
+{
+    for (int i = 0; i < v->n; i++)
+        PyBuffer_Release(&v->b[i]);
+    v->n = 0;
+}
+
+/* The next argument as a C-contiguous array of itemsize-byte items; NULL (and an exception)
+ * when it is not one. cols: its second dimension (1 for 1-D arrays) into *cols if not NULL. */
+static void *view(Views *v, PyObject *obj, Py_ssize_t itemsize, int writable, Py_ssize_t *len,
+                  Py_ssize_t *cols, const char *name)
+{
+    Py_buffer *b = &v->b[v->n];
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, b, flags) < 0)
+        return NULL;
+    v->n++;
+    Py_ssize_t width = b->ndim == 2 ? b->shape[1] : 1;
+    if (b->itemsize != itemsize || b->ndim < 1 || b->ndim > 2 || (cols == NULL && b->ndim != 1)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous array of %zd-byte items",
+                     name, itemsize);
+        return NULL;
+    }
+    *len = b->shape[0];
+    if (cols)
+        *cols = width;
+    return b->buf;
+}
+
+static int as_index(PyObject *obj, Py_ssize_t *out, const char *name)
+{
+    *out = PyLong_AsSsize_t(obj);
+    if (*out == -1 && PyErr_Occurred())
+        return -1;
+    if (*out < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must not be negative", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *lease_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "lease_rows takes 16 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[8], nt, ns, np_, n, n_out[3], n_rows, tier;
+    unsigned long long clock;
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &cap[1], &nt, "copy_ver") : NULL;
+    int32_t *slot = copy_ver ? view(&v, args[2], 4, 0, &cap[2], &ns, "slot") : NULL;
+    uint16_t *leases = slot ? view(&v, args[3], 2, 1, &cap[3], NULL, "leases") : NULL;
+    uint64_t *last = leases ? view(&v, args[4], 8, 1, &cap[4], NULL, "last_access") : NULL;
+    uint64_t *prev = last ? view(&v, args[5], 8, 1, &cap[5], NULL, "prev_access") : NULL;
+    uint32_t *freq = prev ? view(&v, args[6], 4, 1, &cap[6], NULL, "freq") : NULL;
+    uint64_t *sums = freq ? view(&v, args[7], 8, 0, &cap[7], NULL, "checksum") : NULL;
+    uint32_t *pool = sums ? view(&v, args[8], 4, 1, &np_, NULL, "pool_leases") : NULL;
+    int64_t *rows = pool ? view(&v, args[9], 8, 0, &n, NULL, "rows") : NULL;
+    int32_t *o_slots = rows ? view(&v, args[13], 4, 1, &n_out[0], NULL, "out_slots") : NULL;
+    uint64_t *o_ver = o_slots ? view(&v, args[14], 8, 1, &n_out[1], NULL, "out_versions") : NULL;
+    uint64_t *o_sum = o_ver ? view(&v, args[15], 8, 1, &n_out[2], NULL, "out_checksums") : NULL;
+    if (o_sum == NULL || as_index(args[10], &n_rows, "n_rows") < 0
+            || as_index(args[11], &tier, "tier") < 0)
+        goto fail;
+    clock = PyLong_AsUnsignedLongLong(args[12]);
+    if (clock == (unsigned long long)-1 && PyErr_Occurred())
+        goto fail;
+    for (int i = 0; i < 8; i++)
+        if (cap[i] < n_rows) {
+            PyErr_SetString(PyExc_ValueError, "a column is shorter than n_rows");
+            goto fail;
+        }
+    if (tier >= nt || tier >= ns || n_out[0] < n || n_out[1] < n || n_out[2] < n) {
+        PyErr_SetString(PyExc_ValueError, "tier past the columns, or outputs shorter than rows");
+        goto fail;
+    }
+    /* Check everything before writing anything. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (r < 0 || r >= n_rows)
+            goto refuse;
+        uint64_t ver = version[r];
+        int32_t s = slot[r * ns + tier];
+        if (ver == 0 || copy_ver[r * nt + tier] != ver || s < 0 || s >= np_)
+            goto refuse;
+    }
+    /* prev_access first, for every row, so that a repeated row's second occurrence still sees
+     * its last_access from before the batch; while last == prev, r was not yet seen here. */
+    for (Py_ssize_t i = 0; i < n; i++)
+        prev[rows[i]] = last[rows[i]];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        int32_t s = slot[r * ns + tier];
+        pool[s] += 1;
+        leases[r] += 1;
+        if (last[r] == prev[r])
+            freq[r] += 1;                           /* the first occurrence of r */
+        last[r] = clock + (uint64_t)i + 1;
+        o_slots[i] = s;
+        o_ver[i] = version[r];
+        o_sum[i] = sums[r];
+    }
+    views_release(&v);
+    Py_RETURN_TRUE;
+refuse:
+    views_release(&v);
+    Py_RETURN_FALSE;
+fail:
+    views_release(&v);
+    return NULL;
+}
+
+static PyObject *unlease_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "unlease_rows takes 9 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t np_, nr, cv, cl, n, n_rows, nx[3];
+    uint32_t *pool = view(&v, args[0], 4, 1, &np_, NULL, "pool_leases");
+    uint8_t *retired = pool ? view(&v, args[1], 1, 1, &nr, NULL, "retired") : NULL;
+    uint64_t *version = retired ? view(&v, args[2], 8, 0, &cv, NULL, "version") : NULL;
+    uint16_t *leases = version ? view(&v, args[3], 2, 1, &cl, NULL, "leases") : NULL;
+    int64_t *slots = leases ? view(&v, args[5], 8, 0, &n, NULL, "slots") : NULL;
+    int64_t *rows = slots ? view(&v, args[6], 8, 0, &nx[0], NULL, "rows") : NULL;
+    uint64_t *vers = rows ? view(&v, args[7], 8, 0, &nx[1], NULL, "versions") : NULL;
+    int64_t *gone = vers ? view(&v, args[8], 8, 1, &nx[2], NULL, "out_gone") : NULL;
+    if (gone == NULL || as_index(args[4], &n_rows, "n_rows") < 0)
+        goto fail;
+    if (nr != np_ || cv < n_rows || cl < n_rows || nx[0] != n || nx[1] != n || nx[2] < n) {
+        PyErr_SetString(PyExc_ValueError, "unlease_rows: array lengths do not agree");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= np_) {
+            PyErr_SetString(PyExc_ValueError, "unlease_rows: a slot past the pool");
+            goto fail;
+        }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = slots[i];
+        if (pool[s] > 0 && --pool[s] == 0 && retired[s]) {
+            retired[s] = 0;
+            gone[k++] = s;
+        }
+        int64_t r = rows[i];
+        if (r >= 0 && r < n_rows && version[r] == vers[i] && leases[r] > 0)
+            leases[r] -= 1;
+    }
+    views_release(&v);
+    return PyLong_FromSsize_t(k);
+fail:
+    views_release(&v);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"lease_rows", (PyCFunction)(void (*)(void))lease_rows, METH_FASTCALL,
+     "lease_rows(...): pin and touch a batch of resident rows, or False (see _fast.c)."},
+    {"unlease_rows", (PyCFunction)(void (*)(void))unlease_rows, METH_FASTCALL,
+     "unlease_rows(...): end a lease's pins; returns how many slots it freed (see _fast.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fast",
+    "The resident get's lease bookkeeping in C (see _fast.c).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fast(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,128 @@
+"""kvtier.coherence._fast on its own: refusals write nothing, bad arrays are typed errors.
+
+The engine-level agreement with the numpy reference is
+tests/test_engine.py::test_fast_paths_leave_the_state_the_batch_path_leaves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.coherence import fastpath
+
+_fast = fastpath._fast
+pytestmark = pytest.mark.skipif(_fast is None, reason="kvtier.coherence._fast was not built")
+
+CAP, TIERS, SLOT_TIERS, SLOTS, HOST = 8, 4, 3, 6, 1
+
+
+def columns() -> dict[str, np.ndarray]:
+    """Four resident rows (0-3) in slots 5, 4, 3, 2 of the host tier; row 4 holds a stale copy."""
+    c = {"version": np.zeros(CAP, np.uint64), "copy_ver": np.zeros((CAP, TIERS), np.uint64),
+         "slot": np.full((CAP, SLOT_TIERS), -1, np.int32), "leases": np.zeros(CAP, np.uint16),
+         "last_access": np.zeros(CAP, np.uint64), "prev_access": np.zeros(CAP, np.uint64),
+         "freq": np.zeros(CAP, np.uint32), "checksum": np.zeros(CAP, np.uint64),
+         "pool": np.zeros(SLOTS, np.uint32), "retired": np.zeros(SLOTS, bool)}
+    for r in range(5):
+        c["version"][r] = 10 + r
+        c["copy_ver"][r, HOST] = 10 + r if r < 4 else 9
+        c["slot"][r, HOST] = 5 - r
+        c["checksum"][r] = 1000 + r
+        c["last_access"][r] = 3
+    return c
+
+
+def lease(c: dict[str, np.ndarray], rows: list[int], n_rows: int = 5, clock: int = 7,
+          out: tuple | None = None) -> bool:
+    n = len(rows)
+    out = out or (np.empty(n, np.int32), np.empty(n, np.uint64), np.empty(n, np.uint64))
+    ok = _fast.lease_rows(c["version"], c["copy_ver"], c["slot"], c["leases"], c["last_access"],
+                          c["prev_access"], c["freq"], c["checksum"], c["pool"],
+                          np.array(rows, np.int64), n_rows, HOST, clock, *out)
+    c["out"] = out
+    return ok
+
+
+def snapshot(c: dict[str, np.ndarray]) -> dict[str, list]:
+    return {k: v.tolist() for k, v in c.items() if k != "out"}
+
+
+def test_a_resident_batch_is_pinned_touched_and_reported():
+    c = columns()
+    assert lease(c, [2, 0, 2])
+    slots, versions, sums = c["out"]
+    assert slots.tolist() == [3, 5, 3] and versions.tolist() == [12, 10, 12]
+    assert sums.tolist() == [1002, 1000, 1002]
+    assert c["pool"].tolist() == [0, 0, 0, 2, 0, 1]            # two pins of slot 3
+    assert c["leases"][:3].tolist() == [1, 0, 2]
+    assert c["freq"][:3].tolist() == [1, 0, 1]                 # a repeated row counts once
+    assert c["last_access"][:3].tolist() == [9, 3, 10]         # the last occurrence wins
+    assert c["prev_access"][[0, 2]].tolist() == [3, 3]         # from before the batch
+
+
+@pytest.mark.parametrize("rows,n_rows", [([0, 4], 5),        # row 4's copy is stale
+                                         ([0, 5], 5),        # a row with no version
+                                         ([0, 3], 3),        # past n_rows
+                                         ([0, -1], 5)])      # a miss
+def test_a_batch_with_anything_not_resident_is_refused_untouched(rows, n_rows):
+    c = columns()
+    before = snapshot(c)
+    assert lease(c, rows, n_rows) is False
+    assert snapshot(c) == before
+
+
+def test_a_slot_past_the_pool_is_refused_untouched():
+    c = columns()
+    c["slot"][1, HOST] = SLOTS                                 # a damaged column
+    before = snapshot(c)
+    assert lease(c, [0, 1]) is False
+    assert snapshot(c) == before
+
+
+def test_unlease_frees_a_retired_slot_once_and_never_goes_below_zero():
+    c = columns()
+    assert lease(c, [2, 2, 1])
+    c["retired"][3] = True                                     # a rewrite retired row 2's slot
+    c["version"][1] = 99                                       # row 1 was rewritten too
+    gone = np.empty(3, np.int64)
+    k = _fast.unlease_rows(c["pool"], c["retired"], c["version"], c["leases"], 5,
+                           np.array([3, 3, 4], np.int64), np.array([2, 2, 1], np.int64),
+                           np.array([12, 12, 11], np.uint64), gone)
+    assert k == 1 and gone[0] == 3 and not c["retired"][3]
+    assert c["pool"].tolist() == [0] * SLOTS
+    assert c["leases"][:3].tolist() == [0, 1, 0]               # row 1 no longer at version 11
+    k = _fast.unlease_rows(c["pool"], c["retired"], c["version"], c["leases"], 5,
+                           np.array([3], np.int64), np.array([2], np.int64),
+                           np.array([12], np.uint64), gone)
+    assert k == 0 and c["pool"][3] == 0 and c["leases"][2] == 0     # a second end: no wrap
+
+
+@pytest.mark.parametrize("bad", ["dtype", "short_column", "short_out", "fortran", "tier"])
+def test_bad_arrays_are_typed_errors_that_write_nothing(bad):
+    c = columns()
+    out = (np.empty(2, np.int32), np.empty(2, np.uint64), np.empty(2, np.uint64))
+    tier = HOST
+    if bad == "dtype":
+        c["leases"] = c["leases"].astype(np.uint32)
+    elif bad == "short_column":
+        c["freq"] = c["freq"][:2]
+    elif bad == "short_out":
+        out = (np.empty(1, np.int32), out[1], out[2])
+    elif bad == "fortran":
+        c["copy_ver"] = np.asfortranarray(c["copy_ver"])
+    else:
+        tier = SLOT_TIERS
+    before = snapshot(c)
+    with pytest.raises((TypeError, ValueError, BufferError)):
+        _fast.lease_rows(c["version"], c["copy_ver"], c["slot"], c["leases"], c["last_access"],
+                         c["prev_access"], c["freq"], c["checksum"], c["pool"],
+                         np.array([0, 1], np.int64), 5, tier, 7, *out)
+    assert snapshot(c) == before
+    with pytest.raises(TypeError):
+        _fast.lease_rows(1, 2, 3)
+    c = columns()
+    with pytest.raises(ValueError):                            # a slot past the pool
+        _fast.unlease_rows(c["pool"], c["retired"], c["version"], c["leases"], 5,
+                           np.array([SLOTS], np.int64), np.array([0], np.int64),
+                           np.array([10], np.uint64), np.empty(1, np.int64))
