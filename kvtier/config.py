@@ -156,6 +156,10 @@ SETTINGS: tuple[Setting, ...] = (
             "s"),
     Setting("lease_timeout", 600.0, _float, "a get lease not released by then is reclaimed", "s"),
     Setting("io_threads", 4, _int, "threads issuing NVMe reads and writes"),
+    Setting("busy_poll_us", 500.0, _float,
+            "after each request the socket loop polls, not sleeps, this long (a waiting worker's "
+            "next request is read at once; costs up to a core while clients are active); 0: off",
+            "us"),
     Setting("max_frame", "64MiB", _size, "largest socket frame accepted", "bytes"),
     Setting("redis", "", _str, "shared remote tier: a Redis URL, or several comma-separated "
             "(sharded by consistent hashing); empty disables it"),
@@ -195,6 +199,7 @@ class Settings:
     reserve_timeout: float = 30.0
     lease_timeout: float = 600.0
     io_threads: int = 4
+    busy_poll_us: float = 500.0
     max_frame: int = 64 << 20
     redis: str = ""
     redis_cluster: bool = False

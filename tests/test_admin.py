@@ -39,7 +39,7 @@ def app_and_engine(make_engine):
     metrics.observe("get", 0.004, False)
     history = History()
     history.add(eng.stats())
-    server = SimpleNamespace(clients={})
+    server = SimpleNamespace(clients={}, stats=eng.stats)
     app = build_app(eng, server, eng.settings, metrics, history, TOKEN)
     return TestClient(app), eng
 

@@ -24,7 +24,8 @@ def test_admin_api_conforms_to_its_schema(make_engine):
     metrics.bind(eng.stats)
     history = History()
     history.add(eng.stats())
-    app = build_app(eng, SimpleNamespace(clients={}), eng.settings, metrics, history, TOKEN)
+    server = SimpleNamespace(clients={}, stats=eng.stats)
+    app = build_app(eng, server, eng.settings, metrics, history, TOKEN)
     TestClient(app)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = [r.ok() for r in schema.get_all_operations()]

@@ -155,7 +155,7 @@ def build_app(engine: Any, server: Any, settings: Settings, metrics: Metrics,
 
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
-        s = await run(engine.stats)
+        s = await run(server.stats)
         cur = history.current()["tiers"]
         lat = metrics.latency()
         for tier, d in s["tiers"].items():
@@ -240,7 +240,7 @@ class AdminServer:
         self.metrics = metrics
         self.history = History()
         self.ready = asyncio.Event()
-        metrics.bind(engine.stats)
+        metrics.bind(server.stats)
         self.app = build_app(engine, server, settings, metrics, self.history, self.token,
                              self.ready)
         cfg = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",

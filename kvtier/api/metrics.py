@@ -62,6 +62,11 @@ class _EngineCollector(Collector):
             for key in ("errors", "skipped", "foreign", "checksum_failures"):
                 yield CounterMetricFamily(f"kvtier_remote_{key}", f"remote tier {key}",
                                           value=remote.get(key, 0))
+        busy = s.get("busy_poll")
+        if busy is not None:
+            yield CounterMetricFamily("kvtier_busy_poll_seconds",
+                                      "seconds the socket loop spent polling instead of sleeping",
+                                      value=busy["spun_s"])
         yield GaugeMetricFamily("kvtier_leases", "leases held", value=s["leases"])
         yield GaugeMetricFamily("kvtier_uptime_seconds", "seconds since start",
                                 value=s["uptime_s"])

@@ -37,6 +37,7 @@ import numpy as np
 
 from kvtier import __version__
 from kvtier.api import protocol as P
+from kvtier.api.busypoll import BusyPoll
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
 from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
@@ -95,6 +96,8 @@ class Server:
         self._on_op = on_op
         self.allowed = {os.getuid(), *settings.allowed_uids}
         self._ops: dict[str, Callable[..., Any]] = {op: getattr(self, f"op_{op}") for op in P.OPS}
+        self._threads_busy = 0              # engine calls in flight on the pool
+        self.busy: BusyPoll | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,6 +142,8 @@ class Server:
             os.chown(self.path, -1, gid)
             mode = 0o660
         os.chmod(self.path, mode)
+        self.busy = BusyPoll(asyncio.get_running_loop(), self.settings.busy_poll_us * 1e-6,
+                             lambda: self._threads_busy == 0)
         self._spawn(self._housekeeping())
 
     def _spawn(self, aw: Awaitable[Any], name: str | None = None) -> None:
@@ -148,16 +153,15 @@ class Server:
 
     async def _housekeeping(self) -> None:
         """Expire stalled reservations and leases; flush under write_back."""
-        loop = asyncio.get_running_loop()
         last_flush = time.monotonic()
         while True:
             await asyncio.sleep(0.5)
             try:
-                await loop.run_in_executor(self._pool, self.engine.reap)
+                await self._run(self.engine.reap)
                 if (self.settings.write_policy == "write_back"
                         and time.monotonic() - last_flush >= self.settings.flush_interval):
                     last_flush = time.monotonic()
-                    await loop.run_in_executor(self._pool, self.engine.flush)
+                    await self._run(self.engine.flush)
             except KvtierError:
                 log.exception("housekeeping failed; retrying")
 
@@ -258,7 +262,13 @@ class Server:
         return []
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self._threads_busy += 1
+        fut.add_done_callback(self._thread_done)
+        return fut
+
+    def _thread_done(self, _fut: asyncio.Future) -> None:
+        self._threads_busy -= 1
 
     def _fast(self, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
         """Run fn inline when the engine lock is free now (memory-only calls)."""
@@ -409,7 +419,14 @@ class Server:
         return {"flushed": n}
 
     async def op_stats(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
-        return await self._run(self.engine.stats)
+        return await self._run(self.stats)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's statistics and the socket loop's busy polling (any thread)."""
+        s = self.engine.stats()
+        s["busy_poll"] = (self.busy.stats() if self.busy is not None else
+                          {"window_us": self.settings.busy_poll_us, "spun_s": 0.0, "periods": 0})
+        return s
 
 
 def _slot_tier(req: dict[str, Any]) -> Tier:
@@ -484,6 +501,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
+        self.server.busy.touch()
         self._process()
 
     def eof_received(self) -> bool:
@@ -551,6 +569,7 @@ class _Connection(asyncio.Protocol):
     def _write(self, reply: Reply, t0: float) -> None:
         body, fd, op = reply
         self.server._finished(self.client, op, t0, bool(body.get("ok")))
+        self.server.busy.touch()              # the worker's next request follows this reply
         data = P.pack(body)
         if fd is None:
             self.transport.write(data)

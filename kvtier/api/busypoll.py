@@ -1,0 +1,65 @@
+"""Busy polling: the event loop keeps polling, not sleeping, for a short while after a request.
+
+A worker that gets a batch of blocks spends the next few hundred microseconds copying them out
+of shared memory, and then sends its next request. If the service's loop went to sleep in
+epoll_wait meanwhile, that request first has to wake it, and on a virtual machine a vCPU that
+halted for longer than its host's halt-polling window is descheduled. On the dev VM a get of
+64 x 64 KiB blocks took 180 us when the client sent the next one at once, and 260-350 us after
+the client had been busy for 200-300 us without touching the socket (docs/DESIGN-NOTES.md,
+"Busy polling"). SO_BUSY_POLL does this for network sockets; Unix sockets have no such option.
+
+``BusyPoll.touch()`` (called on every frame received) keeps one callback re-queued with
+``call_soon`` until ``window_s`` has passed since the last frame. While a callback is ready,
+asyncio's loop and uvloop's both poll with a zero timeout, so the next frame is read within a
+poll cycle (a few microseconds) instead of after a wake-up. Nothing else changes: requests are
+answered by the same code, in the same order.
+
+The price is CPU: up to one core while any client sends requests less than ``window_s`` apart,
+and window_s of spinning after the last one. Spinning stops while the engine's threads have
+work (``may_spin`` false): the loop thread would take the GIL from them at every poll. Set
+busy_poll_us to 0 to turn it off (a host short of cores, or clients with millisecond gaps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+
+class BusyPoll:
+    """Keep ``loop`` polling for ``window_s`` after each touch(), while may_spin() holds."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, window_s: float,
+                 may_spin: Callable[[], bool] = lambda: True) -> None:
+        self._loop = loop
+        self.window_s = window_s
+        self._may_spin = may_spin
+        self._last = 0.0
+        self._armed = False
+        self._spin_started = 0.0
+        self.spun_s = 0.0          # total seconds spent spinning (for stats: the CPU it cost)
+        self.spins = 0             # spin periods started
+
+    def touch(self) -> None:
+        """A frame arrived: spin for window_s from now."""
+        if self.window_s <= 0:
+            return
+        self._last = time.perf_counter()
+        if not self._armed:
+            self._armed = True
+            self._spin_started = self._last
+            self.spins += 1
+            self._loop.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if now - self._last < self.window_s and self._may_spin():
+            self._loop.call_soon(self._tick)
+            return
+        self._armed = False
+        self.spun_s += now - self._spin_started
+
+    def stats(self) -> dict[str, float]:
+        return {"window_us": self.window_s * 1e6, "spun_s": round(self.spun_s, 6),
+                "periods": self.spins}

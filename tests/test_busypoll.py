@@ -1,0 +1,128 @@
+"""Busy polling of the socket loop (kvtier.api.busypoll): when it spins, when it stops, and that
+the loop stays responsive while it does. On asyncio's loop and on uvloop, which kvtier serve
+uses where installed."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvtier
+from kvtier.api.busypoll import BusyPoll
+from tests.service import Service
+
+try:
+    import uvloop
+except ImportError:                      # pragma: no cover - uvloop is a dependency
+    uvloop = None
+
+
+def loops() -> list:
+    out = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+    if uvloop is not None:
+        out.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+    return out
+
+
+def run(factory, coro_fn):
+    loop = factory()
+    try:
+        return loop.run_until_complete(coro_fn(loop))
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("factory", loops())
+def test_a_touch_spins_until_the_window_has_passed_since_the_last_one(factory):
+    async def scenario(loop):
+        ticks = []
+        bp = BusyPoll(loop, 0.02, lambda: ticks.append(1) or True)
+        bp.touch()
+        await asyncio.sleep(0.005)
+        bp.touch()                               # extends the same period
+        second = bp._last - bp._spin_started
+        while bp._armed:
+            await asyncio.sleep(0.005)
+        return bp, len(ticks), second
+    bp, ticks, second = run(factory, scenario)
+    assert bp.spins == 1 and second > 0          # one period, extended, not two
+    assert bp.spun_s >= second + 0.02            # it ran to window_s after the second touch
+    assert ticks > 10                            # the loop polled over and over meanwhile
+
+
+@pytest.mark.parametrize("factory", loops())
+def test_timers_and_io_callbacks_still_run_while_it_spins(factory):
+    async def scenario(loop):
+        bp = BusyPoll(loop, 0.5, lambda: True)
+        bp.touch()
+        fired = loop.create_future()
+        loop.call_later(0.01, fired.set_result, "timer")
+        rsock, wsock = socket.socketpair()
+        rsock.setblocking(False)
+        try:
+            recv = loop.create_task(loop.sock_recv(rsock, 16))
+            await asyncio.sleep(0)
+            wsock.send(b"frame")
+            got = (await asyncio.wait_for(fired, 5), await asyncio.wait_for(recv, 5))
+        finally:
+            rsock.close()
+            wsock.close()
+        armed = bp._armed
+        bp.window_s = 0                          # end the period early
+        while bp._armed:
+            await asyncio.sleep(0.001)
+        return got, armed
+    got, armed = run(factory, scenario)
+    assert got == ("timer", b"frame") and armed  # both ran inside the spin period
+
+
+@pytest.mark.parametrize("factory", loops())
+def test_it_does_not_spin_while_engine_threads_have_work_or_when_off(factory):
+    async def scenario(loop):
+        asked = []
+        busy = BusyPoll(loop, 1.0, lambda: asked.append(1) and False)
+        busy.touch()
+        off = BusyPoll(loop, 0.0)
+        off.touch()
+        await asyncio.sleep(0.01)
+        return busy, off, len(asked)
+    busy, off, asked = run(factory, scenario)
+    assert asked == 1 and not busy._armed        # stopped at the first tick
+    assert off.spins == 0 and not off._armed
+
+
+@pytest.mark.parametrize("window", ["0", "300"])
+def test_serve_reports_its_busy_polling(tmp_path: Path, window: str):
+    # A real kvtier serve: the stats op reports the configured window, and spin periods only
+    # when the window is not 0; /metrics counts the seconds spun.
+    svc = Service(tmp_path / "svc", busy_poll_us=window, nvme_capacity="0").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("m", block_bytes=4096)
+            for i in range(20):
+                ns.put((i + 1).to_bytes(16, "big"), bytes(4096))
+            bp = c.stats()["busy_poll"]
+        assert bp["window_us"] == float(window)
+        if window == "0":
+            assert bp["periods"] == 0 and bp["spun_s"] == 0
+        else:
+            assert bp["periods"] >= 1 and bp["spun_s"] > 0
+        with urllib.request.urlopen(svc.url + "/metrics", timeout=10) as r:
+            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        spun = fams["kvtier_busy_poll_seconds"].samples[0].value
+        assert (spun > 0) == (window != "0")
+    finally:
+        assert svc.stop() == 0
+
+
+def test_busy_poll_us_garbage_is_a_config_error(tmp_path: Path):
+    from kvtier.config import load
+    from kvtier.errors import ConfigError
+    for bad in ("fast", "-5", "1e999x"):
+        with pytest.raises(ConfigError, match="busy_poll_us"):
+            load(env={"KVTIER_BUSY_POLL_US": bad})
