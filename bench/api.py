@@ -12,6 +12,8 @@ For 64 KiB blocks in batches of 64, from a client process over the Unix socket:
                                Unix socket, persistence off (its best case)
     memcpy_gbps                numpy copy of the same batch into a preallocated array: the ceiling
     p50_us / p99_us            single-block get latency (mapped, verified, lease released)
+    busy_poll_us               the service's busy-polling window (its default, or
+                               KVTIER_BUSY_POLL_US from the environment; 0 turns it off)
 
 Each figure is the median over rounds, whose kinds run in a shuffled order (seeded); ratios use
 medians from this same run.
@@ -139,10 +141,12 @@ def run(args: argparse.Namespace) -> dict:
             single.append(time.perf_counter() - t0)
         lat = percentiles([s * 1e6 for s in single])
         pings = percentiles([c.ping() * 1e6 for _ in range(500)])
+        busy = c.stats()["busy_poll"]         # the service's setting (KVTIER_BUSY_POLL_US)
         out.update({
             "p50_us": round(lat["p50"], 1), "p90_us": round(lat["p90"], 1),
             "p99_us": round(lat["p99"], 1), "max_us": round(lat["max"], 1),
             "hello_rtt_p50_us": round(pings["p50"], 1),
+            "busy_poll_us": busy["window_us"], "busy_poll_spun_s": busy["spun_s"],
             "ratio_get_vs_redis": round(out["get_gbps"] / out["redis_get_gbps"], 2),
             "ratio_get_vs_memcpy": round(out["get_gbps"] / out["memcpy_gbps"], 3),
             "ratio_put_vs_redis_set": round(out["put_gbps"] / out["redis_set_gbps"], 2),

@@ -46,6 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def _serve(settings: Settings) -> int:
     from kvtier.api.server import Server
     from kvtier.coherence.engine import Engine
+    from kvtier.memory import shmem_huge_pages
     from kvtier.tiers.hbm import hbm_pool_factory
 
     loop = asyncio.get_running_loop()
@@ -68,6 +69,10 @@ async def _serve(settings: Settings) -> int:
     print(f"kvtier: admin {admin.url if admin else 'disabled'}", flush=True)
     if hbm_note:
         print(f"kvtier: {hbm_note}", flush=True)
+    thp = shmem_huge_pages()
+    if thp in ("never", "deny"):
+        print(f"kvtier: note: the host tier is in 4 KiB pages (shmem_enabled is {thp}); with "
+              "'advise' workers copy out of 2 MiB pages, ~20% faster (README: Tuning)", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

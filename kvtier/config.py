@@ -156,7 +156,7 @@ SETTINGS: tuple[Setting, ...] = (
             "s"),
     Setting("lease_timeout", 600.0, _float, "a get lease not released by then is reclaimed", "s"),
     Setting("io_threads", 4, _int, "threads issuing NVMe reads and writes"),
-    Setting("busy_poll_us", 500.0, _float,
+    Setting("busy_poll_us", 1000.0, _float,
             "after each request the socket loop polls, not sleeps, this long (a waiting worker's "
             "next request is read at once; costs up to a core while clients are active); 0: off",
             "us"),
@@ -199,7 +199,7 @@ class Settings:
     reserve_timeout: float = 30.0
     lease_timeout: float = 600.0
     io_threads: int = 4
-    busy_poll_us: float = 500.0
+    busy_poll_us: float = 1000.0
     max_frame: int = 64 << 20
     redis: str = ""
     redis_cluster: bool = False

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvtier
 from kvtier.api.busypoll import BusyPoll
+from kvtier.memory import shmem_huge_pages
 from tests.service import Service
 
 try:
@@ -97,7 +98,7 @@ def test_it_does_not_spin_while_engine_threads_have_work_or_when_off(factory):
 
 
 @pytest.mark.parametrize("window", ["0", "300"])
-def test_serve_reports_its_busy_polling(tmp_path: Path, window: str):
+def test_serve_reports_its_busy_polling_and_huge_pages(tmp_path: Path, window: str):
     # A real kvtier serve: the stats op reports the configured window, and spin periods only
     # when the window is not 0; /metrics counts the seconds spun.
     svc = Service(tmp_path / "svc", busy_poll_us=window, nvme_capacity="0").start()
@@ -106,7 +107,12 @@ def test_serve_reports_its_busy_polling(tmp_path: Path, window: str):
             ns = c.namespace("m", block_bytes=4096)
             for i in range(20):
                 ns.put((i + 1).to_bytes(16, "big"), bytes(4096))
-            bp = c.stats()["busy_poll"]
+            stats = c.stats()
+            bp = stats["busy_poll"]
+        # The same start-up also reports the host tier's huge-page policy (kvtier.memory).
+        policy = shmem_huge_pages()
+        assert stats["tiers"]["host"]["huge_pages"] == policy
+        assert ("the host tier is in 4 KiB pages" in svc.output()) == (policy in ("never", "deny"))
         assert bp["window_us"] == float(window)
         if window == "0":
             assert bp["periods"] == 0 and bp["spun_s"] == 0
@@ -126,3 +132,40 @@ def test_busy_poll_us_garbage_is_a_config_error(tmp_path: Path):
     for bad in ("fast", "-5", "1e999x"):
         with pytest.raises(ConfigError, match="busy_poll_us"):
             load(env={"KVTIER_BUSY_POLL_US": bad})
+
+
+class _Queue:
+    """Stands in for the loop's ready queue: call_soon is all BusyPoll uses of a loop."""
+
+    def __init__(self) -> None:
+        self.ready: list = []
+
+    def call_soon(self, fn) -> None:
+        self.ready.append(fn)
+
+    def step(self) -> None:
+        """One loop iteration: run what is ready now (a re-queued callback waits)."""
+        ready, self.ready = self.ready, []
+        for fn in ready:
+            fn()
+
+
+def test_it_stops_spinning_for_clients_whose_requests_come_further_apart_than_the_window():
+    now = [100.0]
+    q = _Queue()
+    bp = BusyPoll(q, 0.001, clock=lambda: now[0])
+    periods, armed = [], []
+    for gap in [0.003] * 8 + [0.0002] * 12:      # a slow client, then a fast one
+        now[0] += gap
+        q.step()                                 # the loop, just before the request
+        armed.append(bp._armed)
+        bp.touch(frame=True)                     # its request
+        now[0] += 0.00002
+        bp.touch()                               # our reply
+        periods.append(bp.spins)
+    slow, fast = periods[:8], periods[8:]
+    assert slow[:3] == [1, 2, 3]                 # at first each request starts a period
+    assert slow[-1] == slow[-4]                  # none once its gaps were learned
+    assert not any(armed[1:9])                   # (each had ended before the next request)
+    assert fast[-1] == slow[-1] + 1 and all(armed[-5:])    # the fast one: spun for throughout
+    assert bp.gap_s < bp.window_s

@@ -60,3 +60,36 @@ def test_slot_view_is_zero_copy():
     pool.slot_view(1)[:] = b"a" * 16
     assert pool.array[1].tobytes() == b"a" * 16
     pool.close()
+
+
+@pytest.mark.parametrize("text,policy", [
+    ("always within_size [advise] never deny force\n", "advise"),
+    ("always within_size advise [never] deny force\n", "never"),
+    ("[always] [inherit\n", "always"),
+    ("no brackets at all", "unavailable"),
+    ("", "unavailable"),
+    ("\xff\xfe]garbage[", "unavailable"),
+])
+def test_the_shmem_huge_page_policy_is_read_or_reported_unavailable(tmp_path, text, policy):
+    from kvtier.memory import shmem_huge_pages
+    f = tmp_path / "shmem_enabled"
+    f.write_text(text)
+    assert shmem_huge_pages(str(f)) == policy
+    assert shmem_huge_pages(str(tmp_path / "missing")) == "unavailable"
+
+
+def test_pools_ask_for_huge_pages_and_work_whatever_the_kernel_grants():
+    # The advice is taken on Linux (MADV_HUGEPAGE); whether 2 MiB pages follow depends on the
+    # host's shmem_enabled, which a test must not change. Either way the slots hold the bytes.
+    from kvtier.memory import advise_huge_pages, shmem_huge_pages
+    for shared in (True, False):
+        pool = SlotPool("t", 4096, 1024, shared=shared)
+        assert pool.huge_pages == hasattr(mmap, "MADV_HUGEPAGE")
+        pool.write(np.array([1023, 0]), np.full((2, 4096), 5, dtype=np.uint8))
+        assert (pool.read(np.array([0, 1023])) == 5).all()
+        pool.close()
+    closed = mmap.mmap(-1, 4096)
+    closed.close()
+    assert advise_huge_pages(closed) is False            # refused, not raised
+    assert shmem_huge_pages() in ("never", "advise", "within_size", "always", "deny", "force",
+                                  "unavailable")

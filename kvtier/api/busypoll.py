@@ -15,9 +15,18 @@ poll cycle (a few microseconds) instead of after a wake-up. Nothing else changes
 answered by the same code, in the same order.
 
 The price is CPU: up to one core while any client sends requests less than ``window_s`` apart,
-and window_s of spinning after the last one. Spinning stops while the engine's threads have
-work (``may_spin`` false): the loop thread would take the GIL from them at every poll. Set
-busy_poll_us to 0 to turn it off (a host short of cores, or clients with millisecond gaps).
+and window_s of spinning after the last one. Two limits keep it from buying nothing:
+
+- it follows the clients: the gaps between a reply (or frame) and the next frame are averaged
+  (each capped at 2 x window_s), and while that average is longer than window_s the loop does
+  not spin, since the next request would mostly come after the spin had ended. A worker that
+  sends a request every 2 ms costs no spinning; one that speeds up is spun for again after a
+  few requests, because the gaps are measured whether or not the loop spun;
+- it stops while the engine's threads have work (``may_spin`` false): the loop thread would
+  take the GIL from them at every poll, and CPython hands a waiting thread the GIL only after
+  its 5 ms switch interval.
+
+Set busy_poll_us to 0 to turn it off (a host short of cores).
 """
 
 from __future__ import annotations
@@ -31,29 +40,37 @@ class BusyPoll:
     """Keep ``loop`` polling for ``window_s`` after each touch(), while may_spin() holds."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window_s: float,
-                 may_spin: Callable[[], bool] = lambda: True) -> None:
+                 may_spin: Callable[[], bool] = lambda: True,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self._loop = loop
         self.window_s = window_s
         self._may_spin = may_spin
+        self._clock = clock
         self._last = 0.0
         self._armed = False
         self._spin_started = 0.0
+        self.gap_s = 0.0           # recent gaps before a frame (moving average, capped)
         self.spun_s = 0.0          # total seconds spent spinning (for stats: the CPU it cost)
         self.spins = 0             # spin periods started
 
-    def touch(self) -> None:
-        """A frame arrived: spin for window_s from now."""
+    def touch(self, frame: bool = False) -> None:
+        """A frame arrived (frame=True) or a reply went out: spin for window_s from now,
+        unless recent frames came further apart than that."""
         if self.window_s <= 0:
             return
-        self._last = time.perf_counter()
-        if not self._armed:
+        now = self._clock()
+        if frame and self._last:
+            gap = min(now - self._last, 2.0 * self.window_s)
+            self.gap_s = 0.8 * self.gap_s + 0.2 * gap
+        self._last = now
+        if not self._armed and self.gap_s <= self.window_s:
             self._armed = True
-            self._spin_started = self._last
+            self._spin_started = now
             self.spins += 1
             self._loop.call_soon(self._tick)
 
     def _tick(self) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         if now - self._last < self.window_s and self._may_spin():
             self._loop.call_soon(self._tick)
             return
@@ -62,4 +79,4 @@ class BusyPoll:
 
     def stats(self) -> dict[str, float]:
         return {"window_us": self.window_s * 1e6, "spun_s": round(self.spun_s, 6),
-                "periods": self.spins}
+                "periods": self.spins, "recent_gap_us": round(self.gap_s * 1e6, 1)}

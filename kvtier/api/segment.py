@@ -36,6 +36,8 @@ import os
 
 import numpy as np
 
+from kvtier.memory import advise_huge_pages
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _PAGE = mmap.PAGESIZE
@@ -51,6 +53,7 @@ class SegmentMap:
         self._fd = fd
         self._gpu: mmap.mmap | None = None
         self._rw = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        advise_huge_pages(self._rw)
         self._wview = np.frombuffer(self._rw, dtype=np.uint8).reshape(-1, block_bytes)
         self.view = self._wview.view()
         self.view.flags.writeable = False

@@ -425,7 +425,8 @@ class Server:
         """The engine's statistics and the socket loop's busy polling (any thread)."""
         s = self.engine.stats()
         s["busy_poll"] = (self.busy.stats() if self.busy is not None else
-                          {"window_us": self.settings.busy_poll_us, "spun_s": 0.0, "periods": 0})
+                          {"window_us": self.settings.busy_poll_us, "spun_s": 0.0, "periods": 0,
+                           "recent_gap_us": 0.0})
         return s
 
 
@@ -501,7 +502,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        self.server.busy.touch()
+        self.server.busy.touch(frame=True)
         self._process()
 
     def eof_received(self) -> bool:

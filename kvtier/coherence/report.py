@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvtier.memory import shmem_huge_pages
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
@@ -20,7 +21,8 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
     host_blocks = sum(ns.slots[Tier.HOST].pool.used_count for ns in engine.namespaces.values())
     tiers["host"] = {"capacity_bytes": s.host_capacity, "used_bytes": engine.host_used,
                      "blocks": host_blocks, "pinned": any(
-                         ns.slots[Tier.HOST].pool.pinned for ns in engine.namespaces.values())}
+                         ns.slots[Tier.HOST].pool.pinned for ns in engine.namespaces.values()),
+                     "huge_pages": shmem_huge_pages()}
     if engine.hbm_pool_factory is not None:
         hbm = [ns.slots[Tier.HBM] for ns in engine.namespaces.values() if Tier.HBM in ns.slots]
         tiers["hbm"] = {"capacity_bytes": s.hbm_capacity,

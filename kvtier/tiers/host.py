@@ -7,6 +7,9 @@ written, so an idle namespace costs address space, not memory. Every slot starts
 the page size when block_bytes is a multiple of 4 KiB, which lets the NVMe tier read and write
 slots with O_DIRECT and no bounce buffer.
 
+The mapping asks for transparent huge pages (kvtier.memory.advise_huge_pages): where the kernel's
+shmem_enabled policy allows them, workers copy out of 2 MiB pages.
+
 When CUDA is present the mapping is registered with cudaHostRegister (pinned), so host<->GPU copies
 run at DMA speed; ``pinned`` says whether that happened.
 
@@ -22,6 +25,7 @@ import os
 import numpy as np
 
 from kvtier.errors import BadRequest, CapacityError
+from kvtier.memory import advise_huge_pages
 from kvtier.tiers.slots import SlotStack
 
 
@@ -44,6 +48,7 @@ class SlotPool(SlotStack):
             self._mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         else:
             self._mm = mmap.mmap(-1, size)
+        self.huge_pages = advise_huge_pages(self._mm)   # taken where shmem THP allows it
         self.array = np.frombuffer(self._mm, dtype=np.uint8).reshape(n_slots, block_bytes)
         self._init_slots(name, n_slots)
         self.pinned = _try_pin(self.array)
