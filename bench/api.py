@@ -16,7 +16,8 @@ For 64 KiB blocks in batches of 64, from a client process over the Unix socket:
                                KVTIER_BUSY_POLL_US from the environment; 0 turns it off)
 
 Each figure is the median over rounds, whose kinds run in a shuffled order (seeded); ratios use
-medians from this same run.
+medians from this same run. paired_ratio_* take the ratio within each round first (one pass of
+each kind per round), then the median over rounds, as bench/nvme.py does.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen, str]:
 
 def gbps(samples: list[float], nbytes: int) -> float:
     return round(nbytes / float(np.median(samples)) / 1e9, 3)
+
+
+def paired(slow: list[float], fast: list[float]) -> float:
+    """Median over rounds of fast's speed over slow's (time of slow / time of fast)."""
+    return round(float(np.median([a / b for a, b in zip(slow, fast)])), 3)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -118,14 +124,18 @@ def run(args: argparse.Namespace) -> dict:
         # rewrites move every key to fresh slots) ran ~20% slower whichever kind it was.
         order = random.Random(1)
         names = list(kinds)
+        per_round: dict[str, list[float]] = {k: [] for k in kinds}
         for _round in range(args.rounds):
             order.shuffle(names)
             for kind in names:
                 fn = kinds[kind]
+                times = []
                 for lo in batches:
                     t0 = time.perf_counter()
                     fn(lo)
-                    res[kind].append(time.perf_counter() - t0)
+                    times.append(time.perf_counter() - t0)
+                res[kind] += times
+                per_round[kind].append(float(np.median(times)))
         found, got = ns.get(keyset(0, b))
         if not found.all() or not (got == data[:b]).all():
             raise SystemExit("kvtier returned wrong bytes")
@@ -150,6 +160,12 @@ def run(args: argparse.Namespace) -> dict:
             "ratio_get_vs_redis": round(out["get_gbps"] / out["redis_get_gbps"], 2),
             "ratio_get_vs_memcpy": round(out["get_gbps"] / out["memcpy_gbps"], 3),
             "ratio_put_vs_redis_set": round(out["put_gbps"] / out["redis_set_gbps"], 2),
+            # The same ratios round by round (each kind's pass in that round), then the median:
+            # robust to the host's load drifting between rounds, which moves both sides.
+            "paired_ratio_get_vs_memcpy": paired(per_round["memcpy"], per_round["get"]),
+            "paired_ratio_get_vs_redis": paired(per_round["redis_get"], per_round["get"]),
+            "rounds_ratio_get_vs_memcpy": [round(m / g, 3) for m, g in
+                                           zip(per_round["memcpy"], per_round["get"])],
             "block_bytes": BB, "batch": b, "blocks": n, "rounds": args.rounds,
         })
         c.close()

@@ -34,7 +34,9 @@ def test_api_bench_smoke():
     r = _bench("bench/api.py", "--blocks", "64", "--batch", "16", "--rounds", "1",
                "--single", "50")
     _positive(r, "get_gbps", "put_gbps", "redis_get_gbps", "memcpy_gbps", "p50_us", "p99_us",
-              "ratio_get_vs_redis", "ratio_get_vs_memcpy", "get_verify_gbps", "inline_get_gbps")
+              "ratio_get_vs_redis", "ratio_get_vs_memcpy", "get_verify_gbps", "inline_get_gbps",
+              "paired_ratio_get_vs_memcpy", "paired_ratio_get_vs_redis")
+    assert len(r["rounds_ratio_get_vs_memcpy"]) == 1 and r["busy_poll_us"] >= 0
     assert r["p50_us"] <= r["p99_us"] <= r["max_us"]
 
 
