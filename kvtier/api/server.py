@@ -126,6 +126,8 @@ class Server:
 
     async def start(self) -> None:
         self._prepare_path()
+        self.busy = BusyPoll(asyncio.get_running_loop(), self.settings.busy_poll_us * 1e-6,
+                             lambda: self._threads_busy == 0)     # before any connection
         old = os.umask(0o177)
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(
@@ -142,8 +144,6 @@ class Server:
             os.chown(self.path, -1, gid)
             mode = 0o660
         os.chmod(self.path, mode)
-        self.busy = BusyPoll(asyncio.get_running_loop(), self.settings.busy_poll_us * 1e-6,
-                             lambda: self._threads_busy == 0)
         self._spawn(self._housekeeping())
 
     def _spawn(self, aw: Awaitable[Any], name: str | None = None) -> None:
