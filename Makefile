@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test bench-smoke clean
 
-$(STAMP): pyproject.toml setup.py kvtier/pagetable/_native.c kvtier/coherence/_fast.c \
+$(STAMP): pyproject.toml setup.py kvtier/pagetable/_native.c kvtier/coherence/_fast.c kvtier/_xxh.c \
          kvtier/tiers/_aio.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

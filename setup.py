@@ -1,10 +1,10 @@
-"""Only the optional C helper lives here; everything else is in pyproject.toml.
+"""Only the optional C helpers live here; everything else is in pyproject.toml.
 
 kvtier.pagetable._native (hashing and probing of the page table's index), kvtier.coherence._fast
-(the lease bookkeeping of a resident get) and kvtier.tiers._aio (the NVMe tier's AIO loop) are
-built when a C compiler and the Python headers are present; where
-they fail to build, the package installs anyway and the Python implementations run instead (the
-same results, slower).
+(the lease bookkeeping of a resident get), kvtier._xxh (batch hashing through the system's
+libxxhash) and kvtier.tiers._aio (the NVMe tier's AIO loop) are built when a C compiler and the
+Python headers are present; where they fail to build, the package installs anyway and the
+Python implementations run instead (the same results, slower).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +14,9 @@ setup(ext_modules=[
               extra_compile_args=["-O3", "-std=c11"], optional=True),
     Extension("kvtier.coherence._fast", ["kvtier/coherence/_fast.c"],
               extra_compile_args=["-O2", "-std=c11"], optional=True),
+    # Batch XXH3 through the system's libxxhash, GIL released (kvtier/checksums.py).
+    Extension("kvtier._xxh", ["kvtier/_xxh.c"], extra_compile_args=["-O2", "-std=gnu11"],
+              optional=True),
     # The NVMe tier's native-AIO submit/reap loop (Linux only; tiers/aio.py falls back to Python).
     Extension("kvtier.tiers._aio", ["kvtier/tiers/_aio.c"],
               extra_compile_args=["-O2", "-std=gnu11"], optional=True),

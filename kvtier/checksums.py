@@ -1,36 +1,128 @@
 """xxh3-64 of many blocks: the one place where kvtier hashes a batch.
 
 Every committed block is hashed by the service, and a verifying client hashes what it copied.
-This is the largest cost of a big put: on the H200 host a 4,096 x 64 KiB commit spends ~44 ms
-hashing (bench/results/gpu-h200.json, commit_hash_gbps: 5.5-7 GB/s), on the development VM
-~21 GB/s.
+This was the largest cost of a big put: on the H200 host a 4,096 x 64 KiB commit spent ~44 ms
+hashing with python-xxhash (bench/gpu.py's commit_hash_gbps: 5.5-7 GB/s; 62.6 since this
+change), on the development VM ~21 GB/s.
 
-Threads were tried and measured, and are not used: xxhash releases the GIL, and two threads
-hashed an in-cache 4 MiB buffer 1.93x as fast as one, but over the real case (a batch of slots
-larger than the caches) eight threads gave 6.82 GB/s against 6.97 on the H200 host, and two
-threads were slower than one on the 2-core VM (bench/api.py verified gets 8.5 -> 6.1 GB/s).
-The hash of a batch is bound by memory there, not by one core.
+That figure was once put down to memory bandwidth, wrongly. On the H200 host (bench/hash.py,
+bench/results/hash-h200.json) python-xxhash hashed 256 MiB at 6.9 GB/s on one thread and 6.1 on
+sixteen (and in cache, 16 GB/s whatever the threads): its calls hold the GIL. numpy's copy of
+the same rows, which releases it, went from 9.6 GB/s on one thread to 36 GB/s on sixteen, and
+this module's threaded hash from 7.3 to 61.9 GB/s (56.5 over pinned pages a GPU had just
+written). So large batches are hashed here by the system's libxxhash (Debian and Ubuntu's
+libxxhash0: the same XXH3 as python-xxhash's, whose output is fixed since xxHash 0.8.0, and
+checked against it at import) on a small thread pool, each thread hashing its share of the rows
+in one call of the C helper kvtier/_xxh.c with the GIL released. Calling libxxhash through
+ctypes one block at a time took the GIL back every 4 us and stopped scaling at 4 threads.
+
+When threads are used: a batch of at least PARALLEL_BYTES, a machine with at least 4 usable
+cores, libxxhash and the C helper. On the 2-core VM two threads were slower than one
+(bench/api.py verified gets 8.5 -> 6.1 GB/s), so it keeps the one-thread loop, which is
+python-xxhash's, as before. Thread safety: the workers only read the blocks, and
+block_checksums returns only after all of them have stopped.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Sequence
 
 import numpy as np
 import xxhash
 
+PARALLEL_BYTES = 16 << 20          # below this a batch is hashed on the calling thread
+MAX_THREADS = 16
 
-def block_checksums(arr: np.ndarray, rows: Sequence[int] | None = None) -> np.ndarray:
+
+def _load() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("xxhash")
+    if not name:
+        return None
+    try:
+        lib = ctypes.CDLL(name)
+        fn = lib.XXH3_64bits
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_uint64
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    probe = b"kvtier checks libxxhash against python-xxhash"
+    if fn(probe, len(probe)) != xxhash.xxh3_64_intdigest(probe):
+        return None                    # not the XXH3 python-xxhash computes: never use it
+    return lib
+
+
+_lib = _load()
+try:
+    from kvtier import _xxh
+except ImportError:                   # not built: large batches hash on one thread
+    _xxh = None
+_fn = ctypes.cast(_lib.XXH3_64bits, ctypes.c_void_p).value if _lib is not None else None
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def usable_threads() -> int:
+    """Threads a large batch is hashed on here: 1 without libxxhash or the C helper, or below
+    4 cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if _fn is None or _xxh is None or cores < 4:
+        return 1
+    return min(MAX_THREADS, cores)
+
+
+def block_checksums(arr: np.ndarray, rows: Sequence[int] | None = None,
+                    threads: int | None = None) -> np.ndarray:
     """xxh3-64 of arr[i] for each row i (or of arr[rows[i]]), as uint64, read in place.
 
-    arr is 2-D (blocks x bytes). One pass over the bytes, no copy."""
+    arr is 2-D (blocks x bytes). One pass over the bytes, no copy. threads: how many to hash a
+    large batch on (default usable_threads(); the tests force the threaded path with it)."""
+    n = arr.shape[0] if rows is None else len(rows)
+    threads = usable_threads() if threads is None else threads
+    if (threads > 1 and _fn is not None and _xxh is not None and n >= 2
+            and n * arr.shape[1] >= PARALLEL_BYTES and arr.strides[1] == 1):
+        return _threaded(arr, rows, n, threads)
     h = xxhash.xxh3_64_intdigest
+    out = np.empty(n, dtype=np.uint64)
     if rows is None:
-        out = np.empty(arr.shape[0], dtype=np.uint64)
-        for i in range(arr.shape[0]):
+        for i in range(n):
             out[i] = h(arr[i])
     else:
-        out = np.empty(len(rows), dtype=np.uint64)
         for i, r in enumerate(rows):
             out[i] = h(arr[r])
     return out
+
+
+def _threaded(arr: np.ndarray, rows: Sequence[int] | None, n: int, threads: int) -> np.ndarray:
+    idx = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= arr.shape[0]):
+        raise IndexError(f"row out of range for {arr.shape[0]} blocks")
+    if arr.strides[0] < 0:
+        raise ValueError("rows must be laid out forwards in memory")
+    base, stride, width = arr.ctypes.data, arr.strides[0], arr.shape[1]
+    out = np.empty(n, dtype=np.uint64)
+
+    def part(lo: int, hi: int) -> None:
+        _xxh.hash_rows(_fn, base, stride, width, idx[lo:hi], out[lo:hi])
+
+    step = -(-n // threads)
+    futures = [_executor().submit(part, lo, min(lo + step, n)) for lo in range(0, n, step)]
+    wait(futures)                      # every part has stopped reading arr before we return
+    for f in futures:
+        f.result()
+    return out
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="kvtier-hash")
+        return _pool

@@ -55,3 +55,12 @@ def test_pagetable_and_engine_bench_smoke():
     r = _bench("bench/engine.py", "--blocks", "128", "--batch", "16")
     _positive(r, "host_get_gbps", "host_put_gbps", "nvme_get_gbps", "nvme_put_gbps",
               "memcpy_gbps", "pread_gbps")
+
+
+def test_hash_bench_smoke():
+    # The bench itself checks kvtier's threaded hash against python-xxhash before it reports.
+    r = _bench("bench/hash.py", "--blocks", "64", "--block-kib", "16")
+    assert r["threads"][0] == 1 and r["blocks"] == 64
+    for name in ("xxhash_gbps", "kvtier_gbps", "memcpy_gbps"):
+        assert set(r[name]) == {str(t) for t in r["threads"]}
+        assert all(v > 0 for v in r[name].values())

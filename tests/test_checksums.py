@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvtier import checksums
 from kvtier.checksums import block_checksums
 
 
@@ -22,3 +23,46 @@ def test_a_changed_byte_changes_only_its_block():
     before = block_checksums(arr)
     arr[17, 4095] ^= 1
     assert (before != block_checksums(arr)).tolist() == [i == 17 for i in range(40)]
+
+
+needs_lib = pytest.mark.skipif(checksums._fn is None or checksums._xxh is None,
+                               reason="the system's libxxhash (libxxhash0) is not installed, or "
+                                      "kvtier._xxh was not built")
+
+
+@needs_lib
+@pytest.mark.parametrize("n, width, threads", [(2, 65536, 2), (37, 4096, 4), (64, 1000, 8),
+                                               (5, 1, 3), (300, 240, 8)])
+def test_the_threaded_libxxhash_path_gives_python_xxhash_s_values(monkeypatch, n, width,
+                                                                  threads):
+    # Widths around XXH3's size classes (1, 240, 1000, 4096, 64 KiB), forced onto threads.
+    monkeypatch.setattr(checksums, "PARALLEL_BYTES", 1)
+    arr = np.random.default_rng(n * width).integers(0, 256, (n, width), dtype=np.uint8)
+    want = [xxhash.xxh3_64_intdigest(arr[i].tobytes()) for i in range(n)]
+    assert block_checksums(arr, threads=threads).tolist() == want
+    rows = list(range(n))[::-2]
+    assert block_checksums(arr, rows, threads=threads).tolist() == [want[r] for r in rows]
+    view = np.random.default_rng(1).integers(0, 256, (n, 2 * width), dtype=np.uint8)[:, :width]
+    assert block_checksums(view, threads=threads).tolist() == [      # rows with a gap between
+        xxhash.xxh3_64_intdigest(view[i].tobytes()) for i in range(n)]
+
+
+@needs_lib
+def test_a_row_out_of_range_raises_on_the_threaded_path_too(monkeypatch):
+    monkeypatch.setattr(checksums, "PARALLEL_BYTES", 1)
+    arr = np.zeros((4, 4096), dtype=np.uint8)
+    for bad in ([0, 4], [-1, 2]):          # no address outside the array is ever hashed
+        with pytest.raises(IndexError):
+            block_checksums(arr, bad, threads=4)
+    with pytest.raises(IndexError):
+        block_checksums(arr, [0, 4], threads=1)
+
+
+def test_two_cores_or_no_libxxhash_hash_on_the_calling_thread(monkeypatch):
+    monkeypatch.setattr(checksums.os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert checksums.usable_threads() == 1
+    monkeypatch.setattr(checksums.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    native = checksums._fn is not None and checksums._xxh is not None
+    assert checksums.usable_threads() == (checksums.MAX_THREADS if native else 1)
+    monkeypatch.setattr(checksums, "_xxh", None)
+    assert checksums.usable_threads() == 1
