@@ -21,8 +21,8 @@ import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
+from kvtier.checksums import block_checksums
 from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.errors import StorageError
 from kvtier.pagetable.store import FLAG_PARENT, record_dtype
@@ -159,10 +159,7 @@ def read_nvme(engine: "Engine", ns: "Namespace", rows: np.ndarray, pool: SlotPoo
     outs = [pool.slot_view(int(s)) for s in dst.tolist()]
     ok = ns.log.read(cols["slot"][rows, Tier.NVME], cols["nvme_off"][rows], outs)
     sums = np.zeros(rows.size, dtype=np.uint64)
-    arr = pool.array
-    for i, s in enumerate(dst.tolist()):
-        if ok[i]:
-            sums[i] = xxhash.xxh3_64_intdigest(arr[s])
+    sums[ok] = block_checksums(pool.array, dst[ok].tolist())
     ok &= sums == cols["nvme_checksum"][rows]
     bad = rows[~ok]
     if bad.size:
@@ -241,7 +238,7 @@ def compact(engine: "Engine", ns: "Namespace", threshold: float | None = None) -
             outs = [memoryview(buf)[i * ns.block_bytes:(i + 1) * ns.block_bytes]
                     for i in range(rows.size)]
             ok = ns.log.read(cols["slot"][rows, Tier.NVME], cols["nvme_off"][rows], outs)
-            sums = np.array([xxhash.xxh3_64_intdigest(a) for a in arr], dtype=np.uint64)
+            sums = block_checksums(arr)
             ok &= sums == cols["nvme_checksum"][rows]
             if (~ok).any():
                 engine.counters.checksum_failures += int((~ok).sum())
