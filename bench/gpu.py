@@ -11,6 +11,8 @@ real `kvtier serve` (host tier pinned in both processes):
     kernel_gbps_16k           the gather launch alone over the same mapped segment (the 16-byte
                               row kernel; kernel8_gbps_16k: the 8-byte word kernel)
     control_ms_16k / _64k     a get of the 4,096 keys and its release, no bytes moved
+    onboard_ms_by_chunk_*     the same get as one request (4096) or in pipelined chunks;
+    offload_ms_by_chunk_*     the same for the put
     onboard_hbm_gbps_*        get with tier="hbm": blocks in the service's HBM pool, opened by
                               CUDA IPC, gathered device to device (ceiling: d2d_gbps, one 1 GiB
                               device copy); offload_hbm_gbps_*: put with tier="hbm", whose
@@ -120,6 +122,12 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
                            src[torch.as_tensor(order, device="cuda")]):
             raise SystemExit("onboard returned wrong bytes")
         off = med(lambda: ns.put(kb, out, rows=rows), reps)
+        put_by_chunk = {}
+        for size in (N, 1536, 1024):          # N: one request; 1536: 384 + 2 x 1536 + 640
+            pipeline.PUT_CHUNK = size
+            put_by_chunk[str(size)] = round(med(lambda: ns.put(kb, out, rows=rows), reps) * 1e3,
+                                            3)
+        pipeline.PUT_CHUNK = N
         # Where an offload's time goes: reserve, the scatter launch, the commit.
         parts = {"reserve": [], "scatter": [], "commit": []}
         seg0 = ns._gpu()
@@ -170,6 +178,7 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
             f"control_ms_{tag}": round(ctl * 1000, 3),
             f"onboard_timeline_ms_{tag}": timeline,
             f"onboard_ms_by_chunk_{tag}": by_chunk,
+            f"offload_ms_by_chunk_{tag}": put_by_chunk,
             f"steady_p50_ms_{tag}": round(on * 1000, 3), **breakdown}
 
 

@@ -240,7 +240,7 @@ class Namespace(NamespaceHandle):
             r = c._call("put", ns=self.name, keys=kb, data=src.tobytes(), parents=pb)
             return np.frombuffer(r["versions"], "<u8")
         self._view()                     # mapped (and remapped after a restart) before reserve
-        if len(pipeline.chunks(n)) > 1:
+        if len(pipeline.chunks(n, pipeline.PUT_CHUNK)) > 1:
             def write(slots: np.ndarray, lo: int, hi: int) -> bytes | None:
                 self._write(slots, src[lo:hi])
                 return P.arr(checksums(src[lo:hi]), "<u8") if verify else None
