@@ -124,10 +124,10 @@ def service_path(sock: str, bb: int, reps: int) -> dict:
         off = med(lambda: ns.put(kb, out, rows=rows), reps)
         put_by_chunk = {}
         for size in (N, 1536, 1024):          # N: one request; 1536: 384 + 2 x 1536 + 640
-            pipeline.PUT_CHUNK = size
+            pipeline.CUDA_PUT_CHUNK = size
             put_by_chunk[str(size)] = round(med(lambda: ns.put(kb, out, rows=rows), reps) * 1e3,
                                             3)
-        pipeline.PUT_CHUNK = N
+        pipeline.CUDA_PUT_CHUNK = N
         # Where an offload's time goes: reserve, the scatter launch, the commit.
         parts = {"reserve": [], "scatter": [], "commit": []}
         seg0 = ns._gpu()

@@ -375,14 +375,9 @@ def big_namespace(tmp_path: Path, host: str) -> Iterator[tuple[kvtier.Client, An
         svc.stop()
 
 
-@pytest.mark.parametrize("put_chunk", [4096, 1024], ids=["put-one-request", "put-chunked"])
-def test_large_batches_go_in_pipelined_chunks_and_round_trip(tmp_path: Path, put_chunk: int,
-                                                             monkeypatch):
-    # 2,500 keys: gets in chunks of up to 1,024 (kvtier.api.pipeline), with a duplicate-free
-    # shuffled get order so that each chunk's slots are scattered; puts as one request (the
-    # default up to 2 x PUT_CHUNK keys) and in chunks.
-    from kvtier.api import pipeline
-    monkeypatch.setattr(pipeline, "PUT_CHUNK", put_chunk)
+def test_large_batches_go_in_pipelined_chunks_and_round_trip(tmp_path: Path):
+    # 2,500 keys: three chunks of up to 1,024 (kvtier.api.pipeline), with a duplicate-free
+    # shuffled get order so that each chunk's slots are scattered.
     with big_namespace(tmp_path, "32MiB") as (c, ns):
         n = 2500
         data = blocks(n, 4096, 5)
@@ -398,15 +393,11 @@ def test_large_batches_go_in_pipelined_chunks_and_round_trip(tmp_path: Path, put
         assert c.stats()["leases"] == 0
 
 
-def test_a_chunk_that_cannot_be_reserved_stores_the_chunks_before_it(tmp_path: Path,
-                                                                     monkeypatch):
+def test_a_chunk_that_cannot_be_reserved_stores_the_chunks_before_it(tmp_path: Path):
     # A real shortage: 2,500 blocks of 4 KiB into a host tier of 8 MiB (2,048 blocks) with no
-    # NVMe to evict to, in put chunks of 1,024 (by default a put of 2,500 keys is one request;
-    # chunks start at 2 x PUT_CHUNK keys). Chunks of 256, 1,024, 1,024 and 196: the first two
-    # fit and are committed, the third is refused, and the fourth, reserved before the refusal
-    # was read, is aborted.
-    from kvtier.api import pipeline
-    monkeypatch.setattr(pipeline, "PUT_CHUNK", 1024)
+    # NVMe to evict to. Chunks of 256, 1,024, 1,024 and 196: the first two fit and are
+    # committed, the third is refused, and the fourth, reserved before the refusal was read,
+    # is aborted.
     with big_namespace(tmp_path, "8MiB") as (c, ns):
         data = blocks(2500, 4096, 6)
         with pytest.raises(kvtier.errors.CapacityError, match="1280 of 2500 blocks"):

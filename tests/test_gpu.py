@@ -85,9 +85,9 @@ def test_both_transfer_kernels_move_exactly_the_named_rows(words: int):
 @pytest.mark.parametrize("put_chunk", [4096, 1024], ids=["put-one-request", "put-chunked"])
 def test_large_cuda_batches_round_trip_in_pipelined_chunks(gpu_service, put_chunk, monkeypatch):
     # 3,000 keys: a get in three chunks (kvtier.api.pipeline), each one launch, into scattered
-    # rows; the put as one request (the default up to 2 x PUT_CHUNK keys) or in chunks.
+    # rows; the put as one request (the default up to 2 x CUDA_PUT_CHUNK keys) or in chunks.
     from kvtier.api import pipeline
-    monkeypatch.setattr(pipeline, "PUT_CHUNK", put_chunk)
+    monkeypatch.setattr(pipeline, "CUDA_PUT_CHUNK", put_chunk)
     with kvtier.Client(gpu_service.socket) as c:
         ns = c.namespace(f"chunks{put_chunk}", block_bytes=4096)
         n = 3000

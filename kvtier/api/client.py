@@ -240,7 +240,7 @@ class Namespace(NamespaceHandle):
             r = c._call("put", ns=self.name, keys=kb, data=src.tobytes(), parents=pb)
             return np.frombuffer(r["versions"], "<u8")
         self._view()                     # mapped (and remapped after a restart) before reserve
-        if len(pipeline.chunks(n, pipeline.PUT_CHUNK)) > 1:
+        if len(pipeline.chunks(n)) > 1:
             def write(slots: np.ndarray, lo: int, hi: int) -> bytes | None:
                 self._write(slots, src[lo:hi])
                 return P.arr(checksums(src[lo:hi]), "<u8") if verify else None
@@ -269,7 +269,8 @@ class Namespace(NamespaceHandle):
 
         def write(slots: np.ndarray, lo: int, hi: int) -> None:
             seg.scatter(src, slots, src_rows[lo:hi])
-        return pipeline.put(self, kb, n, pb, write, seg.sync, {"tier": tier})
+        return pipeline.put(self, kb, n, pb, write, seg.sync, {"tier": tier},
+                            size=pipeline.CUDA_PUT_CHUNK)
 
     def _get_cuda(self, kb: bytes, n: int, out: Any, rows: np.ndarray | None,
                   tier: str = "host") -> np.ndarray:

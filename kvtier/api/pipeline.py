@@ -12,7 +12,7 @@ once), so the service works on chunk k+1 while chunk k moves.
           (releases queued by earlier calls ride on the last request, not the first)
     put:  send reserve(c1) .. (cN) | for each reply: write(c), sync,    | commit replies
                                    |   send commit(c) (not waited for)  |
-          (chunks of PUT_CHUNK: a put of up to 2 x PUT_CHUNK keys is one request)
+          (from CUDA tensors in chunks of CUDA_PUT_CHUNK: up to 8,192 keys in one request)
 
 A put's chunks commit one by one: if one fails, the chunks before it stay committed (each block
 is its own entry; nothing is torn), the rest are aborted, and the error says how many blocks
@@ -32,12 +32,15 @@ if TYPE_CHECKING:
     from kvtier.api.client import GetReply, Namespace
 
 CHUNK = 1024
-# Puts are cut far less: each chunk's reserve and commit are separate requests that the service
-# answers one after the other, and a commit of 1,024 keys costs most of what one of 4,096 does.
-# On the H200 once commits were hashed on threads (bench/gpu.py offload_ms_by_chunk): 4,096 x
-# 16 KiB took 8.2 ms as one request against 15.5 ms in chunks of 1,024 (64 KiB: 14.1 against
-# 17.1). Chunks still bound a single commit (and its hold of the engine lock) for huge puts.
-PUT_CHUNK = 4096
+# Puts from CUDA tensors are cut far less: each chunk's reserve and commit are requests that
+# the service answers one after the other, and a commit of 1,024 keys costs most of what one of
+# 4,096 does, while the scatter that chunks overlap is short. On the H200 once commits were
+# hashed on threads (bench/gpu.py offload_ms_by_chunk): 4,096 x 16 KiB took 8.2 ms as one
+# request against 14.9-15.5 ms in chunks of 1,024 (64 KiB: 14.1-15.6 against 17.1-17.6). Host
+# puts keep CHUNK: there the client's copy and hash of one chunk overlap the service's commit of
+# the one before, and on the dev VM 4,096 x 16 KiB took 1.22x as long as one request. Chunks
+# still bound a single commit (and its hold of the engine lock) for huge puts.
+CUDA_PUT_CHUNK = 4096
 
 
 def chunks(n: int, size: int | None = None) -> list[tuple[int, int]]:
@@ -104,14 +107,15 @@ def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], No
 def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
         write: Callable[[np.ndarray, int, int], bytes | None],
         sync: Callable[[], None] = lambda: None,
-        extra: dict[str, Any] | None = None) -> np.ndarray:
+        extra: dict[str, Any] | None = None, size: int | None = None) -> np.ndarray:
     """Reserve, fill and commit keys' blocks chunk by chunk. write(slots, lo, hi) fills the
     reserved slots of keys lo..hi and returns their packed checksums (or None: the service
     hashes); sync() waits until written bytes are in the slots; extra goes into every reserve
-    (tier). Returns the new versions."""
+    (tier); size: the chunk size (default CHUNK). Returns the new versions."""
     c = ns._client
     w = ns.key_width
-    parts = chunks(n, PUT_CHUNK)
+    size = size or CHUNK
+    parts = chunks(n, size)
     last = len(parts) - 1
     reserve_ids = [c._send("reserve", {"ns": ns.name, "keys": kb[lo * w:hi * w],
                                        "parents": None if parents is None
@@ -156,7 +160,7 @@ def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
     if error is not None:
         if len(parts) > 1 and isinstance(error, KvtierError):
             raise type(error)(f"{error} ({stored} of {n} blocks were stored, in whole "
-                              f"chunks of up to {PUT_CHUNK})") from None
+                              f"chunks of up to {size})") from None
         raise error
     return versions
 
