@@ -17,7 +17,8 @@ in one call of the C helper kvtier/_xxh.c with the GIL released. Calling libxxha
 ctypes one block at a time took the GIL back every 4 us and stopped scaling at 4 threads.
 
 When threads are used: a batch of at least PARALLEL_BYTES, a machine with at least 4 usable
-cores, libxxhash and the C helper. On the 2-core VM two threads were slower than one
+cores, libxxhash and the C helper. On one thread the C loop also takes batches of many small
+rows (NATIVE_ROWS, NATIVE_WIDTH), where python-xxhash's per-call cost dominates. On the 2-core VM two threads were slower than one
 (bench/api.py verified gets 8.5 -> 6.1 GB/s), so it keeps the one-thread loop, which is
 python-xxhash's, as before. Thread safety: the workers only read the blocks, and
 block_checksums returns only after all of them have stopped.
@@ -36,6 +37,12 @@ import numpy as np
 import xxhash
 
 PARALLEL_BYTES = 16 << 20          # below this a batch is hashed on the calling thread
+# On one thread the C loop wins only where python-xxhash's per-call cost dominates: many small
+# rows (dev VM, 4,096 rows: 512 B 237 against 1,200 us, 4 KiB 1.5 against 2.0 ms). For rows of
+# 8 KiB or more, or a few rows, python-xxhash's own build is faster (1.5-2x in cache on the dev
+# VM: Debian's libxxhash is a baseline SSE2 build).
+NATIVE_ROWS = 256
+NATIVE_WIDTH = 4096
 MAX_THREADS = 16
 
 
@@ -86,9 +93,11 @@ def block_checksums(arr: np.ndarray, rows: Sequence[int] | None = None,
     large batch on (default usable_threads(); the tests force the threaded path with it)."""
     n = arr.shape[0] if rows is None else len(rows)
     threads = usable_threads() if threads is None else threads
-    if (threads > 1 and _fn is not None and _xxh is not None and n >= 2
-            and n * arr.shape[1] >= PARALLEL_BYTES and arr.strides[1] == 1):
-        return _threaded(arr, rows, n, threads)
+    if _fn is not None and _xxh is not None and n >= 2 and arr.strides[1] == 1:
+        if threads > 1 and n * arr.shape[1] >= PARALLEL_BYTES:
+            return _threaded(arr, rows, n, threads)
+        if n >= NATIVE_ROWS and arr.shape[1] <= NATIVE_WIDTH:
+            return _threaded(arr, rows, n, 1)
     h = xxhash.xxh3_64_intdigest
     out = np.empty(n, dtype=np.uint64)
     if rows is None:
@@ -112,6 +121,9 @@ def _threaded(arr: np.ndarray, rows: Sequence[int] | None, n: int, threads: int)
     def part(lo: int, hi: int) -> None:
         _xxh.hash_rows(_fn, base, stride, width, idx[lo:hi], out[lo:hi])
 
+    if threads <= 1:
+        part(0, n)
+        return out
     step = -(-n // threads)
     futures = [_executor().submit(part, lo, min(lo + step, n)) for lo in range(0, n, step)]
     wait(futures)                      # every part has stopped reading arr before we return

@@ -10,7 +10,8 @@ from kvtier import checksums
 from kvtier.checksums import block_checksums
 
 
-@pytest.mark.parametrize("n, width", [(0, 4096), (1, 4096), (3, 1000), (64, 65536)])
+@pytest.mark.parametrize("n, width", [(0, 4096), (1, 4096), (3, 1000), (64, 65536),
+                                      (300, 512), (256, 4096)])     # the last two: the C loop
 def test_block_checksums_equal_the_hash_of_each_block(n: int, width: int):
     arr = np.random.default_rng(n).integers(0, 256, (n, width), dtype=np.uint8)
     want = [xxhash.xxh3_64_intdigest(arr[i].tobytes()) for i in range(n)]
