@@ -17,11 +17,11 @@ in one call of the C helper kvtier/_xxh.c with the GIL released. Calling libxxha
 ctypes one block at a time took the GIL back every 4 us and stopped scaling at 4 threads.
 
 When threads are used: a batch of at least PARALLEL_BYTES, a machine with at least 4 usable
-cores, libxxhash and the C helper. On one thread the C loop also takes batches of many small
-rows (NATIVE_ROWS, NATIVE_WIDTH), where python-xxhash's per-call cost dominates. On the 2-core VM two threads were slower than one
-(bench/api.py verified gets 8.5 -> 6.1 GB/s), so it keeps the one-thread loop, which is
-python-xxhash's, as before. Thread safety: the workers only read the blocks, and
-block_checksums returns only after all of them have stopped.
+cores, libxxhash and the C helper. On the 2-core VM two threads were slower than one
+(bench/api.py verified gets 8.5 -> 6.1 GB/s), so it keeps one thread. On one thread the C loop
+takes batches of many small rows (NATIVE_ROWS, NATIVE_WIDTH), where python-xxhash's per-call
+cost dominates; other batches go through python-xxhash, as before. Thread safety: the workers
+only read the blocks, and block_checksums returns only after all of them have stopped.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ NATIVE_WIDTH = 4096
 MAX_THREADS = 16
 
 
-def _load() -> ctypes.CDLL | None:
+def _load() -> int | None:
+    """The address of libxxhash's XXH3_64bits, once it has hashed a probe as python-xxhash
+    does; None where the library is missing or disagrees."""
     name = ctypes.util.find_library("xxhash")
     if not name:
         return None
     try:
-        lib = ctypes.CDLL(name)
-        fn = lib.XXH3_64bits
+        fn = ctypes.CDLL(name).XXH3_64bits
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_uint64
@@ -60,15 +61,14 @@ def _load() -> ctypes.CDLL | None:
     probe = b"kvtier checks libxxhash against python-xxhash"
     if fn(probe, len(probe)) != xxhash.xxh3_64_intdigest(probe):
         return None                    # not the XXH3 python-xxhash computes: never use it
-    return lib
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-_lib = _load()
+_fn = _load()
 try:
     from kvtier import _xxh
-except ImportError:                   # not built: large batches hash on one thread
+except ImportError:                   # not built: every batch goes through python-xxhash
     _xxh = None
-_fn = ctypes.cast(_lib.XXH3_64bits, ctypes.c_void_p).value if _lib is not None else None
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -92,12 +92,13 @@ def block_checksums(arr: np.ndarray, rows: Sequence[int] | None = None,
     arr is 2-D (blocks x bytes). One pass over the bytes, no copy. threads: how many to hash a
     large batch on (default usable_threads(); the tests force the threaded path with it)."""
     n = arr.shape[0] if rows is None else len(rows)
-    threads = usable_threads() if threads is None else threads
     if _fn is not None and _xxh is not None and n >= 2 and arr.strides[1] == 1:
-        if threads > 1 and n * arr.shape[1] >= PARALLEL_BYTES:
-            return _threaded(arr, rows, n, threads)
+        if n * arr.shape[1] >= PARALLEL_BYTES:       # only then is the core count asked for
+            threads = usable_threads() if threads is None else threads
+            if threads > 1:
+                return _in_c(arr, rows, n, threads)
         if n >= NATIVE_ROWS and arr.shape[1] <= NATIVE_WIDTH:
-            return _threaded(arr, rows, n, 1)
+            return _in_c(arr, rows, n, 1)
     h = xxhash.xxh3_64_intdigest
     out = np.empty(n, dtype=np.uint64)
     if rows is None:
@@ -109,7 +110,8 @@ def block_checksums(arr: np.ndarray, rows: Sequence[int] | None = None,
     return out
 
 
-def _threaded(arr: np.ndarray, rows: Sequence[int] | None, n: int, threads: int) -> np.ndarray:
+def _in_c(arr: np.ndarray, rows: Sequence[int] | None, n: int, threads: int) -> np.ndarray:
+    """The rows hashed by kvtier/_xxh.c, split over threads (1: on the calling thread)."""
     idx = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= arr.shape[0]):
         raise IndexError(f"row out of range for {arr.shape[0]} blocks")

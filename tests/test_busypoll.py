@@ -42,7 +42,7 @@ def run(factory, coro_fn):
 def test_a_touch_spins_until_the_window_has_passed_since_the_last_one(factory):
     async def scenario(loop):
         ticks = []
-        bp = BusyPoll(loop, 0.02, lambda: ticks.append(1) or True)
+        bp = BusyPoll(0.02, loop=loop, may_spin=lambda: ticks.append(1) or True)
         bp.touch()
         await asyncio.sleep(0.005)
         bp.touch()                               # extends the same period
@@ -59,7 +59,7 @@ def test_a_touch_spins_until_the_window_has_passed_since_the_last_one(factory):
 @pytest.mark.parametrize("factory", loops())
 def test_timers_and_io_callbacks_still_run_while_it_spins(factory):
     async def scenario(loop):
-        bp = BusyPoll(loop, 0.5, lambda: True)
+        bp = BusyPoll(0.5, loop=loop, may_spin=lambda: True)
         bp.touch()
         fired = loop.create_future()
         loop.call_later(0.01, fired.set_result, "timer")
@@ -86,9 +86,9 @@ def test_timers_and_io_callbacks_still_run_while_it_spins(factory):
 def test_it_does_not_spin_while_engine_threads_have_work_or_when_off(factory):
     async def scenario(loop):
         asked = []
-        busy = BusyPoll(loop, 1.0, lambda: asked.append(1) and False)
+        busy = BusyPoll(1.0, loop=loop, may_spin=lambda: asked.append(1) and False)
         busy.touch()
-        off = BusyPoll(loop, 0.0)
+        off = BusyPoll(0.0, loop=loop)
         off.touch()
         await asyncio.sleep(0.01)
         return busy, off, len(asked)
@@ -153,7 +153,7 @@ class _Queue:
 def test_it_stops_spinning_for_clients_whose_requests_come_further_apart_than_the_window():
     now = [100.0]
     q = _Queue()
-    bp = BusyPoll(q, 0.001, clock=lambda: now[0])
+    bp = BusyPoll(0.001, loop=q, clock=lambda: now[0])
     periods, armed = [], []
     for gap in [0.003] * 8 + [0.0002] * 12:      # a slow client, then a fast one
         now[0] += gap

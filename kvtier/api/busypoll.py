@@ -6,12 +6,13 @@ epoll_wait meanwhile, that request first has to wake it, and on a virtual machin
 halted for longer than its host's halt-polling window is descheduled. On the dev VM a get of
 64 x 64 KiB blocks took 180 us when the client sent the next one at once, and 260-350 us after
 the client had been busy for 200-300 us without touching the socket (docs/DESIGN-NOTES.md,
-"Busy polling"). SO_BUSY_POLL does this for network sockets; Unix sockets have no such option.
+"The socket loop busy-polls"). SO_BUSY_POLL does this for network sockets; Unix sockets have no
+such option.
 
-``BusyPoll.touch()`` (called on every frame received) keeps one callback re-queued with
-``call_soon`` until ``window_s`` has passed since the last frame. While a callback is ready,
-asyncio's loop and uvloop's both poll with a zero timeout, so the next frame is read within a
-poll cycle (a few microseconds) instead of after a wake-up. Nothing else changes: requests are
+``BusyPoll.touch()`` (called on every frame received and every reply written) keeps one
+callback re-queued with ``call_soon`` until ``window_s`` has passed since the last touch. While
+a callback is ready, asyncio's loop and uvloop's both poll with a zero timeout, so the next
+frame is read within a poll cycle (a few microseconds) instead of after a wake-up. Nothing else changes: requests are
 answered by the same code, in the same order.
 
 The price is CPU: up to one core while any client sends requests less than ``window_s`` apart,
@@ -37,10 +38,12 @@ from typing import Callable
 
 
 class BusyPoll:
-    """Keep ``loop`` polling for ``window_s`` after each touch(), while may_spin() holds."""
+    """Keep the loop polling for ``window_s`` after each touch(), while may_spin() holds.
+    loop: the loop to keep busy; None (the service's case) takes the running loop of the
+    touch that starts a spin period."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, window_s: float,
-                 may_spin: Callable[[], bool] = lambda: True,
+    def __init__(self, window_s: float, may_spin: Callable[[], bool] = lambda: True,
+                 loop: asyncio.AbstractEventLoop | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self._loop = loop
         self.window_s = window_s
@@ -67,12 +70,12 @@ class BusyPoll:
             self._armed = True
             self._spin_started = now
             self.spins += 1
-            self._loop.call_soon(self._tick)
+            (self._loop or asyncio.get_running_loop()).call_soon(self._tick)
 
     def _tick(self) -> None:
         now = self._clock()
         if now - self._last < self.window_s and self._may_spin():
-            self._loop.call_soon(self._tick)
+            (self._loop or asyncio.get_running_loop()).call_soon(self._tick)
             return
         self._armed = False
         self.spun_s += now - self._spin_started

@@ -97,7 +97,7 @@ class Server:
         self.allowed = {os.getuid(), *settings.allowed_uids}
         self._ops: dict[str, Callable[..., Any]] = {op: getattr(self, f"op_{op}") for op in P.OPS}
         self._threads_busy = 0              # engine calls in flight on the pool
-        self.busy: BusyPoll | None = None
+        self.busy = BusyPoll(settings.busy_poll_us * 1e-6, lambda: self._threads_busy == 0)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -126,8 +126,6 @@ class Server:
 
     async def start(self) -> None:
         self._prepare_path()
-        self.busy = BusyPoll(asyncio.get_running_loop(), self.settings.busy_poll_us * 1e-6,
-                             lambda: self._threads_busy == 0)     # before any connection
         old = os.umask(0o177)
         try:
             self._server = await asyncio.get_running_loop().create_unix_server(
@@ -424,9 +422,7 @@ class Server:
     def stats(self) -> dict[str, Any]:
         """The engine's statistics and the socket loop's busy polling (any thread)."""
         s = self.engine.stats()
-        s["busy_poll"] = (self.busy.stats() if self.busy is not None else
-                          {"window_us": self.settings.busy_poll_us, "spun_s": 0.0, "periods": 0,
-                           "recent_gap_us": 0.0})
+        s["busy_poll"] = self.busy.stats()
         return s
 
 
