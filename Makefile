@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench-smoke clean
+.PHONY: run test deps bench-smoke clean
 
 $(STAMP): pyproject.toml setup.py kvtier/pagetable/_native.c kvtier/coherence/_fast.c kvtier/_xxh.c \
          kvtier/tiers/_aio.c
@@ -13,10 +13,14 @@ $(STAMP): pyproject.toml setup.py kvtier/pagetable/_native.c kvtier/coherence/_f
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-run: $(STAMP)
+# System packages the tests start (redis-server, fio, chromium, libxxhash0), where missing.
+deps:
+	@tools/system-deps
+
+run: deps $(STAMP)
 	$(BIN)/kvtier serve
 
-test: $(STAMP)
+test: deps $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:

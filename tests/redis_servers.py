@@ -25,7 +25,7 @@ class RedisServer:
     def start(self) -> "RedisServer":
         exe = shutil.which("redis-server")
         if exe is None:
-            raise RuntimeError("redis-server is not installed (.ci/run installs it)")
+            raise RuntimeError("redis-server is not installed (make test installs it: tools/system-deps)")
         log = open(self.dir / "redis.log", "ab")
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",

@@ -158,7 +158,7 @@ def test_kvtier_stats_command(service, capsys):
     assert main(["stats", "--url", "http://127.0.0.1:1"]) == 2
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is installed by .ci/run")
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is installed by make test (tools/system-deps)")
 def test_dashboard_draws_real_numbers_in_headless_chromium(service, tmp_path: Path):
     playwright = pytest.importorskip("playwright.sync_api")
     with kvtier.Client(service.socket, name="browser-load") as c:

@@ -93,7 +93,7 @@ def test_text_report_and_memcpy_baseline(tmp_path: Path, capsys):
     assert plot.stat().st_size > 1000
 
 
-@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is installed by .ci/run")
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is installed by make test (tools/system-deps)")
 def test_fio_baseline_in_the_same_run(tmp_path: Path, capsys):
     assert main(["--rw=randread", "--bs=4k", "--size=4m", "--runtime=0.5", "--tier=nvme",
                  "--direct=1", "--compare", "--output-format=json",
