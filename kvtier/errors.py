@@ -80,10 +80,19 @@ class ServiceUnavailable(KvtierError):
     code = "unavailable"
 
 
+class PutOutcomeUnknown(ServiceUnavailable):
+    """The connection was lost after a put (or a put's commit) was sent and before its reply:
+    the old service may or may not have stored those blocks. Raised by the client, never
+    retried by it: check with match_prefix or get, or put the blocks again."""
+
+    code = "put_outcome_unknown"
+
+
 BY_CODE: dict[str, type[KvtierError]] = {
     cls.code: cls
     for cls in (
         KvtierError, ConfigError, DataDirError, NamespaceError, BadRequest, CapacityError,
         LeaseError, ChecksumError, StorageError, ProtocolError, AuthError, ServiceUnavailable,
+        PutOutcomeUnknown,
     )
 }

@@ -10,14 +10,18 @@ many coroutines can share one connection (``asyncio.gather`` of gets costs one r
 latency, not one each). The data path is the sync client's: the namespace's shared segment is
 mapped once (its fd fetched over SCM_RIGHTS by a short-lived synchronous connection, since
 asyncio streams carry no ancillary data) and blocks are copied straight in and out of leased
-slots; ``inline=True`` sends bytes inside frames instead. After the service restarts, the next
-call reconnects and namespaces remap on their next use.
+slots; ``inline=True`` sends bytes inside frames instead. Restarts are handled as in
+kvtier.Client: each call first checks that the service has not closed the connection and
+reconnects if it has (namespaces remap on their next use); a connection lost during a call is
+retried once where kvtier.api.reconnect allows it, and a put whose reply was lost raises
+PutOutcomeUnknown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import select
 from typing import Any
 
 import numpy as np
@@ -25,7 +29,8 @@ import numpy as np
 from kvtier.api import protocol as P
 from kvtier.api.buffers import blocks_view, checksums, pack_keys
 from kvtier.api.client import Client, GetReply, NamespaceHandle, copy_out, default_socket
-from kvtier.errors import ChecksumError, ServiceUnavailable
+from kvtier.api.reconnect import PUT_OPS, connection_lost, hung_up, retry_safe
+from kvtier.errors import ChecksumError, PutOutcomeUnknown, ServiceUnavailable
 
 
 class AsyncNamespace(NamespaceHandle):
@@ -114,6 +119,8 @@ class AsyncClient:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._waiting: dict[int, asyncio.Future] = {}
+        self._puts_sent: set[int] = set()   # ids of put/commit requests not answered yet
+        self._hup: Any = None               # a poll on the connection's socket (hung_up)
         self._next = 0
         self._pending: list[int] = []
         self._namespaces: dict[str, AsyncNamespace] = {}
@@ -127,12 +134,18 @@ class AsyncClient:
             raise ServiceUnavailable(f"cannot connect to kvtier at {self.path}: {exc}; is "
                                      "`kvtier serve` running?") from None
         self._writer = writer
+        self._hup = select.poll()
+        self._hup.register(writer.get_extra_info("socket").fileno(), select.POLLIN)
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
         self.generation += 1
-        self.server_info = await self._call("hello", version=P.PROTOCOL_VERSION,
-                                            client=self.name)
+        self.server_info = await self._request(
+            "hello", {"version": P.PROTOCOL_VERSION, "client": self.name})
 
     async def _ensure(self) -> None:
+        """Reconnect if the connection was lost or the service closed it since the last call
+        (the reader task may not have run since: a restart seen from a loop that was busy)."""
+        if self._writer is not None and hung_up(self._hup):
+            await self._close_connection()
         if self._writer is None:
             await self.connect()
 
@@ -142,6 +155,7 @@ class AsyncClient:
                 head = await reader.readexactly(4)
                 body = await reader.readexactly(P.LENGTH.unpack(head)[0])
                 reply = P.unpack(body)
+                self._puts_sent.discard(reply.get("id"))
                 fut = self._waiting.pop(reply.get("id"), None)
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
@@ -151,12 +165,28 @@ class AsyncClient:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
-            for fut in self._waiting.values():
+            for rid, fut in self._waiting.items():
                 if not fut.done():
-                    fut.set_exception(ServiceUnavailable(f"kvtier at {self.path} went away"))
+                    fut.set_exception(connection_lost(self.path, "it closed the connection",
+                                                      int(rid in self._puts_sent)))
             self._waiting.clear()
+            self._puts_sent.clear()
 
     async def _call(self, op: str, **args: Any) -> dict[str, Any]:
+        """One request and its reply; sent once more, on a new connection, if the connection
+        is lost during the call and the op allows it (kvtier.api.reconnect)."""
+        generation = self.generation
+        try:
+            return await self._request(op, args)
+        except ServiceUnavailable as exc:
+            if (self._writer is not None or not retry_safe(op, args)
+                    or isinstance(exc, PutOutcomeUnknown)):
+                raise
+        if self.generation == generation:          # no other call has reconnected meanwhile
+            await self.connect()
+        return await self._request(op, args)
+
+    async def _request(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         if self._writer is None:
             raise ServiceUnavailable(f"not connected to kvtier at {self.path}")
         self._next += 1
@@ -169,15 +199,22 @@ class AsyncClient:
         self._waiting[req_id] = fut
         try:
             self._writer.write(P.pack(body))
+            if op in PUT_OPS:
+                self._puts_sent.add(req_id)
             await self._writer.drain()
             reply = await asyncio.wait_for(fut, self.timeout)
         except asyncio.TimeoutError:
             self._waiting.pop(req_id, None)
-            raise ServiceUnavailable(f"no reply from kvtier within {self.timeout} s") from None
+            lost = connection_lost(self.path, f"no reply within {self.timeout} s",
+                                   int(req_id in self._puts_sent))
+            await self._close_connection()          # as the sync client: the next call reconnects
+            raise lost from None
         except ConnectionError as exc:
             self._waiting.pop(req_id, None)
             self._writer = None
-            raise ServiceUnavailable(f"kvtier at {self.path} went away: {exc}") from None
+            raise connection_lost(self.path, str(exc), int(req_id in self._puts_sent)) from None
+        finally:
+            self._puts_sent.discard(req_id)
         return P.raise_for(reply)
 
     async def namespace(self, name: str, block_bytes: int | None = None, key_width: int = 16,
@@ -216,6 +253,7 @@ class AsyncClient:
             await asyncio.gather(self._reader_task, return_exceptions=True)
             self._reader_task = None
         self._pending.clear()
+        self._puts_sent.clear()
 
     async def close(self) -> None:
         if self._pending and self._writer is not None:

@@ -28,8 +28,13 @@ Leases. ``get`` releases its lease once the bytes are copied (the release is pip
 waited for). ``get_leased`` returns a Lease whose ``views`` point into shared memory, valid until
 ``release()`` or the end of a ``with`` block.
 
-Failures raise kvtier.errors types. After the service restarts, the next call reconnects and
-namespaces remap on their next use. Not thread-safe: use one Client per thread.
+Failures raise kvtier.errors types. Restarts: each call first checks that the service has not
+closed the connection (one poll(0)) and reconnects if it has, so the first call after a
+``kvtier serve`` restart succeeds, and namespaces remap on their next use. A connection lost
+during a call is retried once, on a new connection, for the ops that allow it
+(kvtier.api.reconnect); the others raise ServiceUnavailable (the next call reconnects), or
+PutOutcomeUnknown where a put had been sent and not answered: those blocks may or may not be
+stored, and are never put again blindly. Not thread-safe: use one Client per thread.
 """
 
 from __future__ import annotations
@@ -50,9 +55,11 @@ import xxhash
 from kvtier.api import pipeline
 from kvtier.api import protocol as P
 from kvtier.api.buffers import blocks_view, checksums, pack_keys
+from kvtier.api.reconnect import PUT_OPS, connection_lost, hung_up, retry_safe
 from kvtier.api.segment import SegmentMap
 from kvtier.config import Settings
-from kvtier.errors import BadRequest, ChecksumError, KvtierError, ServiceUnavailable
+from kvtier.errors import (BadRequest, ChecksumError, KvtierError, PutOutcomeUnknown,
+                           ServiceUnavailable)
 from kvtier.gpu import is_cuda_tensor
 
 _RECV = 1 << 20
@@ -373,6 +380,7 @@ class Client:
         self._next = 0
         self._discard: set[int] = set()
         self._pending: list[int] = []
+        self._puts_sent: set[int] = set()   # ids of put/commit requests not answered yet
         self._namespaces: dict[str, Namespace] = {}
         self.server_info: dict[str, Any] = {}
         if connect:
@@ -395,7 +403,8 @@ class Client:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self.generation += 1
-        self.server_info = self._call("hello", version=P.PROTOCOL_VERSION, client=self.name)
+        self.server_info = self._reply(self._send(
+            "hello", {"version": P.PROTOCOL_VERSION, "client": self.name}))
 
     def close_socket(self) -> None:
         if self._sock is not None:
@@ -403,6 +412,7 @@ class Client:
             self._sock = None
         self._buf.clear()
         self._discard.clear()
+        self._puts_sent.clear()
         self._pending.clear()           # the service ends them when the connection goes
         for fd in self._fds:
             os.close(fd)
@@ -427,10 +437,20 @@ class Client:
     # ------------------------------------------------------------------ frames
 
     def _ensure(self) -> None:
-        """Reconnect if the connection was lost. Only here, never inside a call: a namespace's
-        mapping must be refreshed (Namespace._view) before slots of a new service are used."""
+        """Reconnect if the connection was lost or the service closed it (it stopped or
+        restarted since the last call). Here, before a call, since a namespace's mapping must
+        be refreshed (Namespace._view) before slots of a new service are used; inside a call
+        only the ops kvtier.api.reconnect allows reconnect (_call)."""
+        if self._sock is not None and hung_up(self._poll):
+            self.close_socket()
         if self._sock is None:
             self.connect()
+
+    def _lost(self, why: str) -> ServiceUnavailable:
+        """Close the lost connection; the error to raise for it (connection_lost)."""
+        puts = len(self._puts_sent)
+        self.close_socket()
+        return connection_lost(self.path, why, puts)
 
     def _send(self, op: str, args: dict[str, Any], piggyback: bool = True) -> int:
         """Send one request; returns its id. Queued releases ride on it unless piggyback is
@@ -444,6 +464,8 @@ class Client:
             body["release_first"] = struct.pack(f"<{len(self._pending)}Q", *self._pending)
             self._pending.clear()
         self._sendall(P.pack(body))
+        if op in PUT_OPS:
+            self._puts_sent.add(self._next)
         return self._next
 
     def _sendall(self, frame: bytes) -> None:
@@ -458,12 +480,10 @@ class Client:
                     out = select.poll()       # poll, not select: no FD_SETSIZE limit
                     out.register(self._sock, select.POLLOUT)
                     if left <= 0 or not out.poll(left * 1000):
-                        self.close_socket()
-                        raise ServiceUnavailable(f"kvtier did not take a request within "
-                                                 f"{self.timeout} s") from None
+                        raise self._lost(f"it did not take a request within "
+                                         f"{self.timeout} s") from None
         except OSError as exc:
-            self.close_socket()
-            raise ServiceUnavailable(f"kvtier at {self.path} went away: {exc}") from None
+            raise self._lost(str(exc)) from None
 
     def _wait(self) -> None:
         """Until the socket is readable. Spins first: on the dev VM a reply that wakes a
@@ -480,8 +500,7 @@ class Client:
                     self._note_wait(t0)
                     return
         if not self._poll.poll(self.timeout * 1000):
-            self.close_socket()
-            raise ServiceUnavailable(f"no reply from kvtier within {self.timeout} s")
+            raise self._lost(f"no reply within {self.timeout} s")
         self._note_wait(t0)
 
     def _note_wait(self, t0: float) -> None:
@@ -506,7 +525,10 @@ class Client:
                 if len(self._buf) >= 4 + n:
                     body = bytes(self._buf[4:4 + n])
                     del self._buf[:4 + n]
-                    return P.unpack(body)
+                    frame = P.unpack(body)
+                    if self._puts_sent:
+                        self._puts_sent.discard(frame.get("id"))
+                    return frame
             try:
                 # Into a buffer kept across calls: recvmsg(1 MiB) allocates a fresh 1 MiB
                 # object per call, which cost ~30 us a call on the dev VM (a 12 us round trip
@@ -517,19 +539,27 @@ class Client:
                 self._wait()
                 continue
             except OSError as exc:
-                self.close_socket()
-                raise ServiceUnavailable(f"kvtier at {self.path} went away: {exc}") from None
+                raise self._lost(str(exc)) from None
             for level, kind, payload in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds = array.array("i")
                     fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
                     self._fds.extend(fds)
             if not got:
-                self.close_socket()
-                raise ServiceUnavailable(f"kvtier at {self.path} closed the connection")
+                raise self._lost("it closed the connection")
             self._buf += self._rview[:got]
 
     def _call(self, op: str, **args: Any) -> dict[str, Any]:
+        """One request and its reply; RETRY_SAFE ops are sent once more, on a new connection,
+        if the connection is lost during the call."""
+        try:
+            return self._reply(self._send(op, args))
+        except ServiceUnavailable as exc:
+            # A reply that says unavailable leaves the connection up: not a lost connection.
+            if (self._sock is not None or not retry_safe(op, args)
+                    or isinstance(exc, PutOutcomeUnknown)):
+                raise
+        self.connect()
         return self._reply(self._send(op, args))
 
     def _reply(self, req_id: int) -> dict[str, Any]:
