@@ -7,9 +7,11 @@ The model is a small Llama-architecture causal LM with random weights (fixed see
 downloaded). For each prompt the worker:
 
 1. splits the tokens into blocks of 16 and computes chained block keys (kvtier.kvcache);
-2. asks kvtier how many leading blocks are cached (match_prefix) and fetches them (get);
+2. asks kvtier how many leading blocks are cached (match_prefix) and fetches them (get), with
+   the fullest cached partial page after them (kvtier.kvcache.load_prefix);
 3. turns those blocks into the model's KV cache and runs the forward pass only on the rest;
-4. stores the new full blocks, each with its parent key, so the next prompt can reuse them.
+4. stores the new blocks, each with its parent key, and the partly filled last page, so the
+   next prompt can reuse them (kvtier.kvcache.store_blocks).
 
 --check runs one prompt of --prompt-tokens tokens whose first --cached-tokens tokens were stored
 by an earlier prompt, and prints the reused block count, the largest absolute difference of the
@@ -32,8 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvtier  # noqa: E402
-from kvtier.kvcache import (BlockLayout, blocks_to_layer_kv, cache_to_blocks, chain_keys,  # noqa: E402
-                            from_dynamic_cache, parents_of, to_dynamic_cache)
+from kvtier.kvcache import BlockLayout, load_prefix, model_salt, store_blocks  # noqa: E402
 
 
 def build_model(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
@@ -50,16 +51,16 @@ def build_model(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int
 
 
 class PrefixWorker:
-    """Prefill with prefix reuse through one kvtier namespace."""
+    """Prefill with prefix reuse through one kvtier namespace (kvtier.kvcache's helpers)."""
 
     def __init__(self, client: kvtier.Client, model: Any, namespace: str,
-                 tokens_per_block: int = 16) -> None:
+                 tokens_per_block: int = 16, revision: str = "random-seed-0") -> None:
         self.model = model
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.layout = BlockLayout.from_config(model.config, tokens_per_block, dtype)
+        self.layout = BlockLayout.from_model(model, tokens_per_block)
         self.ns = client.namespace(namespace, block_bytes=self.layout.block_bytes,
                                    layout=self.layout.as_layout())
-        self.salt = namespace.encode()
+        # The namespace names the model here; a real worker gives its hub id and commit.
+        self.salt = model_salt(namespace, revision)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
@@ -78,38 +79,17 @@ class PrefixWorker:
 
     def prefill(self, token_ids: list[int], store: bool = True) -> tuple[torch.Tensor, dict]:
         """Next-token logits for the prompt, reusing cached prefix blocks. Returns (logits,
-        stats: reused_blocks, stored_blocks)."""
-        t = self.layout.tokens_per_block
-        keys = chain_keys(token_ids, t, self.salt)
-        # Keep at least one token to run: the logits come from the last position.
-        usable = min(len(keys), (len(token_ids) - 1) // t)
-        n = self.ns.match_prefix(b"".join(keys[:usable])) if usable else 0
-        cache = None
-        if n:
-            if self.model.device.type == "cuda":
-                # Straight into device memory: one gather launch for the whole prefix.
-                data = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8,
-                                   device=self.model.device)
-                found, _ = self.ns.get(b"".join(keys[:n]), out=data)
-            else:
-                found, data = self.ns.get(b"".join(keys[:n]))
-                data = torch.from_numpy(data)
-            # Only the leading run is usable (a block may have gone since match_prefix).
-            n = int(np.argmin(found)) if not found.all() else n
-            if n:
-                kv = blocks_to_layer_kv(data[:n], self.layout, device=self.model.device)
-                cache = to_dynamic_cache(kv, self.model.config)
-        ids = torch.tensor([token_ids[n * t:]], device=self.model.device)
-        logits, past = self.forward(ids, cache)
+        stats: reused_blocks, reused_tokens, stored_blocks)."""
+        prefix = load_prefix(self.ns, self.layout, self.model.config, token_ids, self.salt,
+                             device=self.model.device)
+        ids = torch.tensor([token_ids[prefix.tokens:]], device=self.model.device)
+        logits, cache = self.forward(ids, prefix.cache)
         stored = 0
-        if store and len(keys) > n:
-            layer_kv = from_dynamic_cache(past)
-            new = cache_to_blocks(layer_kv, self.layout, n, len(keys) - n,
-                                  device=self.model.device)
-            self.ns.put(b"".join(keys[n:]), new,
-                        parents=parents_of(keys[n:], keys[n - 1] if n else None))
-            stored = len(keys) - n
-        return logits, {"reused_blocks": n, "stored_blocks": stored}
+        if store:
+            stored = store_blocks(self.ns, self.layout, cache, token_ids, self.salt,
+                                  first_block=prefix.blocks)
+        return logits, {"reused_blocks": prefix.blocks, "reused_tokens": prefix.tokens,
+                        "stored_blocks": stored}
 
 
 def _ms(fn: Any) -> tuple[Any, float]:
