@@ -31,29 +31,42 @@ def _size(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+        if abs(n) < 1023.95 or unit == "TiB":        # 1023.96 would print as 1024.0
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
 
 
-def render(stats: dict[str, Any]) -> None:
+# (row label, the tier dict's key, how to show it): one row per measure and one column per
+# tier, so that the table fits an 80-column terminal with up to four tiers (hbm, host, nvme,
+# remote): one column per measure did not (every header cut to three letters, issue 19).
+ROWS: tuple[tuple[str, str, Any], ...] = (
+    ("capacity", "capacity_bytes", _size), ("used", "used_bytes", _size),
+    ("blocks", "blocks", str), ("hits", "hits", str), ("misses", "misses", str),
+    ("promotions", "promotions", str), ("demotions", "demotions", str),
+    ("evictions", "evictions", str), ("read", "bytes_read", _size),
+    ("written", "bytes_written", _size),
+)
+
+
+def render(stats: dict[str, Any], console: Any = None) -> None:
+    """Print the tiers as a table, one column per tier, then the service's totals; fits 80
+    columns (numbers are never cut: a narrower terminal wraps the totals' lines only)."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="kvtier tiers")
-    cols = ("tier", "capacity", "used", "blocks", "hits", "misses", "promotions", "demotions",
-            "evictions", "read", "written")
-    for c in cols:
-        table.add_column(c, justify="left" if c == "tier" else "right")
-    for tier, d in stats["tiers"].items():
-        table.add_row(tier, _size(d.get("capacity_bytes")), _size(d.get("used_bytes")),
-                      str(d.get("blocks", 0)), str(d["hits"]), str(d["misses"]),
-                      str(d["promotions"]), str(d["demotions"]), str(d["evictions"]),
-                      _size(d["bytes_read"]), _size(d["bytes_written"]))
-    console = Console()
+    tiers = stats["tiers"]
+    table.add_column("", no_wrap=True, min_width=max(len(r[0]) for r in ROWS))
+    for tier in tiers:
+        table.add_column(tier, justify="right", no_wrap=True)
+    for label, key, show in ROWS:
+        table.add_row(label, *(show(d.get(key)) if d.get(key) is not None else "-"
+                               for d in tiers.values()))
+    console = console or Console()
     console.print(table)
     hr = stats.get("hit_ratio")
     console.print(f"hit ratio {'-' if hr is None else f'{hr:.3f}'}  gets {stats['gets']}  "
-                  f"puts {stats['puts']}  checksum failures {stats['checksum_failures']}  "
-                  f"leases {stats['leases']}  uptime {stats['uptime_s']:.0f} s")
+                  f"puts {stats['puts']}  leases {stats['leases']}")
+    console.print(f"checksum failures {stats['checksum_failures']}  "
+                  f"uptime {stats['uptime_s']:.0f} s")
