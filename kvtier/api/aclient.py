@@ -144,7 +144,7 @@ class AsyncClient:
     async def _ensure(self) -> None:
         """Reconnect if the connection was lost or the service closed it since the last call
         (the reader task may not have run since: a restart seen from a loop that was busy)."""
-        if self._writer is not None and hung_up(self._hup):
+        if self._writer is not None and (self._writer.is_closing() or hung_up(self._hup)):
             await self._close_connection()
         if self._writer is None:
             await self.connect()
