@@ -278,8 +278,9 @@ def from_dynamic_cache(cache: Any) -> list[tuple[Any, Any]]:
 @dataclass(slots=True)
 class Prefix:
     """What load_prefix found: ``tokens`` leading tokens are in ``cache`` (a new_cache, empty
-    when nothing was found): ``blocks`` full blocks, then ``partial`` tokens of a partial page.
-    Run the model on token_ids[tokens:]."""
+    when nothing was found), from ``blocks`` full blocks and then ``partial`` tokens of a
+    partial page (the last one cut by a token where the prompt ends in it: one token is
+    always left to run). Run the model on token_ids[tokens:]; store from block ``blocks``."""
     tokens: int
     blocks: int
     partial: int
@@ -300,7 +301,7 @@ def load_prefix(ns: Any, layout: BlockLayout, config: Any, token_ids: Sequence[i
     ids = np.asarray(token_ids, dtype=np.int64)
     keys = chain_keys(ids, t, salt)
     n = ns.match_prefix(b"".join(keys)) if keys and ids.size > 1 else 0
-    tail = ids[n * t:min(n * t + t - 1, ids.size - 1)] if partial else ids[:0]
+    tail = ids[n * t:min(n * t + t - 1, ids.size)] if partial else ids[:0]
     candidates = [partial_key(keys[n - 1] if n else None, tail[:k], salt)
                   for k in range(1, tail.size + 1)]
     if n == 0 and not candidates:
@@ -320,10 +321,10 @@ def load_prefix(ns: Any, layout: BlockLayout, config: Any, token_ids: Sequence[i
     rows = list(range(n)) + ([len(full) + page - 1] if page else [])
     if not rows:
         return Prefix(0, 0, 0, new_cache(config))
-    tokens = min(n * t, ids.size - 1) + page
+    tokens = min(n * t + page, ids.size - 1)
     kv = blocks_to_layer_kv(data[rows], layout, device=device)
     kv = [(k[:, :, :tokens], v[:, :, :tokens]) for k, v in kv]
-    return Prefix(tokens, n, page, to_dynamic_cache(kv, config))
+    return Prefix(tokens, n, max(0, tokens - n * t), to_dynamic_cache(kv, config))
 
 
 def store_blocks(ns: Any, layout: BlockLayout, cache: Any, token_ids: Sequence[int],

@@ -90,6 +90,7 @@ def test_the_partial_last_page_is_stored_reused_and_replaced_as_it_fills(svc: Se
             assert float((logits.float() - w.recompute(p).float()).abs().max()) <= tol
 
         _, _, c1 = w.run(p1)
+        check(p1, c1, (36, 2, 4))                    # the same prompt: all but its last token
         keys = chain_keys(p1, T, w.salt)
         k5 = partial_key(keys[1], p1[32:], w.salt)
         assert w.ns.match_prefix(k5) == 1
