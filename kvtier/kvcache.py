@@ -152,6 +152,19 @@ def model_salt(model: str, revision: str) -> bytes:
     return f"model={model}\0revision={revision}".encode()
 
 
+def _token_array(token_ids: Any) -> np.ndarray:
+    """token_ids as int64, or BadRequest: a 1-D sequence of integers (a float would be
+    truncated silently by numpy, and two prompts would share keys they should not)."""
+    try:
+        arr = np.asarray(token_ids)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"token_ids must be a 1-D sequence of integers: {exc}") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise BadRequest(f"token_ids must be a 1-D sequence of integers, not an array of "
+                         f"shape {arr.shape} and dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
 def _root(salt: bytes) -> bytes:
     if not isinstance(salt, (bytes, bytearray)) or not salt:
         raise BadRequest("give a salt that names the model and its weights' revision, e.g. "
@@ -168,7 +181,9 @@ def _nonzero(key: bytes) -> bytes:
 def chain_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_block: int,
                salt: bytes) -> list[bytes]:
     """16-byte keys of the full blocks of a prompt. ``salt``: see model_salt (required)."""
-    ids = np.asarray(token_ids, dtype=np.int64)
+    if not isinstance(tokens_per_block, int) or tokens_per_block <= 0:
+        raise BadRequest(f"tokens_per_block must be a positive integer, not {tokens_per_block!r}")
+    ids = _token_array(token_ids)
     out = []
     prev = _root(salt)
     for b in range(ids.size // tokens_per_block):
@@ -184,7 +199,7 @@ def partial_key(parent: bytes | None, token_ids: Sequence[int] | np.ndarray,
     full block whose key is parent (None: at the start). Hashed with a marker that makes the
     input's length differ from any full block's, so it is never a full block's key."""
     prev = parent if parent is not None else _root(salt)
-    ids = np.asarray(token_ids, dtype=np.int64).astype("<i8").tobytes()
+    ids = _token_array(token_ids).astype("<i8").tobytes()
     return _nonzero(xxhash.xxh3_128_digest(prev + b"partial" + ids))
 
 
@@ -298,9 +313,11 @@ def load_prefix(ns: Any, layout: BlockLayout, config: Any, token_ids: Sequence[i
     boundary; README "Reuse and the logits" says when that matters)."""
     import torch
     t = layout.tokens_per_block
-    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = _token_array(token_ids)
     keys = chain_keys(ids, t, salt)
-    n = ns.match_prefix(b"".join(keys)) if keys and ids.size > 1 else 0
+    if ids.size < 2:                                 # nothing to reuse before the last token
+        return Prefix(0, 0, 0, new_cache(config))
+    n = ns.match_prefix(b"".join(keys)) if keys else 0
     tail = ids[n * t:min(n * t + t - 1, ids.size)] if partial else ids[:0]
     candidates = [partial_key(keys[n - 1] if n else None, tail[:k], salt)
                   for k in range(1, tail.size + 1)]
@@ -334,7 +351,7 @@ def store_blocks(ns: Any, layout: BlockLayout, cache: Any, token_ids: Sequence[i
     partly filled last page, replacing the emptier pages of the same prefix. Returns how many
     blocks were put."""
     t = layout.tokens_per_block
-    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = _token_array(token_ids)
     layer_kv = from_dynamic_cache(cache)
     if layer_kv and layer_kv[0][0].shape[2] != ids.size:
         raise BadRequest(f"the cache holds {layer_kv[0][0].shape[2]} tokens and token_ids "

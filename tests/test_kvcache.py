@@ -111,6 +111,9 @@ def test_the_partial_last_page_is_stored_reused_and_replaced_as_it_fills(svc: Se
         assert torch.equal(logits, w.recompute(p4))  # prefill-written blocks only
         # A prompt that is all cached reuses all but its last token.
         check(p3[:64], c3, (63, 4, 0))
+        for short in ([], p1[:1]):
+            empty = load_prefix(w.ns, w.layout, model.config, short, w.salt)
+            assert (empty.tokens, empty.blocks, empty.partial) == (0, 0, 0)
 
 
 # ---------------------------------------------------------------------- bad input
@@ -139,6 +142,15 @@ def test_a_salt_must_name_the_model_and_revision():
         with pytest.raises(BadRequest, match="model_salt"):
             model_salt(*bad)
     assert model_salt("m", "r1") != model_salt("m", "r2")
+    salt = model_salt("m", "r1")
+    for bad_t in (0, -16, 1.5):
+        with pytest.raises(BadRequest, match="tokens_per_block"):
+            chain_keys(list(range(32)), bad_t, salt)
+    for bad in ([1.5, 2.0], [[1, 2]], ["a", "b"], [object()]):
+        with pytest.raises(BadRequest, match="token_ids must be a 1-D sequence of integers"):
+            chain_keys(bad, T, salt)
+        with pytest.raises(BadRequest, match="token_ids"):
+            partial_key(None, bad, salt)
 
 
 def test_caches_that_cannot_fill_blocks_are_refused():
