@@ -258,7 +258,8 @@ class AsyncClient:
     async def close(self) -> None:
         if self._pending and self._writer is not None:
             try:
-                await self._call("hello", version=P.PROTOCOL_VERSION, client=self.name)
+                await self._request("hello", {"version": P.PROTOCOL_VERSION,  # no reconnect
+                                              "client": self.name})
             except ServiceUnavailable:
                 pass            # the service ends the leases when the connection goes
         for ns in self._namespaces.values():

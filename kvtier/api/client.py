@@ -420,8 +420,9 @@ class Client:
 
     def close(self) -> None:
         if self._pending and self._sock is not None:
-            try:
-                self._call("hello", version=P.PROTOCOL_VERSION, client=self.name)
+            try:                        # not _call: a lost connection is not worth a new one
+                self._reply(self._send("hello", {"version": P.PROTOCOL_VERSION,
+                                                 "client": self.name}))
             except KvtierError:
                 pass                    # closing anyway; the service releases on disconnect
         for ns in self._namespaces.values():
