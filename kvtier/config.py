@@ -136,6 +136,13 @@ SETTINGS: tuple[Setting, ...] = (
             "demand of earlier runs, sum of peak_i x alpha^i, at most hbm_capacity"),
     Setting("hbm_reserve_alpha", 0.7, _float, "history: the weight of each older run's peak",
             "fraction"),
+    Setting("gpu_copy_engine_bytes", "1MiB", _size,
+            "a worker's CUDA transfers move pages at least this large by copy engines (no SMs "
+            "taken from the model), smaller ones by an SM-bounded kernel", "bytes"),
+    Setting("gpu_kernel_blocks", 8, _int,
+            "thread blocks (so SMs, at most) of the transfer kernel between host and GPU"),
+    Setting("gpu_device_kernel_blocks", 0, _int,
+            "thread blocks of the HBM tier's device-to-device kernel; 0: two per SM"),
     Setting("write_policy", "write_through", _choice(WRITE_POLICIES),
             "write_through: a put is on NVMe when acknowledged; write_back: flushed later"),
     Setting("eviction", "lru", _choice(EVICTION_POLICIES), "eviction policy of every tier"),
@@ -186,6 +193,9 @@ class Settings:
     hbm_capacity: int = 0
     hbm_reserve: str = "fixed"
     hbm_reserve_alpha: float = 0.7
+    gpu_copy_engine_bytes: int = 1 << 20
+    gpu_kernel_blocks: int = 8
+    gpu_device_kernel_blocks: int = 0
     write_policy: str = "write_through"
     eviction: str = "lru"
     eviction_host: str = ""
@@ -245,6 +255,8 @@ def make_settings(values: dict[str, Any]) -> Settings:
     if not 0 < out["hbm_reserve_alpha"] < 1:
         raise ConfigError("hbm_reserve_alpha: a fraction strictly between 0 and 1 (0.7: seed "
                           "2.1)")
+    if out["gpu_kernel_blocks"] < 1:
+        raise ConfigError("gpu_kernel_blocks: must be at least 1")
     if out["io_threads"] < 1:
         raise ConfigError("io_threads: must be at least 1")
     return Settings(**out)

@@ -60,7 +60,7 @@ from kvtier.api.segment import SegmentMap
 from kvtier.config import Settings
 from kvtier.errors import (BadRequest, ChecksumError, KvtierError, PutOutcomeUnknown,
                            ServiceUnavailable)
-from kvtier.gpu import is_cuda_tensor
+from kvtier.gpu.device import is_cuda_target
 
 _RECV = 1 << 20
 
@@ -158,7 +158,8 @@ class NamespaceHandle:
         self._seg: SegmentMap | None = None
         self._arr: np.ndarray | None = None
         self._mapped: Any = None           # kvtier.gpu.MappedSegment, made on first CUDA use
-        self._ipc: Any = None              # kvtier.gpu.IpcPool of the service's HBM pool
+        self._ipc: Any = None              # kvtier.gpu.IpcPool of the service's HBM pools
+        self._inflight: list[Any] = []     # kvtier.gpu.transfer.Transfer not yet finished
         self._hbm_info: dict[str, Any] | None = None
         self._generation = -1
 
@@ -184,6 +185,9 @@ class NamespaceHandle:
         self._seg.write(slots, src)
 
     def close(self) -> None:
+        if self._inflight:               # no copy may run into memory about to be unregistered
+            from kvtier.gpu.transfer import drain
+            drain(self)
         for dev in (self._mapped, self._ipc):
             if dev is not None:
                 dev.close()
@@ -207,15 +211,14 @@ class Namespace(NamespaceHandle):
     def _gpu(self, tier: str = "host") -> Any:
         """The device-side view of tier's slots: the mapped, registered host segment, or the
         service's HBM pool opened by CUDA IPC (tier="hbm")."""
-        from kvtier.gpu import IpcPool, MappedSegment
+        from kvtier.gpu.device import IpcPool, MappedSegment
         self._view()
         if tier == "hbm":
             if not self._hbm_info:
                 raise BadRequest(f"namespace {self.name!r} has no HBM tier on this service; "
                                  "start it with hbm_capacity on a CUDA host, or use tier='host'")
             if self._ipc is None:        # _attach drops it with the mapping of its connection
-                self._ipc = IpcPool(self._hbm_info["ipc"], self._hbm_info["slots"],
-                                    self.block_bytes)
+                self._ipc = IpcPool(self._hbm_info, self.block_bytes)
             return self._ipc
         if tier != "host":
             raise BadRequest(f"tier must be 'host' or 'hbm', not {tier!r}")
@@ -235,7 +238,7 @@ class Namespace(NamespaceHandle):
         """
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width
-        if is_cuda_tensor(blocks):
+        if is_cuda_target(blocks):
             return self._put_cuda(kb, n, blocks, parents, rows, tier)
         if tier != "host":
             raise BadRequest("tier='hbm' takes CUDA tensors; host data goes to the host tier")
@@ -265,34 +268,52 @@ class Namespace(NamespaceHandle):
 
     def _put_cuda(self, kb: bytes, n: int, blocks: Any, parents: Any,
                   rows: np.ndarray | None, tier: str = "host") -> np.ndarray:
-        """One scatter launch per chunk (kvtier.api.pipeline), straight from the tensor's rows
-        into the reserved slots; the service checksums them at commit."""
-        from kvtier.gpu import rows_view
-        self._client._ensure()
-        src = rows_view(blocks, n, self.block_bytes)
-        seg = self._gpu(tier)
+        """The blocking put from CUDA memory: put_async on torch's current stream, waited."""
+        from kvtier.gpu.transfer import put_async
         pb = None if parents is None else pack_keys(parents, self.key_width)
-        src_rows = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
-
-        def write(slots: np.ndarray, lo: int, hi: int) -> None:
-            seg.scatter(src, slots, src_rows[lo:hi])
-        return pipeline.put(self, kb, n, pb, write, seg.sync, {"tier": tier},
-                            size=pipeline.CUDA_PUT_CHUNK)
+        return put_async(self, kb, n, blocks, pb, rows, None, tier, None).wait()
 
     def _get_cuda(self, kb: bytes, n: int, out: Any, rows: np.ndarray | None,
                   tier: str = "host") -> np.ndarray:
-        """One gather launch per chunk, launched as each chunk's reply arrives; the leases end
-        after the stream has synchronised (the kernels have read the slots)."""
-        from kvtier.gpu import rows_view
-        self._client._ensure()
-        dst = rows_view(out, n, self.block_bytes)
-        seg = self._gpu(tier)
-        dst_rows = np.arange(n) if rows is None else np.asarray(rows, dtype=np.int64)
+        """The blocking get into CUDA memory: get_async on torch's current stream, waited."""
+        from kvtier.gpu.transfer import get_async
+        return get_async(self, kb, n, out, rows, None, tier, None).wait()
 
-        def move(rep: GetReply, lo: int) -> None:
-            idx = np.flatnonzero(rep.found)
-            seg.gather(rep.slots[idx], dst, dst_rows[lo + idx])
-        return pipeline.get(self, kb, n, move, seg.sync, {"tier": tier})
+    def get_async(self, keys: Any, out: Any, rows: np.ndarray | None = None,
+                  stream: Any = None, tier: str = "host", layers: int | None = None) -> Any:
+        """Enqueue a get into CUDA memory on ``stream`` and return at once (kvtier.gpu.transfer).
+
+        ``out``: a CUDA tensor of rows (block i into row rows[i]; vLLM's BLHNC buffer) or a
+        kvtier.api.layouts.Pages over CUDA tensors (block i into engine block rows[i] of every
+        page: vLLM's per-layer caches). ``stream``: torch or cupy stream, or a cudaStream_t
+        (default: torch's current stream). ``layers``: complete in that many page groups, each
+        with its own event (``handle.wait_layer(i)``). Returns a handle whose ``wait()`` gives the
+        found mask; rows of missing blocks are left untouched. The leases end once the copies
+        have completed, seen by ``done()``, ``wait()`` or this namespace's next CUDA call.
+        """
+        from kvtier.gpu.transfer import get_async
+        kb = pack_keys(keys, self.key_width)
+        if not is_cuda_target(out):
+            raise BadRequest("get_async fills CUDA memory: a CUDA tensor or Pages of CUDA "
+                             "tensors; use get() for host memory")
+        return get_async(self, kb, len(kb) // self.key_width, out, rows, stream, tier, layers)
+
+    def put_async(self, keys: Any, blocks: Any, parents: Any = None,
+                  rows: np.ndarray | None = None, stream: Any = None, tier: str = "host",
+                  layers: int | None = None) -> Any:
+        """Enqueue a put from CUDA memory on ``stream`` and return at once; the same ``blocks``
+        forms as get_async's ``out``. The blocks must not change until the handle's last event
+        has completed. The commit is sent once the copies have completed (``done()``,
+        ``wait()`` or this namespace's next CUDA call); ``wait()`` returns the new versions. A
+        transfer that fails never commits."""
+        from kvtier.gpu.transfer import put_async
+        kb = pack_keys(keys, self.key_width)
+        if not is_cuda_target(blocks):
+            raise BadRequest("put_async reads CUDA memory: a CUDA tensor or Pages of CUDA "
+                             "tensors; use put() for host memory")
+        pb = None if parents is None else pack_keys(parents, self.key_width)
+        return put_async(self, kb, len(kb) // self.key_width, blocks, pb, rows, stream, tier,
+                         layers)
 
     def get(self, keys: Any, out: Any = None, verify: bool = False,
             rows: np.ndarray | None = None, tier: str = "host") -> tuple[np.ndarray, Any]:
@@ -308,7 +329,7 @@ class Namespace(NamespaceHandle):
         """
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width
-        if out is not None and is_cuda_tensor(out):
+        if out is not None and is_cuda_target(out):
             return self._get_cuda(kb, n, out, rows, tier), out
         if tier != "host":
             raise BadRequest("tier='hbm' fills CUDA tensors; host outputs come from the host "

@@ -55,12 +55,13 @@ def chunks(n: int, size: int | None = None) -> list[tuple[int, int]]:
     return [(0, first)] + [(lo, min(lo + size, n)) for lo in range(first, n, size)]
 
 
-def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], None],
-        finish: Callable[[], None] = lambda: None,
-        extra: dict[str, Any] | None = None) -> np.ndarray:
-    """Lease and move keys' blocks chunk by chunk; move(reply, lo) starts one chunk's move,
-    finish() waits for all of them; extra goes into every request (tier). Returns the found
-    mask. Leases are released (piggybacked on the next request) once finish() has returned."""
+def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", int], None],
+          extra: dict[str, Any] | None = None
+          ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
+    """Lease keys' blocks chunk by chunk, calling on_reply(reply, lo) as each reply arrives
+    (until something fails). Every reply is read, so no lease is left unknown. Returns (found
+    mask, leases, the first failure or None, whether on_reply was called at all); the caller
+    ends the leases once nothing started by on_reply reads their slots."""
     from kvtier.api.client import GetReply
     c = ns._client
     w = ns.key_width
@@ -86,9 +87,20 @@ def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], No
         if error is None:
             try:
                 moving = True
-                move(rep, lo)
+                on_reply(rep, lo)
             except BaseException as exc:      # keep reading: the other replies hold leases
                 error = exc
+    return found, leases, error, moving
+
+
+def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], None],
+        finish: Callable[[], None] = lambda: None,
+        extra: dict[str, Any] | None = None) -> np.ndarray:
+    """Lease and move keys' blocks chunk by chunk; move(reply, lo) starts one chunk's move,
+    finish() waits for all of them; extra goes into every request (tier). Returns the found
+    mask. Leases are released (piggybacked on the next request) once finish() has returned."""
+    c = ns._client
+    found, leases, error, moving = lease(ns, kb, n, move, extra)
     try:
         if moving:
             # Even after an error: a lease may end only once no launched copy reads its slots.
@@ -97,8 +109,8 @@ def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], No
             except BaseException as exc:
                 error = error or exc
     finally:
-        for lease in leases:
-            c._release_later(lease)
+        for lease_id in leases:
+            c._release_later(lease_id)
     if error is not None:
         raise error
     return found
@@ -147,8 +159,25 @@ def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
             c._send_nowait("abort", rid=r["rid"])
             continue
         commit_ids.append((lo, hi, c._send("commit", {"rid": r["rid"], "checksums": sums})))
+    versions, stored, failed = commit_replies(ns, commit_ids, n)
+    error = error or failed
+    if error is not None:
+        if len(parts) > 1 and isinstance(error, KvtierError):
+            raise type(error)(f"{error} ({stored} of {n} blocks were stored, in whole "
+                              f"chunks of up to {size})") from None
+        raise error
+    return versions
+
+
+
+def commit_replies(ns: "Namespace", commit_ids: list[tuple[int, int, int]], n: int
+                   ) -> tuple[np.ndarray, int, KvtierError | None]:
+    """Read every commit reply of (lo, hi, request id): the versions, how many blocks were
+    stored, and the first failure (None when all were)."""
+    c = ns._client
     versions = np.zeros(n, dtype=np.uint64)
     stored = 0
+    error: KvtierError | None = None
     for lo, hi, cid in commit_ids:
         try:
             versions[lo:hi] = np.frombuffer(c._reply(cid)["versions"], "<u8")
@@ -157,10 +186,4 @@ def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
             raise
         except KvtierError as exc:
             error = error or exc
-    if error is not None:
-        if len(parts) > 1 and isinstance(error, KvtierError):
-            raise type(error)(f"{error} ({stored} of {n} blocks were stored, in whole "
-                              f"chunks of up to {size})") from None
-        raise error
-    return versions
-
+    return versions, stored, error

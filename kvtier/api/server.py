@@ -41,6 +41,7 @@ from kvtier.api.busypoll import BusyPoll
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
 from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
+from kvtier.tiers.hbm import on_device
 from kvtier.types import Tier
 
 log = logging.getLogger("kvtier.server")
@@ -307,20 +308,21 @@ class Server:
             info["map_bytes"] = pool.n_slots * pool.block_bytes
             info["_fd"] = pool.fd
             hbm = ns.slots.get(Tier.HBM)
-            if hbm is not None and hasattr(hbm.pool, "ipc_handle"):
-                # The HBM pool, for workers on this host: CUDA IPC of its one allocation.
-                info["hbm"] = {"ipc": hbm.pool.ipc_handle(), "slots": hbm.pool.n_slots,
-                               "device": hbm.pool.device}
+            if hbm is not None and hasattr(hbm.pool, "ipc_info"):
+                # The HBM pools, for workers on this host: CUDA IPC of each GPU's allocation.
+                info["hbm"] = hbm.pool.ipc_info()
         return info
 
     async def op_reserve(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
-        res = await self._run(self.engine.reserve, P.arg(req, "ns", str), P.arg(req, "keys", bytes),
+        res = await self._run(on_device, P.arg(req, "device", int, None), self.engine.reserve,
+                              P.arg(req, "ns", str), P.arg(req, "keys", bytes),
                               P.arg(req, "parents", bytes, None), _slot_tier(req), client.cid)
         return {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
 
     async def op_commit(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         sums = P.array_arg(req, "checksums", "<u8", None)
-        versions = await self._run(self.engine.commit, P.arg(req, "rid", int), client.cid, sums)
+        versions = await self._run(self.engine.commit, P.arg(req, "rid", int), client.cid, sums,
+                                   P.arg(req, "trusted", bool, False))
         return {"versions": P.arr(versions, "<u8")}
 
     async def op_abort(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
@@ -352,12 +354,12 @@ class Server:
             done, res = self._fast(self.engine.try_get, name, keys, client.cid)
             if done and res is not None:
                 return self._get_reply(client, name, keys, res, inline)
-        return self._get_slow(client, name, keys, inline, tier)
+        return self._get_slow(client, name, keys, inline, tier, P.arg(req, "device", int, None))
 
     async def _get_slow(self, client: ClientInfo, name: str, keys: bytes, inline: bool,
-                        tier: Tier = Tier.HOST) -> dict[str, Any]:
-        # A get from HBM may copy host blocks up to the GPU: always off the loop.
-        res = await self._run(self.engine.get, name, keys, client.cid, tier)
+                        tier: Tier = Tier.HOST, device: int | None = None) -> dict[str, Any]:
+        # A get from HBM may copy host blocks up to the GPU (the worker's first): off the loop.
+        res = await self._run(on_device, device, self.engine.get, name, keys, client.cid, tier)
         return self._get_reply(client, name, keys, res, inline)
 
     def _get_reply(self, client: ClientInfo, name: str, keys: bytes, res: Any,

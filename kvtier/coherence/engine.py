@@ -63,6 +63,15 @@ MAX_BLOCK_BYTES = 1 << 30
 MAX_KEY_WIDTH = 64
 
 
+def _trusted(checksums: np.ndarray | None, n: int) -> np.ndarray:
+    """A trusted commit's checksums, one per key."""
+    given = None if checksums is None else np.asarray(checksums, dtype=np.uint64).reshape(-1)
+    if given is None or given.size != n:
+        raise BadRequest(f"a trusted commit carries one checksum per key ({n}); send them, or "
+                         "drop trusted to have the service hash the blocks")
+    return given
+
+
 def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     """xxh3-64 of each slot's bytes, read in place (no copy)."""
     return block_checksums(pool.array, slots.tolist())
@@ -302,12 +311,15 @@ class Engine(Eviction, Transfers, FastPath, Holds):
         self._free_slots(ns, res.tier, res.slots)
 
     def commit(self, rid: int, owner: int = 0,
-               checksums: np.ndarray | None = None) -> np.ndarray:
+               checksums: np.ndarray | None = None, trusted: bool = False) -> np.ndarray:
         """Phase two of a put. Returns the new version of each key (uint64).
 
         When checksums are given (xxh3-64 per block, as the writer computed them), a block whose
         slot does not hash to its checksum is a torn write: the whole batch is aborted and
-        ChecksumError is raised, so no reader ever sees it.
+        ChecksumError is raised, so no reader ever sees it. trusted=True records the given
+        checksums without hashing the slots: a GPU worker's, hashed on the GPU from the bytes
+        it copied and sent only once its copies completed (kvtier.gpu.xxh3); every later read
+        from NVMe or Redis is still checked against them.
         """
         with self.lock:
             res = self._take_reservation(rid, owner)
@@ -316,14 +328,17 @@ class Engine(Eviction, Transfers, FastPath, Holds):
             keep = _last_occurrences(ns.table, karr)
             host_slots = None
             try:
+                given_sums = _trusted(checksums, karr.size)[keep] if trusted else None
                 if tier is Tier.HOST:
-                    sums = checksums_of(ns.slots[Tier.HOST].pool, slots[keep])
+                    sums = (given_sums if trusted
+                            else checksums_of(ns.slots[Tier.HOST].pool, slots[keep]))
                 else:
                     # A GPU write: written through to host; the checksum is the host copy's.
                     host_slots = self._alloc(ns, Tier.HOST, keep.size)
                     ns.slots[Tier.HOST].pool.write(
                         host_slots, _to_numpy(ns.slots[tier].pool.read(slots[keep])))
-                    sums = checksums_of(ns.slots[Tier.HOST].pool, host_slots)
+                    sums = (given_sums if trusted
+                            else checksums_of(ns.slots[Tier.HOST].pool, host_slots))
                 if checksums is not None:
                     given = np.asarray(checksums, dtype=np.uint64).reshape(-1)
                     if given.size != karr.size or not np.array_equal(given[keep], sums):

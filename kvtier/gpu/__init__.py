@@ -1,0 +1,25 @@
+"""The client's CUDA data path: asynchronous gets and puts on the engine's stream.
+
+    transfer.py   get_async / put_async and their handles (events, per-layer completion,
+                  leases ended and commits sent only after the copies have completed)
+    device.py     streams, staged indices, the slots the GPU addresses (mapped host segment,
+                  HBM pools by CUDA IPC), the enqueueing of copies
+    plan.py       which method moves which pages (copy engines or an SM-bounded kernel), the
+                  copy runs and launch splits: numpy only, tested on CPU
+    kernels.py    the gather/scatter and checksum kernels
+    xxh3.py       the GPU checksum sent with an offload's commit, and its numpy reference
+
+Importing this package needs neither cupy nor a GPU; the first transfer does.
+"""
+
+from __future__ import annotations
+
+
+def warm(device: int = 0) -> None:
+    """Create the CUDA context and compile the kernels before the first request (a worker's
+    first transfer otherwise pays NVRTC's compile, ~0.5 s)."""
+    import cupy
+    from kvtier.gpu import kernels
+    with cupy.cuda.Device(device):
+        for name in ("move_pages16", "move_pages8", "xxh3_pages"):
+            kernels.get(name)

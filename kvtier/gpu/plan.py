@@ -1,0 +1,209 @@
+"""How one GPU transfer is carried out, decided on the host with numpy alone (unit-tested on CPU).
+
+A transfer moves n blocks between slots (the mapped host segment, or an HBM pool) and the
+engine's tensors. The device side of a block is P pages (``PageTable``): page p of engine block
+r lies at ``base[p] + r * stride[p]``, ``size[p]`` bytes, and is bytes ``offset[p]`` onwards of
+the kvtier block. A plain tensor of rows (vLLM's BLHNC buffer) is P = 1, or P = L when a load
+is to complete layer by layer (``split_rows``: each row cut into L equal pages).
+
+Two methods, chosen by ``TransferPolicy.method`` (bench/gpu.py measured both on the H200):
+
+- ``COPY_ENGINE``: one cudaMemcpyAsync (or cudaMemcpy2DAsync over a run of consecutive slots
+  and blocks) per page. The copy engines leave every SM to the model (a bf16 matmul beside them
+  kept 792 of 796 TFLOP/s) and reach the PCIe ceiling once a copy is ~1 MiB; below that each
+  copy's fixed cost dominates (16 KiB copies: 1.6 GB/s). Also used for tiny batches, where one
+  copy is cheaper than a kernel launch plus its index upload.
+- ``KERNEL``: one launch of a gather/scatter kernel over mapped pinned memory for all pages of a
+  page group, bounded to ``kernel_blocks`` thread blocks (so to that many SMs) in a grid-stride
+  loop. An unbounded launch (one block per row) took the matmul from 796 to 175 TFLOP/s.
+  Device-to-device moves (the HBM tier over CUDA IPC) use ``device_kernel_blocks``: copy
+  engines need a call per block there, and an HBM copy is over in about a millisecond.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import BadRequest
+
+MAX_VECTORS = (1 << 31) - 1          # the kernel's index arithmetic is 32-bit
+
+
+class Method(enum.Enum):
+    COPY_ENGINE = "copy_engine"
+    KERNEL = "kernel"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPolicy:
+    """Which method moves which pages (kvtier.config: gpu_copy_engine_bytes, gpu_kernel_blocks,
+    gpu_device_kernel_blocks; the README's GPU section gives the measurements behind them)."""
+
+    copy_engine_bytes: int = 1 << 20
+    kernel_blocks: int = 8
+    device_kernel_blocks: int = 0     # 0: two per SM
+    small_batch_copies: int = 8
+
+    def __post_init__(self) -> None:
+        if self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0:
+            raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1 and "
+                             "gpu_device_kernel_blocks >= 0")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "TransferPolicy":
+        return cls(copy_engine_bytes=settings.gpu_copy_engine_bytes,
+                   kernel_blocks=settings.gpu_kernel_blocks,
+                   device_kernel_blocks=settings.gpu_device_kernel_blocks)
+
+    def method(self, page_bytes: int, copies: int, device_to_device: bool) -> Method:
+        """The method for ``copies`` page copies of page_bytes each."""
+        if copies <= self.small_batch_copies:
+            return Method.COPY_ENGINE
+        if device_to_device:
+            return Method.KERNEL
+        return Method.COPY_ENGINE if page_bytes >= self.copy_engine_bytes else Method.KERNEL
+
+    def blocks(self, device_to_device: bool, sm_count: int) -> int:
+        if device_to_device:
+            return self.device_kernel_blocks or 2 * sm_count
+        return self.kernel_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class PageTable:
+    """The device side of a batch's blocks: P pages of num_blocks blocks (module docstring)."""
+
+    base: np.ndarray          # uint64 (P,), device addresses
+    stride: np.ndarray        # int64 (P,), bytes from block r to r + 1
+    size: np.ndarray          # int64 (P,), page bytes
+    offset: np.ndarray        # int64 (P,), where the page starts in the kvtier block
+    num_blocks: int
+    device: int
+
+    @property
+    def pages(self) -> int:
+        return int(self.base.size)
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.size.sum())
+
+    @classmethod
+    def make(cls, base: list[int], stride: list[int], size: list[int], num_blocks: int,
+             device: int) -> "PageTable":
+        size_a = np.asarray(size, dtype=np.int64)
+        offset = np.concatenate([[0], np.cumsum(size_a)[:-1]]).astype(np.int64)
+        return cls(np.asarray(base, dtype=np.uint64), np.asarray(stride, dtype=np.int64),
+                   size_a, offset, int(num_blocks), int(device))
+
+    def split_rows(self, parts: int) -> "PageTable":
+        """Each page cut into ``parts`` equal pages, in order (a BLHNC row into its layers)."""
+        if parts <= 1:
+            return self
+        if (self.size % parts).any():
+            raise BadRequest(f"pages of {self.size.tolist()} bytes do not split into {parts} "
+                             "equal layers; pass layers that divide the page")
+        sub = self.size // parts
+        k = np.arange(parts, dtype=np.int64)
+        base = (self.base[:, None] + (k[None, :] * sub[:, None]).astype(np.uint64)).reshape(-1)
+        return PageTable.make(base.tolist(), np.repeat(self.stride, parts).tolist(),
+                              np.repeat(sub, parts).tolist(), self.num_blocks, self.device)
+
+    def staged(self) -> np.ndarray:
+        """The table as one int64 array for the kernels: base, stride, offset, size."""
+        return np.concatenate([self.base.view(np.int64), self.stride, self.offset, self.size])
+
+
+def page_groups(pages: int, groups: int | None) -> list[tuple[int, int]]:
+    """[lo, hi) page ranges, one per completion event: ``groups`` equal ranges (layers)."""
+    if not groups or groups <= 1:
+        return [(0, pages)]
+    if pages % groups:
+        raise BadRequest(f"{pages} pages do not split into {groups} layers of equal page "
+                         "count; pass layers that divide the number of pages")
+    per = pages // groups
+    return [(g * per, (g + 1) * per) for g in range(groups)]
+
+
+def uniform_runs(size: np.ndarray, lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into runs of equal page size (one kernel launch each)."""
+    out, start = [], lo
+    for p in range(lo + 1, hi + 1):
+        if p == hi or size[p] != size[start]:
+            out.append((start, p))
+            start = p
+    return out
+
+
+def vector_bytes(seg_base: int, block_bytes: int, table: PageTable, lo: int, hi: int) -> int:
+    """16 when every address of pages lo..hi is 16-byte aligned (page-aligned slots,
+    allocator-aligned tensors: every real KV cache), else 8; BadRequest below that."""
+    vals = np.concatenate([[seg_base, block_bytes], table.base[lo:hi].astype(np.int64),
+                           table.stride[lo:hi], table.offset[lo:hi], table.size[lo:hi]])
+    vals = vals.astype(np.int64)
+    for width in (16, 8):
+        if not (vals % width).any():
+            return width
+    raise BadRequest("the CUDA path needs pages, strides and tensors aligned to 8 bytes")
+
+
+def kernel_launches(n: int, pages: int, vectors: int) -> list[tuple[int, int]]:
+    """[lo, hi) block ranges whose launch stays within 32-bit vector indices."""
+    per = max(1, MAX_VECTORS // max(1, pages * vectors))
+    return [(lo, min(lo + per, n)) for lo in range(0, n, per)]
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One copy-engine call: height rows of width bytes (a 2-D copy when height > 1)."""
+
+    seg_off: int              # byte offset in the slot region
+    dev_addr: int             # device address of the first row
+    width: int
+    height: int
+    dev_pitch: int            # bytes between the rows on the device side
+    seg_pitch: int            # bytes between the rows in the slot region
+
+    @property
+    def contiguous(self) -> bool:
+        return self.height == 1 or (self.dev_pitch == self.width == self.seg_pitch)
+
+
+def copy_runs(slots: np.ndarray, rows: np.ndarray, table: PageTable, block_bytes: int,
+              lo: int, hi: int) -> list[Copy]:
+    """The copy-engine calls for pages lo..hi of the blocks (slots[i] <-> engine block rows[i]):
+    one per page and run of consecutive slots and blocks, so that a batch put together (slots
+    and blocks both consecutive) is one call per page."""
+    slots = np.asarray(slots, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    if slots.size == 0:
+        return []
+    brk = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
+    starts = np.concatenate([[0], brk])
+    ends = np.concatenate([brk, [slots.size]])
+    out: list[Copy] = []
+    for p in range(lo, hi):
+        base, stride = int(table.base[p]), int(table.stride[p])
+        size, off = int(table.size[p]), int(table.offset[p])
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            c = Copy(int(slots[s]) * block_bytes + off, base + int(rows[s]) * stride, size,
+                     e - s, stride, block_bytes)
+            if c.contiguous and c.height > 1:
+                c = Copy(c.seg_off, c.dev_addr, size * c.height, 1, stride, block_bytes)
+            out.append(c)
+    return out
+
+
+def check_rows(rows: np.ndarray, n: int, num_blocks: int) -> np.ndarray:
+    """rows as int64, one per key, each naming a block of the target."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.size != n:
+        raise BadRequest(f"rows names {rows.size} blocks for {n} keys; give one per key")
+    if n and (rows.min() < 0 or rows.max() >= num_blocks):
+        raise BadRequest(f"rows must name blocks 0..{num_blocks - 1} of the tensor, got "
+                         f"{int(rows.min())}..{int(rows.max())}")
+    return rows

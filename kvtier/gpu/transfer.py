@@ -1,0 +1,337 @@
+"""Asynchronous gets and puts between kvtier and CUDA memory, on the caller's stream.
+
+    h = ns.get_async(keys, out=pages, rows=block_ids, stream=s, layers=32)
+    ...                                # the model runs; layer i computes after h.wait_layer(i)
+    found = h.wait()                   # or poll h.done() from the engine's step loop
+
+Lifecycle of a get (the rules of DESIGN.md, "Inside an inference engine"):
+
+    1. lease the blocks (one request, or pipelined chunks: kvtier.api.pipeline.chunks)
+    2. enqueue the copies on the caller's stream, page group by page group (a layer, or all),
+       recording an event after each group; nothing on the host waits for the GPU
+    3. the leases end only once the last event has completed, seen by a poll (done(), wait(),
+       or the namespace's next CUDA call): a slot is never handed back while a copy may read it
+
+and of a put:
+
+    1. reserve slots (all chunks, before anything is launched: a refused reserve launches nothing)
+    2. enqueue the copies into the slots on the caller's stream; where the layout allows
+       (kvtier.gpu.xxh3.supported), a hash kernel on a side stream computes each block's
+       checksum from the source, and the caller's stream waits for it, so the last event covers
+       both (the engine may reuse its tensor once that event has completed)
+    3. once every event has completed: commit, with the GPU's checksums (the service hashes no
+       byte); a transfer that failed (a CUDA error, an exception while enqueueing) never
+       commits: its reservations are aborted, after its launched copies have finished.
+
+Never a stream or device synchronisation: host waits are on the transfer's own events only.
+Not thread-safe, like the Client.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.api import pipeline
+from kvtier.errors import KvtierError, ServiceUnavailable
+from kvtier.gpu.device import Mover, Staging, Stream, target_table
+from kvtier.gpu.plan import PageTable, TransferPolicy, check_rows, page_groups
+
+if TYPE_CHECKING:
+    from kvtier.api.client import GetReply, Namespace
+
+_policy: TransferPolicy | None = None
+
+
+def policy() -> TransferPolicy:
+    """The transfer settings of this process (KVTIER_GPU_* variables, kvtier.config)."""
+    global _policy
+    if _policy is None:
+        from kvtier.config import load
+        _policy = TransferPolicy.from_settings(load())
+    return _policy
+
+
+def set_policy(p: TransferPolicy | None) -> None:
+    """Replace the process's transfer settings (None: read them again); bench/gpu.py compares."""
+    global _policy
+    _policy = p
+
+
+class Transfer:
+    """A get or put in flight on a CUDA stream. events[i] completes when page group i (layer i
+    with ``layers``) has moved; the last one when everything has."""
+
+    def __init__(self, ns: "Namespace", events: list[Any], staging: Staging,
+                 methods: set[Any]) -> None:
+        self._ns = ns
+        self.events = events
+        self.methods = {m.value for m in methods}
+        self._staging = staging
+        self._finished = False
+        self._error: BaseException | None = None
+        self.result: Any = None
+
+    @property
+    def event(self) -> Any:
+        """The cupy Event of the whole transfer."""
+        return self.events[-1]
+
+    def wait_layer(self, i: int, stream: Any = None) -> None:
+        """Make stream (default: torch's current stream) wait, on the GPU, for page group i;
+        the host does not wait."""
+        Stream.resolve(stream, self._device()).wait(self.events[i])
+
+    def synchronize_layer(self, i: int) -> None:
+        """The host waits for page group i only."""
+        self.events[i].synchronize()
+
+    def done(self) -> bool:
+        """True once the transfer has completed, finishing it (leases released, or the put
+        committed) the first time; never blocks on the GPU. Raises the transfer's failure."""
+        if not self._finished:
+            if not self._events_done():
+                return False
+            self._finish()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def wait(self) -> Any:
+        """Wait (on this transfer's events) and finish: the found mask of a get, the versions
+        of a put."""
+        if not self._finished:
+            try:
+                for ev in self.events:
+                    ev.synchronize()
+            except BaseException as exc:
+                self._error = exc
+            self._finish()
+        if self._error is not None:
+            raise self._error
+        return self.result
+
+    def _device(self) -> int:
+        return int(self._device_id)
+
+    def _events_done(self) -> bool:
+        try:
+            return all(ev.done for ev in self.events)
+        except BaseException as exc:       # a CUDA error of the stream: the transfer failed
+            self._error = exc
+            return True
+
+    def _finish(self) -> None:
+        self._finished = True
+        try:
+            self._complete()
+        except BaseException as exc:
+            self._error = self._error or exc
+        finally:
+            self._staging.release()
+            inflight = self._ns._inflight
+            if self in inflight:
+                inflight.remove(self)
+
+    def _complete(self) -> None:
+        raise NotImplementedError
+
+
+class GetTransfer(Transfer):
+    """A get in flight; result: the found mask (rows of missing blocks are left as they were)."""
+
+    def __init__(self, ns: "Namespace", events: list[Any], staging: Staging, methods: set[Any],
+                 found: np.ndarray, leases: list[int], device: int) -> None:
+        super().__init__(ns, events, staging, methods)
+        self.result = found
+        self._leases = leases
+        self._device_id = device
+
+    def _complete(self) -> None:
+        c = self._ns._client
+        for lease in self._leases:
+            c._release_later(lease)
+        self._leases = []
+
+
+class PutTransfer(Transfer):
+    """A put in flight; result: the new versions, once committed."""
+
+    def __init__(self, ns: "Namespace", events: list[Any], staging: Staging, methods: set[Any],
+                 parts: list[tuple[int, int, int]], n: int, sums_addr: int,
+                 device: int) -> None:
+        super().__init__(ns, events, staging, methods)
+        self._parts = parts                 # (lo, hi, reservation id)
+        self._n = n
+        self._sums = sums_addr
+        self._device_id = device
+
+    def _complete(self) -> None:
+        c = self._ns._client
+        if self._error is not None:
+            for _lo, _hi, rid in self._parts:
+                c._send_nowait("abort", rid=rid)
+            return
+        sums = None
+        if self._sums:
+            import ctypes
+            sums = np.ctypeslib.as_array((ctypes.c_uint64 * self._n).from_address(self._sums))
+        ids = [(lo, hi, c._send("commit", {"rid": rid, "checksums": None if sums is None else
+                                           sums[lo:hi].astype("<u8").tobytes(),
+                                           "trusted": True if sums is not None else None}))
+               for lo, hi, rid in self._parts]
+        versions, stored, error = pipeline.commit_replies(self._ns, ids, self._n)
+        if error is not None:
+            raise type(error)(f"{error} ({stored} of {self._n} blocks were stored)") from None
+        self.result = versions
+
+
+_side: dict[int, Stream] = {}
+
+
+def _side_stream(device: int) -> Stream:
+    """The stream put checksums run on, one per device (non-blocking: it never waits for the
+    legacy default stream)."""
+    st = _side.get(device)
+    if st is None:
+        import cupy
+        s = cupy.cuda.Stream(non_blocking=True)
+        st = _side[device] = Stream(s.ptr, s)
+    return st
+
+
+def poll(ns: "Namespace") -> None:
+    """Finish the namespace's completed transfers (release leases, commit puts). Their failures
+    are raised by their own done()/wait()."""
+    for t in list(ns._inflight):
+        if not t._finished and t._events_done():
+            t._finish()
+
+
+def drain(ns: "Namespace") -> None:
+    """Wait for every transfer of the namespace (before its memory is unregistered)."""
+    for t in list(ns._inflight):
+        try:
+            t.wait()
+        except BaseException:
+            pass        # the failure belongs to its handle's owner, who may never ask
+    ns._inflight.clear()
+
+
+def _target(ns: "Namespace", x: Any, rows: np.ndarray | None, n: int,
+            layers: int | None) -> tuple[PageTable, list[tuple[int, int]], np.ndarray]:
+    """The device side of a transfer: its page table (a row split into ``layers`` pages when
+    the tensor is rows), its page groups, and the engine block of each key."""
+    table = target_table(x, ns.block_bytes)
+    if layers and table.pages == 1:
+        table = table.split_rows(layers)
+    groups = page_groups(table.pages, layers)
+    return table, groups, check_rows(np.arange(n) if rows is None else rows, n,
+                                     table.num_blocks)
+
+
+def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | None,
+              stream: Any, tier: str, layers: int | None) -> GetTransfer:
+    import cupy
+    poll(ns)
+    ns._client._ensure()
+    table, groups, dst_rows = _target(ns, out, rows, n, layers)
+    seg = ns._gpu(tier)
+    with cupy.cuda.Device(table.device):
+        st = Stream.resolve(stream, table.device)
+        staging = Staging(st)
+        mover = Mover(seg, table, st, policy(), staging)
+        events: list[Any] = []
+        replies: list[tuple["GetReply", int]] = []
+
+        def launch(rep: "GetReply", lo: int) -> None:
+            idx = np.flatnonzero(rep.found)
+            if len(groups) == 1:             # one event: move each chunk as its reply arrives
+                mover.move(rep.slots[idx], dst_rows[lo + idx], 0, table.pages, False)
+            else:
+                replies.append((rep, lo))
+        extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
+        found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra)
+        try:
+            if error is None:
+                for g_lo, g_hi in groups:
+                    if len(groups) > 1:
+                        for rep, lo in replies:
+                            idx = np.flatnonzero(rep.found)
+                            mover.move(rep.slots[idx], dst_rows[lo + idx], g_lo, g_hi, False)
+                    events.append(st.event())
+        except BaseException as exc:
+            error = exc
+        if error is not None:
+            # Launched copies may still read the leased slots: wait for them (this transfer's
+            # own event), then end the leases.
+            ev = st.event()
+            ev.synchronize()
+            GetTransfer(ns, [ev], staging, mover.methods, found, leases, table.device)._finish()
+            raise error
+        t = GetTransfer(ns, events, staging, mover.methods, found, leases, table.device)
+    ns._inflight.append(t)
+    return t
+
+
+def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | None,
+              rows: np.ndarray | None, stream: Any, tier: str,
+              layers: int | None) -> PutTransfer:
+    import cupy
+    from kvtier.gpu import xxh3
+    poll(ns)
+    c = ns._client
+    c._ensure()
+    table, groups, src_rows = _target(ns, blocks, rows, n, layers)
+    seg = ns._gpu(tier)
+    w = ns.key_width
+    chunks = pipeline.chunks(n, pipeline.CUDA_PUT_CHUNK)
+    ids = [c._send("reserve", {"ns": ns.name, "keys": kb[lo * w:hi * w], "tier": tier,
+                               "device": table.device if tier == "hbm" else None,
+                               "parents": None if parents is None else parents[lo * w:hi * w]},
+                   piggyback=i == len(chunks) - 1) for i, (lo, hi) in enumerate(chunks)]
+    parts: list[tuple[int, int, int, np.ndarray]] = []
+    error: BaseException | None = None
+    for (lo, hi), rid in zip(chunks, ids):
+        try:
+            r = c._reply(rid)
+        except ServiceUnavailable:
+            raise
+        except KvtierError as exc:
+            error = error or exc
+            continue
+        parts.append((lo, hi, int(r["rid"]), np.frombuffer(r["slots"], "<i4")))
+    if error is not None:                      # nothing was launched: abort now
+        for _lo, _hi, rid, _s in parts:
+            c._send_nowait("abort", rid=rid)
+        raise error
+    with cupy.cuda.Device(table.device):
+        st = Stream.resolve(stream, table.device)
+        staging = Staging(st)
+        mover = Mover(seg, table, st, policy(), staging)
+        events: list[Any] = []
+        sums = 0
+        try:
+            side = None
+            if xxh3.supported(ns.block_bytes, tuple(table.size.tolist())) and n:
+                side = _side_stream(table.device)
+                sums = mover.checksums(src_rows, side)
+            for g, (g_lo, g_hi) in enumerate(groups):
+                for lo, hi, _rid, slots in parts:
+                    mover.move(slots, src_rows[lo:hi], g_lo, g_hi, True)
+                if side is not None and g == len(groups) - 1:
+                    st.wait(side.event())      # the last event covers the hash's reads too
+                events.append(st.event())
+        except BaseException as exc:
+            st.event().synchronize()           # no launched write may land in aborted slots
+            if side is not None:
+                side.event().synchronize()     # nor the hash's output in a reused buffer
+            for _lo, _hi, rid, _s in parts:
+                c._send_nowait("abort", rid=rid)
+            staging.release()
+            raise exc
+        t = PutTransfer(ns, events, staging, mover.methods,
+                        [(lo, hi, rid) for lo, hi, rid, _s in parts], n, sums, table.device)
+    ns._inflight.append(t)
+    return t

@@ -1,0 +1,172 @@
+"""The host-side planning of GPU transfers (kvtier.gpu.plan), the GPU checksum's numpy reference
+(kvtier.gpu.xxh3) and the trusted commit it feeds: numpy only, so they run on every machine.
+The CUDA side of the same code is tests/test_gpu.py (pytest -m gpu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvtier.errors import BadRequest
+from kvtier.gpu import xxh3
+from kvtier.gpu.plan import (Copy, Method, PageTable, TransferPolicy, check_rows, copy_runs,
+                             kernel_launches, page_groups, uniform_runs, vector_bytes)
+from kvtier.types import Tier
+from tests.conftest import blocks, keys
+
+BB = 65536
+
+
+def _layers(n_layers: int, page: int, num_blocks: int) -> PageTable:
+    """Per-layer tensors (num_blocks, page) at made-up 1 GiB-apart device addresses."""
+    return PageTable.make([(l + 1) << 30 for l in range(n_layers)], [page] * n_layers,
+                          [page] * n_layers, num_blocks, 0)
+
+
+def test_policy_sends_large_pages_to_copy_engines_and_small_ones_to_the_bounded_kernel():
+    p = TransferPolicy()
+    assert p.method(2 << 20, 1024, device_to_device=False) is Method.COPY_ENGINE
+    assert p.method(64 << 10, 4096, device_to_device=False) is Method.KERNEL
+    assert p.method(16 << 10, 32768, device_to_device=False) is Method.KERNEL
+    assert p.method(16 << 10, 1, device_to_device=False) is Method.COPY_ENGINE   # one block
+    assert p.method(2 << 20, 1024, device_to_device=True) is Method.KERNEL       # HBM tier
+    assert p.blocks(False, 132) == 8 and p.blocks(True, 132) == 264
+    assert TransferPolicy(copy_engine_bytes=0).method(4096, 100, False) is Method.COPY_ENGINE
+
+
+def test_policy_refuses_a_kernel_without_blocks():
+    with pytest.raises(BadRequest, match="gpu_kernel_blocks"):
+        TransferPolicy(kernel_blocks=0)
+
+
+def test_policy_follows_the_settings_table():
+    from kvtier.config import make_settings
+    s = make_settings({"gpu_copy_engine_bytes": "256KiB", "gpu_kernel_blocks": 16})
+    p = TransferPolicy.from_settings(s)
+    assert (p.copy_engine_bytes, p.kernel_blocks, p.device_kernel_blocks) == (256 << 10, 16, 0)
+
+
+def test_a_row_splits_into_equal_layer_pages():
+    t = PageTable.make([1 << 30], [BB * 32], [BB * 32], 10, 0).split_rows(32)
+    assert t.pages == 32 and t.block_bytes == 32 * BB
+    assert t.base.tolist() == [(1 << 30) + l * BB for l in range(32)]
+    assert set(t.stride.tolist()) == {32 * BB} and t.offset.tolist() == [l * BB for l in range(32)]
+    with pytest.raises(BadRequest, match="equal layers"):
+        PageTable.make([0], [96], [96], 1, 0).split_rows(5)
+
+
+def test_page_groups_are_equal_and_cover_every_page():
+    assert page_groups(64, None) == [(0, 64)]
+    assert page_groups(64, 32) == [(2 * i, 2 * i + 2) for i in range(32)]     # K and V per layer
+    with pytest.raises(BadRequest, match="do not split"):
+        page_groups(64, 5)
+
+
+def test_uniform_runs_cut_where_the_page_size_changes():
+    size = np.array([16, 16, 32, 32, 32, 16])
+    assert uniform_runs(size, 0, 6) == [(0, 2), (2, 5), (5, 6)]
+    assert uniform_runs(size, 3, 5) == [(3, 5)]
+
+
+def test_consecutive_slots_and_rows_become_one_copy():
+    rows_table = PageTable.make([1 << 30], [BB], [BB], 100, 0)
+    runs = copy_runs(np.arange(10, 20), np.arange(50, 60), rows_table, BB, 0, 1)
+    assert runs == [Copy(10 * BB, (1 << 30) + 50 * BB, 10 * BB, 1, BB, BB)]
+    # A break in either sequence starts a new copy.
+    runs = copy_runs(np.array([3, 4, 9]), np.array([7, 8, 9]), rows_table, BB, 0, 1)
+    assert [(c.seg_off, c.height, c.width) for c in runs] == [(3 * BB, 1, 2 * BB), (9 * BB, 1, BB)]
+
+
+def test_copy_runs_of_per_layer_pages_are_two_dimensional():
+    t = _layers(4, 4096, 64)
+    runs = copy_runs(np.array([0, 1, 2]), np.array([5, 6, 7]), t, 4 * 4096, 1, 3)
+    assert len(runs) == 2                       # pages 1 and 2, each one 2-D copy of 3 rows
+    c = runs[0]
+    assert (c.seg_off, c.dev_addr, c.width, c.height) == (4096, (2 << 30) + 5 * 4096, 4096, 3)
+    assert (c.dev_pitch, c.seg_pitch) == (4096, 4 * 4096) and not c.contiguous
+
+
+def test_vector_width_follows_alignment():
+    t = _layers(2, 4096, 8)
+    assert vector_bytes(1 << 20, 8192, t, 0, 2) == 16
+    odd = PageTable.make([(1 << 30) + 8], [4096], [4096], 8, 0)
+    assert vector_bytes(1 << 20, 4096, odd, 0, 1) == 8
+    bad = PageTable.make([(1 << 30) + 4], [4096], [4096], 8, 0)
+    with pytest.raises(BadRequest, match="aligned to 8"):
+        vector_bytes(1 << 20, 4096, bad, 0, 1)
+
+
+def test_kernel_launches_keep_32_bit_indices():
+    assert kernel_launches(4096, 1, 4096) == [(0, 4096)]
+    # 1,024 blocks of 32 pages of 2 MiB in 16-byte vectors: 2^32 vectors, so three launches.
+    parts = kernel_launches(1024, 32, (2 << 20) // 16)
+    assert parts[0] == (0, 511) and parts[-1][1] == 1024
+    assert all(0 < (hi - lo) * 32 * ((2 << 20) // 16) < 2 ** 31 for lo, hi in parts)
+
+
+def test_rows_are_checked_against_the_target():
+    assert check_rows([3, 1], 2, 4).tolist() == [3, 1]
+    with pytest.raises(BadRequest, match="one per key"):
+        check_rows([0], 2, 4)
+    with pytest.raises(BadRequest, match="0..3"):
+        check_rows([0, 4], 2, 4)
+    with pytest.raises(BadRequest, match="0..3"):
+        check_rows([-1, 0], 2, 4)
+
+
+@pytest.mark.parametrize("length", [256, 320, 1024, 1088, 16384, 16384 + 64, 65536])
+def test_the_gpu_checksum_reference_is_xxh3(length: int):
+    data = blocks(7, length, seed=length)
+    expect = np.array([xxhash.xxh3_64_intdigest(r.tobytes()) for r in data], dtype=np.uint64)
+    assert (xxh3.reference(data) == expect).all()
+
+
+def test_the_gpu_checksum_covers_only_whole_stripes():
+    assert xxh3.supported(65536, (65536,)) and xxh3.supported(2 << 20, (65536,) * 32)
+    assert not xxh3.supported(240, (240,))            # the short-input paths stay on the CPU
+    assert not xxh3.supported(4096 + 8, (4096 + 8,))
+    assert not xxh3.supported(8192, (4064, 4128))      # a page that would split a stripe
+    assert xxh3.key_table().size == 160
+
+
+def test_a_trusted_commit_records_the_given_checksums_without_hashing(make_engine):
+    eng = make_engine(host_capacity="1MiB", nvme_capacity="4MiB")
+    eng.create_namespace("m", 4096)
+    data = blocks(4, 4096)
+    res = eng.reserve("m", keys(range(4)))
+    eng.namespace("m").slots[Tier.HOST].pool.write(res.slots, data)
+    sums = xxh3.reference(data)
+    eng.commit(res.rid, checksums=sums, trusted=True)
+    found, out = eng.read("m", keys(range(4)))
+    assert found.all() and (out == data).all()
+    assert eng.entry("m", keys([2]))["checksum"] == f"{int(sums[2]):016x}"
+
+
+def test_a_wrong_trusted_checksum_is_caught_when_the_block_comes_back_from_nvme(make_engine):
+    # The promise of the GPU checksum: a block read back from NVMe is served only if it
+    # matches. A worker that sent a wrong one loses that block (dropped, counted), never gets
+    # other bytes.
+    eng = make_engine(host_capacity="1MiB", nvme_capacity="4MiB")
+    eng.create_namespace("m", 4096)
+    data = blocks(4, 4096, seed=3)
+    res = eng.reserve("m", keys(range(4)))
+    eng.namespace("m").slots[Tier.HOST].pool.write(res.slots, data)
+    sums = xxh3.reference(data)
+    sums[1] ^= np.uint64(1)
+    eng.commit(res.rid, checksums=sums, trusted=True)    # write_through: on NVMe now
+    eng.evict(Tier.HOST, 4)
+    found, out = eng.read("m", keys(range(4)))
+    assert found.tolist() == [True, False, True, True]
+    assert (out[[0, 2, 3]] == data[[0, 2, 3]]).all()
+    assert eng.counters.checksum_failures == 1
+
+
+def test_a_trusted_commit_without_checksums_is_refused_and_nothing_is_stored(make_engine):
+    eng = make_engine(host_capacity="1MiB")
+    eng.create_namespace("m", 4096)
+    res = eng.reserve("m", keys(range(2)))
+    with pytest.raises(BadRequest, match="one checksum per key"):
+        eng.commit(res.rid, checksums=np.zeros(1, np.uint64), trusted=True)
+    assert not eng.read("m", keys(range(2)))[0].any()
+    assert eng.stats()["reservations"] == 0
