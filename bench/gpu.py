@@ -1,26 +1,27 @@
-"""The GPU data path on an H200, end to end, against the device's own ceilings, in one run.
+"""The GPU data path on an H200, as an engine uses it, against the device's own ceilings, in one run.
 
-    python bench/gpu.py --json
+    python bench/gpu.py --json            (--quick: fewer repetitions, same fields)
 
-Ceilings: torch's 1 GiB pinned host->device and device->host copies. Then, from a client of a
-real `kvtier serve` (host tier pinned in both processes):
+Ceilings, measured first: torch's 1 GiB pinned host->device and device->host copies, a 1 GiB
+device copy, and a bf16 8192^3 matmul loop alone. Then, from a client of a real `kvtier serve`
+(host tier pinned in both processes), every figure end to end from the call to data ready (a
+get) or to the commit's reply (a put), blocks in scattered slots and scattered engine rows:
 
-    onboard_gbps_16k / _64k   get of 4,096 scattered blocks from the host tier into a CUDA
-                              tensor (scattered rows), from the call to data ready
-    offload_gbps_16k / _64k   put of 4,096 blocks from a CUDA tensor, to the commit's reply
-    kernel_gbps_16k           the gather launch alone over the same mapped segment (the 16-byte
-                              row kernel; kernel8_gbps_16k: the 8-byte word kernel)
-    control_ms_16k / _64k     a get of the 4,096 keys and its release, no bytes moved
-    onboard_ms_by_chunk_*     the same get as one request (4096) or in pipelined chunks;
-    offload_ms_by_chunk_*     the same for the put
-    onboard_hbm_gbps_*        get with tier="hbm": blocks in the service's HBM pool, opened by
-                              CUDA IPC, gathered device to device (ceiling: d2d_gbps, one 1 GiB
-                              device copy); offload_hbm_gbps_*: put with tier="hbm", whose
-                              commit writes through to host and hashes there
-    first_request_ms          the first 4,096 x 16 KiB get after start (worker warmed with
-                              kvtier.gpu.warm()), against steady_p50_ms
-    nvme_to_hbm_gbps          kvikio reads of 64 KiB records into device memory, against a
-                              plain POSIX read of the same file into host memory (nvme_ratio)
+    onboard_ratio_2m / offload_ratio_2m      1,024 blocks of 2 MiB as BLHNC rows, / H2D, D2H
+    onboard_ratio_layers / offload_..        the same blocks as 32 per-layer pages of 64 KiB
+                                             (Pages over 32 tensors: vLLM's LBHNC)
+    ratio_onboard_gbps_64k / _16k, ratio_offload_gbps_64k / _16k
+                                             4,096 rows of 64 / 16 KiB
+    matmul_ratio_beside_onboard              the matmul loop's throughput while 2 MiB blocks
+    onboard_ratio_beside_matmul              onboard on another stream, against alone; the
+                                             same for 64 KiB rows (_64k)
+    kernel_blocks_sweep_64k                  the bounded kernel at 4..132 thread blocks: onboard
+                                             alone and the matmul beside it (the setting's basis)
+    layerwise_overlap                        a 32-layer load, each layer's compute waiting for
+                                             that layer only: total / max(load, compute) alone
+    single_cuda_get_p50_us (p99)             one 64 KiB block into a CUDA tensor
+    hbm_onboard_ratio_2m                     1,024 x 2 MiB from the HBM tier (CUDA IPC), / D2D
+    offload_commit_ms_*                      the commit's share of a put (GPU checksums sent)
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import emit, header  # noqa: E402
+from bench.common import emit, header, percentiles  # noqa: E402
 
-N = 4096
+MM = 8192
+LAYERS = 32
 
 
 def med(fn, reps: int) -> float:
@@ -53,234 +55,316 @@ def med(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
-def onboard_timeline(ns, kb: bytes, out, rows: np.ndarray) -> list:
-    """One pipelined onboard get, instrumented: for each chunk, [reply in, launch returned]
-    in ms from the call, then the synchronisation's end (where the time of a get goes)."""
-    import torch
-    from kvtier.api import pipeline
-    from kvtier.gpu import rows_view
-    seg, dst = ns._gpu(), rows_view(out, N, ns.block_bytes)
-    marks: list = []
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-
-    def move(rep, lo: int) -> None:
-        t1 = time.perf_counter()
-        idx = np.flatnonzero(rep.found)
-        seg.gather(rep.slots[idx], dst, rows[lo + idx])
-        marks.append([round((t1 - t0) * 1e3, 3), round((time.perf_counter() - t0) * 1e3, 3)])
-
-    def finish() -> None:
-        seg.sync()
-        marks.append(round((time.perf_counter() - t0) * 1e3, 3))
-    pipeline.get(ns, kb, N, move, finish)
-    return marks
-
-
-def ceilings() -> dict:
+def ceilings(reps: int) -> dict:
     import torch
     size = 1 << 30
     h = torch.empty(size, dtype=torch.uint8).pin_memory()
+    h.random_(0, 255)
     d = torch.empty(size, dtype=torch.uint8, device="cuda")
-    h2d = med(lambda: d.copy_(h, non_blocking=True), 5)
-    d2h = med(lambda: h.copy_(d, non_blocking=True), 5)
+    h2d = med(lambda: d.copy_(h, non_blocking=True), reps)
+    d2h = med(lambda: h.copy_(d, non_blocking=True), reps)
     d2 = torch.empty_like(d)
-    d2d = med(lambda: d2.copy_(d), 5)
+    d2d = med(lambda: d2.copy_(d), reps)
     return {"pinned_h2d_gbps": round(size / h2d / 1e9, 2),
             "pinned_d2h_gbps": round(size / d2h / 1e9, 2), "d2d_gbps": round(size / d2d / 1e9, 2)}
 
 
-def service_path(sock: str, bb: int, reps: int) -> dict:
-    import torch
-    import kvtier
-    from kvtier.gpu import rows_view, warm
-    warm(bb)
-    keys = [(i + 1).to_bytes(16, "big") for i in range(N)]
-    rng = np.random.default_rng(bb)
-    with kvtier.Client(sock, timeout=120) as c:
-        ns = c.namespace(f"gpu{bb}", block_bytes=bb)
-        src = torch.randint(0, 255, (N, bb), dtype=torch.uint8, device="cuda")
-        ns.put(b"".join(keys), src)                       # first put: maps and pins
-        order = rng.permutation(N)
-        kb = b"".join(keys[i] for i in order)
-        rows = rng.permutation(N)
-        out = torch.zeros_like(src)
-        t0 = time.perf_counter()
-        ns.get(kb, out=out, rows=rows)
+class Matmul:
+    """The model beside the transfers: bf16 MM^3 products on the default stream, random data."""
+
+    def __init__(self) -> None:
+        import torch
+        self.a = torch.randn(MM, MM, dtype=torch.bfloat16, device="cuda")
+        self.b = torch.randn(MM, MM, dtype=torch.bfloat16, device="cuda")
+        self.c = torch.empty_like(self.a)
+        self.flop = 2 * MM ** 3
+
+    def enqueue(self, k: int) -> tuple:
+        import torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(k):
+            torch.matmul(self.a, self.b, out=self.c)
+        end.record()
+        return start, end
+
+    def tflops(self, k: int) -> float:
+        import torch
+        s, e = self.enqueue(k)
         torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        on = med(lambda: ns.get(kb, out=out, rows=rows), reps)
-        timeline = onboard_timeline(ns, kb, out, rows)
-        from kvtier.api import pipeline
-        by_chunk = {}
-        for size in (N, 1024, 512):           # N: one request, no pipelining
-            pipeline.CHUNK = size
-            by_chunk[str(size)] = round(med(lambda: ns.get(kb, out=out, rows=rows), reps) * 1e3,
-                                        3)
-        pipeline.CHUNK = 1024
-        if not torch.equal(out[torch.as_tensor(rows, device="cuda")],
-                           src[torch.as_tensor(order, device="cuda")]):
-            raise SystemExit("onboard returned wrong bytes")
-        off = med(lambda: ns.put(kb, out, rows=rows), reps)
-        put_by_chunk = {}
-        for size in (N, 1536, 1024):          # N: one request; 1536: 384 + 2 x 1536 + 640
-            pipeline.CUDA_PUT_CHUNK = size
-            put_by_chunk[str(size)] = round(med(lambda: ns.put(kb, out, rows=rows), reps) * 1e3,
-                                            3)
-        pipeline.CUDA_PUT_CHUNK = N
-        # Where an offload's time goes: reserve, the scatter launch, the commit.
-        parts = {"reserve": [], "scatter": [], "commit": []}
-        seg0 = ns._gpu()
-        src_view = rows_view(out, N, bb)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            r = c._call("reserve", ns=ns.name, keys=kb)
-            t1 = time.perf_counter()
-            seg0.scatter(src_view, np.frombuffer(r["slots"], "<i4"), rows)
-            seg0.sync()
-            t2 = time.perf_counter()
-            c._call("commit", rid=r["rid"])
-            t3 = time.perf_counter()
-            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
-                parts[k].append(v * 1000)
-        breakdown = {f"offload_{k}_ms_{bb // 1024}k": round(float(np.median(v)), 3)
-                     for k, v in parts.items()}
-        # The control path alone: one get of the 4,096 keys (decode, lookup, leases, reply)
-        # and its release, with no bytes moved.
-        def control() -> None:
-            rep = c._call("get", ns=ns.name, keys=kb)
-            c._call("release", lease=rep["lease"])
-        ctl = med(control, reps)
-        # The HBM tier over CUDA IPC: blocks put into the service's HBM pool (written through
-        # to host at commit), then gathered device to device.
-        hbm_put = med(lambda: ns.put(kb, src, tier="hbm"), reps)
-        hbm_get = med(lambda: ns.get(kb, out=out, rows=rows, tier="hbm"), reps)
-        if not torch.equal(out[torch.as_tensor(rows, device="cuda")],
-                           src[torch.as_tensor(np.arange(N), device="cuda")]):
-            raise SystemExit("the HBM tier returned wrong bytes")
-        seg = ns._gpu()
-        dst = rows_view(out, N, bb)
-        lease = c._call("get", ns=ns.name, keys=kb)
-        slots = np.frombuffer(lease["slots"], "<i4")
-        kern = med(lambda: (seg.gather(slots, dst, rows), seg.sync()), reps)
-        kern8 = med(lambda: (seg._move(seg.dev, dst, slots, rows, seg.indices, wide=False),
-                             seg.sync()), reps)
-        c._call("release", lease=lease["lease"])
-    nbytes = N * bb
-    tag = f"{bb // 1024}k"
-    return {f"onboard_gbps_{tag}": round(nbytes / on / 1e9, 2),
-            f"offload_gbps_{tag}": round(nbytes / off / 1e9, 2),
-            f"kernel_gbps_{tag}": round(nbytes / kern / 1e9, 2),
-            f"kernel8_gbps_{tag}": round(nbytes / kern8 / 1e9, 2),
-            f"onboard_hbm_gbps_{tag}": round(nbytes / hbm_get / 1e9, 2),
-            f"offload_hbm_gbps_{tag}": round(nbytes / hbm_put / 1e9, 2),
-            f"first_request_ms_{tag}": round(first * 1000, 3),
-            f"control_ms_{tag}": round(ctl * 1000, 3),
-            f"onboard_timeline_ms_{tag}": timeline,
-            f"onboard_ms_by_chunk_{tag}": by_chunk,
-            f"offload_ms_by_chunk_{tag}": put_by_chunk,
-            f"steady_p50_ms_{tag}": round(on * 1000, 3), **breakdown}
+        return k * self.flop / (s.elapsed_time(e) * 1e-3) / 1e12
 
 
-def nvme_path(workdir: str) -> dict:
-    import cupy
-    import kvikio
-    from kvtier.tiers.kvikio_backend import KvikioBackend, kvikio_backend
-    from kvtier.tiers.nvme import SegmentLog, _aligned
-    bb, n = 65536, N
-    backend = kvikio_backend()            # sizes kvikio's pool as the service does
-    log = SegmentLog(os.path.join(workdir, "kv"), 1, bb, 1 << 30, backend=backend)
-    buf = _aligned(64 * bb)
-    np.frombuffer(buf, np.uint8)[:] = 3
-    views = [memoryview(buf)[i * bb:(i + 1) * bb] for i in range(64)]
-    segs, offs = [], []
-    for lo in range(0, n, 64):
-        s, o = log.append(views)
-        segs.append(s)
-        offs.append(o)
-    offs = np.concatenate(offs).astype(np.int64) * 4096
-    path = str(log.segments[int(segs[0][0])].path)
-    log.close()
-    os.system("sync")
-    dev = cupy.empty(n * bb, dtype=cupy.uint8)
-    f = kvikio.CuFile(path, "r")
-
-    # The records of one batch are contiguous in the log, so the tier reads them as one run
-    # (SegmentLog merges adjacent records); kvikio splits it into task_size pieces over its
-    # thread pool (KVIKIO_NTHREADS, KVIKIO_TASK_SIZE).
-    contiguous = bool((np.diff(offs) == bb).all())
-
-    def kv() -> None:
-        if contiguous:
-            f.pread(dev, n * bb, int(offs[0])).get()
-        else:
-            futs = [f.pread(dev[i * bb:(i + 1) * bb], bb, int(offs[i])) for i in range(n)]
-            for fu in futs:
-                fu.get()
-        cupy.cuda.Device().synchronize()
-
-    host = _aligned(n * bb)
-    fd = os.open(path, os.O_RDONLY)
-
-    def plain() -> None:
-        os.preadv(fd, [memoryview(host)], int(offs[0]))
-
-    kv_t = float(np.median([_timed(kv) for _ in range(5)]))
-    pl_t = float(np.median([_timed(plain) for _ in range(5)]))
-    os.close(fd)
-    f.close()
-    b = KvikioBackend(kvikio)           # reads the settings now in force
-    mode = b.compat_mode
-    return {"kvikio_threads": b.threads, "kvikio_task_size": b.task_size,"nvme_to_hbm_gbps": round(n * bb / kv_t / 1e9, 2),
-            "plain_read_gbps": round(n * bb / pl_t / 1e9, 2),
-            "nvme_ratio": round(pl_t / kv_t, 3), "kvikio_compat_mode": mode}
+def beside(mm: "Matmul", alone_tflops: float, onboard, nbytes: int, reps: int) -> tuple:
+    """(matmul TFLOP/s while onboard() runs reps times on its own stream, onboard GB/s then)."""
+    import torch
+    t_one = med(onboard, 3)
+    k = max(4, int(reps * t_one / (mm.flop / (alone_tflops * 1e12))) + 2)
+    torch.cuda.synchronize()
+    s, e = mm.enqueue(k)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        onboard()
+        ts.append(time.perf_counter() - t0)
+    e.synchronize()
+    t_mm = s.elapsed_time(e) * 1e-3
+    busy = sum(ts)
+    return (k * mm.flop / t_mm / 1e12, nbytes / float(np.median(ts)) / 1e9,
+            round(min(1.0, busy / t_mm), 3))
 
 
-def hash_rates() -> dict:
-    """The service's commit hash (kvtier.checksums) over 4,096 x 64 KiB slots of a memfd
-    segment: what bounds an offload's commit."""
-    from kvtier.checksums import block_checksums
-    from kvtier.tiers.host import SlotPool
-    pool = SlotPool("hash", 65536, N)
-    pool.array[:] = np.random.default_rng(0).integers(0, 256, pool.array.shape, dtype=np.uint8)
-    slots = list(range(N))
-    t = float(np.median([_timed(lambda: block_checksums(pool.array, slots)) for _ in range(5)]))
-    pool.close()
-    return {"commit_hash_gbps": round(N * 65536 / t / 1e9, 2)}
+def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
+              mm_alone: float, sweep: bool) -> dict:
+    """n scattered blocks of bb bytes as rows: onboard, offload, and beside the matmul."""
+    import torch
+    ns = c.namespace(name, block_bytes=bb)
+    rng = np.random.default_rng(bb)
+    keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
+    src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
+    ns.put(keys, src)
+    order = rng.permutation(n)
+    kb = b"".join(keys[16 * i:16 * i + 16] for i in order)
+    rows = rng.permutation(n)
+    out = torch.zeros_like(src)
+    stream = torch.cuda.Stream()
+    get = lambda: ns.get_async(kb, out=out, rows=rows, stream=stream).wait()   # noqa: E731
+    get()
+    if not torch.equal(out[torch.as_tensor(rows, device="cuda")],
+                       src[torch.as_tensor(order, device="cuda")]):
+        raise SystemExit(f"onboard of {name} returned wrong bytes")
+    h = ns.get_async(kb, out=out, rows=rows, stream=stream)
+    methods = sorted(h.methods)
+    h.wait()
+    on = med(get, reps)
+    put = lambda: ns.put_async(kb, out, rows=rows, stream=stream).wait()   # noqa: E731
+    off = med(put, reps)
+    host = np.empty((n, bb), np.uint8)
+    ns.get(kb, out=host)
+    if not (host[:64] == out[torch.as_tensor(rows[:64], device="cuda")].cpu().numpy()).all():
+        raise SystemExit(f"offload of {name} stored wrong bytes")
+    nbytes = n * bb
+    tag = {2 << 20: "2m", 65536: "64k", 16384: "16k"}[bb]
+    res = {f"onboard_gbps_{tag}": round(nbytes / on / 1e9, 2),
+           f"offload_gbps_{tag}": round(nbytes / off / 1e9, 2),
+           f"methods_{tag}": methods,
+           f"onboard_ms_{tag}": round(on * 1e3, 3), f"offload_ms_{tag}": round(off * 1e3, 3)}
+    res.update(commit_share(c, ns, kb, out, rows, tag, reps))
+    if tag in ("2m", "64k"):
+        tf, gbps, cover = beside(mm, mm_alone, get, nbytes, max(3, reps // 2))
+        sfx = "" if tag == "2m" else "_64k"
+        res[f"matmul_ratio_beside_onboard{sfx}"] = round(tf / mm_alone, 3)
+        res[f"onboard_ratio_beside_matmul{sfx}"] = round(gbps / ceil["pinned_h2d_gbps"], 3)
+        res[f"beside_overlap{sfx}"] = cover
+    if sweep:
+        from kvtier.gpu import transfer
+        from kvtier.gpu.plan import TransferPolicy
+        table = {}
+        for blocks in (4, 8, 16, 32, 132):
+            transfer.set_policy(TransferPolicy(kernel_blocks=blocks))
+            t = med(get, reps)
+            tf, gbps, _ = beside(mm, mm_alone, get, nbytes, 3)
+            table[str(blocks)] = {"onboard_ratio": round(nbytes / t / 1e9 / ceil["pinned_h2d_gbps"],
+                                                         3),
+                                  "matmul_ratio_beside": round(tf / mm_alone, 3),
+                                  "onboard_ratio_beside": round(gbps / ceil["pinned_h2d_gbps"], 3)}
+        transfer.set_policy(None)
+        res[f"kernel_blocks_sweep_{tag}"] = table
+        # The copy engines on the same small rows, for the record (one call per block).
+        transfer.set_policy(TransferPolicy(copy_engine_bytes=0))
+        t = med(get, max(2, reps // 3))
+        transfer.set_policy(None)
+        res[f"copy_engine_onboard_ratio_{tag}"] = round(nbytes / t / 1e9 /
+                                                        ceil["pinned_h2d_gbps"], 3)
+    return res
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def commit_share(c, ns, kb: bytes, src, rows: np.ndarray, tag: str, reps: int) -> dict:
+    """Where a put's time goes: the reserve, the copy (and GPU hash), the commit."""
+    import torch
+    from kvtier.gpu import transfer
+    parts = {"reserve": [], "copy": [], "commit": []}
+    n = rows.size
+    for _ in range(max(3, reps // 2)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h = transfer.put_async(ns, kb, n, src, None, rows, None, "host", None)
+        t1 = time.perf_counter()
+        for ev in h.events:
+            ev.synchronize()
+        t2 = time.perf_counter()
+        h.wait()
+        t3 = time.perf_counter()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+            parts[k].append(v * 1e3)
+    return {f"offload_{k}_ms_{tag}": round(float(np.median(v)), 3) for k, v in parts.items()}
+
+
+def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
+    """n blocks of 2 MiB as 32 per-layer pages of 64 KiB (Pages over 32 tensors)."""
+    import torch
+    from kvtier.api.layouts import Pages
+    page = 65536
+    ns = c.namespace("rows2m", block_bytes=LAYERS * page)   # the same blocks, rewritten
+    rng = np.random.default_rng(7)
+    keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
+    caches = [torch.randint(0, 255, (n, page), dtype=torch.uint8, device="cuda")
+              for _ in range(LAYERS)]
+    pages = Pages.from_layers(caches)
+    rows = rng.permutation(n)
+    stream = torch.cuda.Stream()
+    put = lambda: ns.put_async(keys, pages, rows=rows, stream=stream).wait()   # noqa: E731
+    put()
+    fresh = [torch.zeros_like(t) for t in caches]
+    dst = Pages.from_layers(fresh)
+    get = lambda: ns.get_async(keys, out=dst, rows=rows, stream=stream).wait()   # noqa: E731
+    get()
+    if not all(torch.equal(a, b) for a, b in zip(fresh, caches)):
+        raise SystemExit("the per-layer onboard returned wrong bytes")
+    on = med(get, reps)
+    off = med(put, reps)
+    nbytes = n * LAYERS * page
+    res = {"onboard_gbps_layers": round(nbytes / on / 1e9, 2),
+           "offload_gbps_layers": round(nbytes / off / 1e9, 2),
+           "onboard_ratio_layers": round(nbytes / on / 1e9 / ceil["pinned_h2d_gbps"], 3),
+           "offload_ratio_layers": round(nbytes / off / 1e9 / ceil["pinned_d2h_gbps"], 3)}
+    res.update(overlap(ns, keys, dst, rows, reps))
+    return res
+
+
+def overlap(ns, keys: bytes, dst, rows: np.ndarray, reps: int) -> dict:
+    """Layer-wise load: layer i's compute (a fixed chain of matmuls on the compute stream)
+    waits for layer i's event only. Total against max(load alone, compute alone)."""
+    import torch
+    load, comp = torch.cuda.Stream(), torch.cuda.Stream()
+    t_load = med(lambda: ns.get_async(keys, out=dst, rows=rows, stream=load, layers=LAYERS)
+                 .wait(), reps)
+    x = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+
+    def layer_kernel(k: int) -> None:
+        for _ in range(k):
+            torch.matmul(x, x, out=y)
+
+    def compute(k: int) -> None:
+        with torch.cuda.stream(comp):
+            for _ in range(LAYERS):
+                layer_kernel(k)
+        comp.synchronize()
+    one = med(lambda: compute(1), 3)
+    k = max(1, round(t_load / one))          # compute alone ~ load alone: the hardest overlap
+    t_comp = med(lambda: compute(k), reps)
+
+    def both() -> None:
+        h = ns.get_async(keys, out=dst, rows=rows, stream=load, layers=LAYERS)
+        with torch.cuda.stream(comp):
+            for i in range(LAYERS):
+                h.wait_layer(i, comp)
+                layer_kernel(k)
+        comp.synchronize()
+        h.wait()
+    t_both = med(both, reps)
+    return {"layerwise_load_ms": round(t_load * 1e3, 3),
+            "layerwise_compute_ms": round(t_comp * 1e3, 3),
+            "layerwise_total_ms": round(t_both * 1e3, 3),
+            "layerwise_overlap": round(t_both / max(t_load, t_comp), 3)}
+
+
+def single_get(c, reps: int) -> dict:
+    import torch
+    ns = c.namespace("rows64k", block_bytes=65536)
+    keys = [(i + 1).to_bytes(16, "big") for i in range(64)]
+    src = torch.randint(0, 255, (64, 65536), dtype=torch.uint8, device="cuda")
+    ns.put(b"".join(keys), src)
+    out = torch.empty(1, 65536, dtype=torch.uint8, device="cuda")
+    for k in keys:
+        ns.get(k, out=out)
+    ts = []
+    for i in range(max(200, reps * 20)):
+        t0 = time.perf_counter()
+        ns.get(keys[i % 64], out=out)
+        ts.append((time.perf_counter() - t0) * 1e6)
+    p = percentiles(ts)
+    return {"single_cuda_get_p50_us": round(p["p50"], 1), "single_cuda_get_p99_us":
+            round(p["p99"], 1)}
+
+
+def hbm_case(c, reps: int, ceil: dict, n: int) -> dict:
+    import torch
+    bb = 2 << 20
+    ns = c.namespace("rows2m", block_bytes=bb)
+    keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
+    src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
+    rows = np.random.default_rng(3).permutation(n)
+    ns.put(keys, src, tier="hbm")
+    out = torch.zeros_like(src)
+    get = lambda: ns.get(keys, out=out, rows=rows, tier="hbm")   # noqa: E731
+    get()
+    if not torch.equal(out[torch.as_tensor(rows, device="cuda")], src):
+        raise SystemExit("the HBM tier returned wrong bytes")
+    t = med(get, reps)
+    t_ctl = med(lambda: c._call("release", lease=c._call("get", ns=ns.name, keys=keys,
+                                                        tier="hbm")["lease"]), reps)
+    gbps = n * bb / t / 1e9
+    return {"hbm_onboard_gbps_2m": round(gbps, 2),
+            "hbm_onboard_ratio_2m": round(gbps / ceil["d2d_gbps"], 3),
+            "hbm_onboard_ms_2m": round(t * 1e3, 3), "hbm_control_ms_2m": round(t_ctl * 1e3, 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--quick", action="store_true", help="3 repetitions")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    reps = 3 if args.quick else args.reps
     m = header("bench/gpu.py")
+    import torch
+    import kvtier
+    from kvtier.gpu import warm
     from tests.service import Service
+    warm()
+    out = ceilings(reps)
+    mm = Matmul()
+    mm.tflops(5)
+    mm_alone = float(np.median([mm.tflops(20) for _ in range(3)]))
+    out["matmul_tflops_alone"] = round(mm_alone, 1)
     work = tempfile.mkdtemp(prefix="kvtier-gpu-")
-    out = ceilings()
-    svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="3GiB",
-                  nvme_capacity="0", hbm_capacity="1GiB").start()
+    svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="6GiB",
+                  nvme_capacity="0", hbm_capacity="2200MiB").start()
+    cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
+                                            mm_alone, False)),
+             ("layers", lambda c: layers_case(c, reps, out, 1024)),
+             ("rows64k", lambda c: rows_case(c, "rows64k", 65536, 4096, reps, out, mm,
+                                             mm_alone, True)),
+             ("rows16k", lambda c: rows_case(c, "rows16k", 16384, 4096, reps, out, mm,
+                                             mm_alone, False)),
+             ("single", lambda c: single_get(c, reps)),
+             ("hbm", lambda c: hbm_case(c, reps, out, 1024))]
     try:
-        out.update(service_path(str(svc.socket), 16384, args.reps))
-        out.update(service_path(str(svc.socket), 65536, args.reps))
+        with kvtier.Client(str(svc.socket), timeout=300) as c:
+            for name, case in cases:
+                t0 = time.perf_counter()
+                try:
+                    out.update(case(c))
+                except Exception as exc:          # the other cases still run; the field says
+                    import traceback
+                    traceback.print_exc()
+                    out[f"error_{name}"] = f"{type(exc).__name__}: {exc}"
+                print(f"# {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                      flush=True)
     finally:
         svc.stop()
-    try:
-        out.update(nvme_path(work))
-    except ImportError as exc:
-        out["nvme_error"] = str(exc)
-    out.update(hash_rates())
-    ceil = out["pinned_h2d_gbps"]
-    for k in ("onboard_gbps_16k", "onboard_gbps_64k", "kernel_gbps_16k"):
-        out[f"ratio_{k}"] = round(out[k] / ceil, 3)
-    for k in ("offload_gbps_16k", "offload_gbps_64k"):
-        out[f"ratio_{k}"] = round(out[k] / out["pinned_d2h_gbps"], 3)
+    h2d, d2h = out["pinned_h2d_gbps"], out["pinned_d2h_gbps"]
+    for k, src, ceil in (("onboard_ratio_2m", "onboard_gbps_2m", h2d),
+                         ("offload_ratio_2m", "offload_gbps_2m", d2h),
+                         ("ratio_onboard_gbps_64k", "onboard_gbps_64k", h2d),
+                         ("ratio_onboard_gbps_16k", "onboard_gbps_16k", h2d),
+                         ("ratio_offload_gbps_64k", "offload_gbps_64k", d2h),
+                         ("ratio_offload_gbps_16k", "offload_gbps_16k", d2h)):
+        if src in out:
+            out[k] = round(out[src] / ceil, 3)
+    out["torch"] = torch.__version__
     out["machine"] = m
     emit(out, args.json)
 

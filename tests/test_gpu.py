@@ -1,9 +1,11 @@
-"""GPU tests (pytest -m gpu), run on the H200: CUDA tensors through the service, scattered
-rows, the coherence rules on a real HBM tier, CUDA IPC from a second process, kvikio with
-checksums. Skipped cleanly where there is no CUDA device."""
+"""GPU tests (pytest -m gpu), run on the H200: asynchronous gets and puts on the engine's stream
+beside a model-like workload, per-layer events, vLLM's two layouts, transfers that fail part
+way, the GPU checksum, the HBM tier over CUDA IPC and its per-device pools, kvikio. Skipped
+cleanly where there is no CUDA device. The host-side planning is tests/test_gpu_plan.py."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +18,16 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+import xxhash  # noqa: E402
+
 import kvtier  # noqa: E402
+from kvtier.api.layouts import Pages  # noqa: E402
 from kvtier.coherence.engine import Engine  # noqa: E402
 from kvtier.config import make_settings  # noqa: E402
+from kvtier.errors import BadRequest, CapacityError  # noqa: E402
+from kvtier.gpu import transfer  # noqa: E402
+from kvtier.gpu.device import MappedSegment, Mover, Staging, Stream, target_table  # noqa: E402
+from kvtier.gpu.plan import Method, TransferPolicy  # noqa: E402
 from kvtier.tiers.hbm import HbmPool  # noqa: E402
 from kvtier.types import Tier  # noqa: E402
 from tests.conftest import blocks, keys  # noqa: E402
@@ -27,6 +36,10 @@ from tests.test_engine_stateful import EngineModel, SETTINGS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 BB = 16384
+# vLLM-shaped per-layer caches: 4 layers, 64 blocks of 16 tokens, 2 KV heads of 64, bf16.
+LAYERS, NB, TOK, HEADS, DIM = 4, 64, 16, 2, 64
+PAGE = TOK * HEADS * DIM * 2                       # one K or V page of a block: 4 KiB
+VLLM_BB = LAYERS * 2 * PAGE
 
 
 @pytest.fixture
@@ -37,7 +50,32 @@ def gpu_service(tmp_path: Path):
     svc.stop()
 
 
-def test_cuda_tensors_round_trip_through_the_host_tier(gpu_service):
+@pytest.fixture(params=["kernel", "copy_engine"])
+def method(request):
+    """Each data-path test once per transfer method (the choice is a setting)."""
+    transfer.set_policy(TransferPolicy(copy_engine_bytes=1 << 40) if request.param == "kernel"
+                        else TransferPolicy(copy_engine_bytes=0, small_batch_copies=0))
+    yield Method(request.param)
+    transfer.set_policy(None)
+
+
+def _sleep(stream, ms: float = 200) -> None:
+    """Keep stream busy for about ms (so that work queued behind it is still in flight)."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(ms * 2e6))
+
+
+def _busy_model(n: int = 8):
+    """A model-like workload on its own stream: bf16 matmuls."""
+    s = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    with torch.cuda.stream(s):
+        for _ in range(n):
+            a = torch.tanh(a @ a * 1e-3)
+    return s, a
+
+
+def test_cuda_tensors_round_trip_through_the_host_tier(gpu_service, method):
     with kvtier.Client(gpu_service.socket) as c:
         ns = c.namespace("gpu", block_bytes=BB)
         src = torch.randint(0, 255, (256, BB), dtype=torch.uint8, device="cuda")
@@ -50,42 +88,291 @@ def test_cuda_tensors_round_trip_through_the_host_tier(gpu_service):
         assert (host == src.cpu().numpy()).all()
 
 
-def test_scattered_rows_of_a_paged_cache(gpu_service):
+def test_scattered_rows_of_a_paged_cache(gpu_service, method):
     with kvtier.Client(gpu_service.socket) as c:
         ns = c.namespace("paged", block_bytes=BB)
         cache = torch.randn(512, BB // 2, dtype=torch.bfloat16, device="cuda")   # 512 pages
         pages = np.random.default_rng(0).permutation(512)[:100]
         ns.put(keys(range(100)), cache, rows=pages)         # from scattered pages
-        other = torch.zeros_like(cache)
+        other = torch.full_like(cache, 7.0)
         dest = np.random.default_rng(1).permutation(512)[:100]
         found, _ = ns.get(keys(range(100)), out=other, rows=dest)   # into other pages
         assert found.all()
         assert torch.equal(other[torch.as_tensor(dest, device="cuda")],
                            cache[torch.as_tensor(pages, device="cuda")])
+        untouched = np.setdiff1d(np.arange(512), dest)
+        assert (other[torch.as_tensor(untouched, device="cuda")] == 7.0).all()
 
 
-@pytest.mark.parametrize("words", [2048, 513, 1])
-def test_both_transfer_kernels_move_exactly_the_named_rows(words: int):
-    # Even row widths take the 16-byte row kernel, odd ones the 8-byte word kernel; the rows
-    # not named must keep their poison.
-    from kvtier.gpu import MappedSegment, synchronize
+@pytest.mark.parametrize("words", [2048, 513])
+def test_both_kernels_move_exactly_the_named_pages(words: int, method):
+    # Even widths take the 16-byte kernel, odd ones the 8-byte one; pages not named keep their
+    # poison, in both directions.
+    import mmap
     rng = np.random.default_rng(words)
-    src = cupy.asarray(rng.integers(0, 1 << 63, (300, words), dtype=np.uint64))
-    dst = cupy.full((400, words), 0xDEADBEEF, dtype=cupy.uint64)
-    s_rows = rng.permutation(300)[:200]
-    d_rows = rng.permutation(400)[:200]
-    MappedSegment._move(src, dst, s_rows, d_rows)
-    synchronize()
-    host_src, host_dst = cupy.asnumpy(src), cupy.asnumpy(dst)
-    assert (host_dst[d_rows] == host_src[s_rows]).all()
-    untouched = np.setdiff1d(np.arange(400), d_rows)
-    assert (host_dst[untouched] == 0xDEADBEEF).all()
+    region = mmap.mmap(-1, 300 * words * 8)                  # page-aligned, as a segment is
+    host = np.frombuffer(region, np.uint8).reshape(300, words * 8)
+    seg = MappedSegment(host)
+    try:
+        host[:] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+        dev = torch.full((400, words * 8), 0xAB, dtype=torch.uint8, device="cuda")
+        table = target_table(dev, words * 8)
+        st = Stream.resolve(None, 0)
+        slots, rows = rng.permutation(300)[:200], rng.permutation(400)[:200]
+        staging = Staging(st)
+        Mover(seg, table, st, transfer.policy(), staging).move(slots, rows, 0, 1, False)
+        st.event().synchronize()
+        got = dev.cpu().numpy()
+        assert (got[rows] == host[slots]).all()
+        assert (got[np.setdiff1d(np.arange(400), rows)] == 0xAB).all()
+        host[:] = 0x11
+        Mover(seg, table, st, transfer.policy(), staging).move(slots[:50], rows[:50], 0, 1, True)
+        st.event().synchronize()
+        assert (host[slots[:50]] == got[rows[:50]]).all()
+        assert (host[np.setdiff1d(np.arange(300), slots[:50])] == 0x11).all()
+        staging.release()
+    finally:
+        seg.close()
+
+
+def test_async_get_holds_its_leases_until_its_event_completes(gpu_service, method):
+    # The copies queue behind 200 ms of other work on the caller's stream: the call returns at
+    # once, the lease stays while they are in flight, and ends only when the event has
+    # completed; a model runs on another stream meanwhile.
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("async", block_bytes=BB)
+        src = torch.randint(0, 255, (300, BB), dtype=torch.uint8, device="cuda")
+        ns.put(keys(range(300)), src)
+        model, _a = _busy_model()
+        copy_stream = torch.cuda.Stream()
+        out = torch.zeros_like(src)
+        _sleep(copy_stream)
+        h = ns.get_async(keys(range(300)), out=out, stream=copy_stream)
+        assert not h.done() and not h.event.done
+        assert c.stats()["leases"] == 1                  # held while the copies may read
+        found = h.wait()
+        assert found.all() and h.done()
+        torch.cuda.current_stream().wait_stream(copy_stream)
+        assert torch.equal(out, src)
+        model.synchronize()
+        assert c.stats()["leases"] == 0                  # released by the next request
+
+
+def test_async_put_commits_only_after_its_copies_complete(gpu_service, method):
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("aput", block_bytes=BB)
+        src = torch.randint(0, 255, (200, BB), dtype=torch.uint8, device="cuda")
+        s = torch.cuda.Stream()
+        _sleep(s)
+        h = ns.put_async(keys(range(200)), src, stream=s)
+        host = np.empty((200, BB), np.uint8)
+        assert not ns.get(keys(range(200)), out=host)[0].any()     # not committed yet
+        assert c.stats()["reservations"] == 1
+        versions = h.wait()
+        assert versions.tolist() == [1] * 200
+        assert ns.get(keys(range(200)), out=host)[0].all()
+        assert (host == src.cpu().numpy()).all()
+        assert c.stats()["reservations"] == 0
+
+
+def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
+    # 4 layers, K and V apart (vLLM's (2, num_blocks, ...) per-layer tensors): 8 pages per
+    # block, one event per layer; a "compute" stream waits for layer i only and copies it out.
+    caches = [torch.randn(2, NB, TOK, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+              for _ in range(LAYERS)]
+    pages = Pages.from_layers(caches, block_dim=1)
+    assert len(pages.views) == 2 * LAYERS and pages.block_bytes == VLLM_BB
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("layers", block_bytes=VLLM_BB)
+        ids = np.random.default_rng(4).permutation(NB)[:40]
+        ns.put(keys(range(40)), pages, rows=ids)
+        fresh = [torch.zeros_like(t) for t in caches]
+        dst = Pages.from_layers(fresh, block_dim=1)
+        load = torch.cuda.Stream()
+        compute = torch.cuda.Stream()
+        _sleep(load, 50)
+        h = ns.get_async(keys(range(40)), out=dst, rows=ids, stream=load, layers=LAYERS)
+        assert len(h.events) == LAYERS
+        seen = []
+        idx = torch.as_tensor(ids, device="cuda")
+        for i in range(LAYERS):
+            h.wait_layer(i, compute)                      # the GPU waits, the host does not
+            with torch.cuda.stream(compute):
+                seen.append(fresh[i][:, idx].clone())
+        h.synchronize_layer(0)
+        assert h.events[0].done
+        assert h.wait().all()
+        compute.synchronize()
+        for i in range(LAYERS):
+            assert torch.equal(seen[i], caches[i][:, idx])
+
+
+def test_blocks_of_both_vllm_layouts_are_the_same_bytes(gpu_service, method):
+    # Per-layer pages of (num_blocks, 2, ...) tensors (block_dim 0, one page per layer), put from
+    # scattered blocks; read back as BLHNC rows (one row a block) they are the concatenation of
+    # the pages; and rows put back load into per-layer tensors again.
+    caches = [torch.randn(NB, 2, TOK, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+              for _ in range(LAYERS)]
+    pages = Pages.from_layers(caches, block_dim=0)
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("layouts", block_bytes=VLLM_BB)
+        ids = np.random.default_rng(5).permutation(NB)[:30]
+        ns.put(keys(range(30)), pages, rows=ids)
+        rows = torch.zeros(30, LAYERS, 2, TOK, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+        assert ns.get(keys(range(30)), out=rows)[0].all()
+        idx = torch.as_tensor(ids, device="cuda")
+        assert torch.equal(rows, torch.stack([t[idx] for t in caches], dim=1))
+        ns.put(keys(range(100, 130)), rows)                         # BLHNC rows in
+        back = [torch.zeros_like(t) for t in caches]
+        assert ns.get(keys(range(100, 130)), out=Pages.from_layers(back), rows=ids)[0].all()
+        for t, b in zip(caches, back):
+            assert torch.equal(b[idx], t[idx])
+
+
+def test_bad_cuda_arguments_are_refused_with_what_to_do(gpu_service):
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("bad", block_bytes=BB)
+        out = torch.zeros(4, BB, dtype=torch.uint8, device="cuda")
+        with pytest.raises(BadRequest, match="stream must be"):
+            ns.get_async(keys(range(4)), out=out, stream="fast")
+        with pytest.raises(BadRequest, match="do not split into 3"):
+            ns.get_async(keys(range(4)), out=out, layers=3)
+        with pytest.raises(BadRequest, match="0..3"):
+            ns.get(keys(range(2)), out=out, rows=[0, 9])
+        with pytest.raises(BadRequest, match="contiguous"):
+            ns.get(keys(range(2)), out=out[:, :BB // 2].t())
+        wrong = Pages.from_layers([torch.zeros(4, 100, dtype=torch.uint8, device="cuda")])
+        with pytest.raises(BadRequest, match="namespace's blocks are"):
+            ns.put(keys(range(2)), wrong)
+        assert c.stats()["leases"] == 0 and c.stats()["reservations"] == 0
+
+
+def test_a_put_refused_part_way_commits_nothing_and_holds_nothing(tmp_path: Path, monkeypatch):
+    # Chunks of 16, 64, 64 and 36 keys into a host tier of 64 slots: the second and third
+    # reserves fail, the others are aborted before anything is launched, no key is stored.
+    from kvtier.api import pipeline
+    monkeypatch.setattr(pipeline, "CUDA_PUT_CHUNK", 64)
+    svc = Service(tmp_path / "svc", admin=False, host_capacity="1MiB",
+                  nvme_capacity="0").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("full", block_bytes=BB)
+            src = torch.randint(0, 255, (180, BB), dtype=torch.uint8, device="cuda")
+            with pytest.raises(CapacityError):
+                ns.put(keys(range(180)), src)
+            host = np.empty((180, BB), np.uint8)
+            assert not ns.get(keys(range(180)), out=host)[0].any()
+            st = c.stats()
+            assert st["reservations"] == 0 and st["leases"] == 0 and st["puts"] == 0
+    finally:
+        svc.stop()
+
+
+_FAULT = r"""
+import sys, numpy as np, torch, cupy, kvtier
+from tests.conftest import blocks, keys
+sock, mode = sys.argv[1], sys.argv[2]
+n = 2500                                     # four pipelined chunks
+c = kvtier.Client(sock)
+ns = c.namespace("fault-" + mode, block_bytes=4096)
+if mode == "get":
+    ns.put(keys(range(n)), blocks(n, 4096))  # from host memory
+dev = torch.zeros(n, 4096, dtype=torch.uint8, device="cuda")
+s = torch.cuda.Stream()
+bad = cupy.RawKernel('extern "C" __global__ void k(unsigned long long* p) { p[0] = 1; }', "k")
+with cupy.cuda.ExternalStream(s.cuda_stream):
+    bad((1,), (1,), (np.uint64(16),))        # an illegal address: the stream's next work fails
+try:
+    if mode == "get":
+        ns.get_async(keys(range(n)), out=dev, stream=s).wait()
+    else:
+        ns.put_async(keys(range(n)), dev, stream=s).wait()
+    print("completed")
+except Exception as exc:
+    print("failed", type(exc).__name__)
+host = np.empty((n, 4096), np.uint8)
+print("found", int(ns.get(keys(range(n)), out=host)[0].sum()))
+st = c.stats()
+print("held", st["reservations"], st["leases"], st["puts"])
+sys.stdout.flush()
+import os; os._exit(0)                       # the CUDA context is lost: no orderly close
+"""
+
+
+@pytest.mark.parametrize("mode", ["get", "put"])
+def test_a_transfer_whose_copies_fail_on_the_gpu_ends_its_holds_and_never_commits(
+        gpu_service, mode):
+    # A real device fault (an illegal address ahead of the copies on the caller's stream) in a
+    # process of its own, since it ends that process's CUDA context: the get's four leases are
+    # released, the put's reservations aborted, nothing is committed.
+    out = subprocess.run([sys.executable, "-c", _FAULT, str(gpu_service.socket), mode],
+                         capture_output=True, text=True, timeout=180,
+                         cwd=Path(__file__).resolve().parent.parent)
+    lines = out.stdout.split("\n")
+    assert lines[0].startswith("failed"), out.stdout + out.stderr
+    found = 2500 if mode == "get" else 0
+    assert f"found {found}" in lines, out.stdout + out.stderr
+    assert f"held 0 0 {found}" in lines, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("geometry", [(16384,), (65536,), (4096,) * 16, (2 << 20,)],
+                         ids=["16k", "64k", "16-pages", "2m"])
+def test_the_gpu_checksum_is_the_services_xxh3(geometry):
+    n = 24 if geometry[0] < (1 << 20) else 3
+    views = [torch.randint(0, 255, (n + 5, p), dtype=torch.uint8, device="cuda")
+             for p in geometry]
+    pages = Pages(tuple(views))
+    table = target_table(pages, pages.block_bytes)
+    st = Stream.resolve(None, 0)
+    staging = Staging(st)
+    rows = np.random.default_rng(len(geometry)).permutation(n + 5)[:n]
+    side = transfer._side_stream(0)
+    addr = Mover(None, table, st, transfer.policy(), staging).checksums(rows, side)
+    side.event().synchronize()
+    import ctypes
+    got = np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr)).copy()
+    host = [v.cpu().numpy() for v in views]
+    want = [xxhash.xxh3_64_intdigest(b"".join(h[r].tobytes() for h in host)) for r in rows]
+    staging.release()
+    assert got.tolist() == want
+
+
+def test_an_offload_checksummed_on_the_gpu_is_verified_back_from_nvme(tmp_path: Path):
+    # The service records the GPU's checksums without hashing; blocks pushed out of a small
+    # host tier come back from NVMe checked against them.
+    svc = Service(tmp_path / "svc", admin=False, host_capacity="2MiB",
+                  nvme_capacity="64MiB").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("nvme", block_bytes=BB)
+            src = torch.randint(0, 255, (400, BB), dtype=torch.uint8, device="cuda")
+            for lo in range(0, 400, 100):
+                ns.put(keys(range(lo, lo + 100)), src[lo:lo + 100])
+            out = torch.zeros_like(src)
+            for lo in range(0, 400, 100):
+                found, _ = ns.get(keys(range(lo, lo + 100)), out=out[lo:lo + 100])
+                assert found.all()
+            assert torch.equal(out, src)
+            st = c.stats()
+            assert st["checksum_failures"] == 0 and st["puts"] == 400
+    finally:
+        svc.stop()
+
+
+def test_a_single_block_get(gpu_service):
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("one", block_bytes=BB)
+        src = torch.randint(0, 255, (8, BB), dtype=torch.uint8, device="cuda")
+        ns.put(keys(range(8)), src)
+        out = torch.zeros(1, BB, dtype=torch.uint8, device="cuda")
+        for i in range(8):
+            assert ns.get(keys([i]), out=out)[0].all()
+            assert torch.equal(out[0], src[i])
+        assert c.stats()["leases"] <= 1          # the last release rides on the next request
 
 
 @pytest.mark.parametrize("put_chunk", [4096, 1024], ids=["put-one-request", "put-chunked"])
 def test_large_cuda_batches_round_trip_in_pipelined_chunks(gpu_service, put_chunk, monkeypatch):
-    # 3,000 keys: a get in three chunks (kvtier.api.pipeline), each one launch, into scattered
-    # rows; the put as one request (the default up to 2 x CUDA_PUT_CHUNK keys) or in chunks.
     from kvtier.api import pipeline
     monkeypatch.setattr(pipeline, "CUDA_PUT_CHUNK", put_chunk)
     with kvtier.Client(gpu_service.socket) as c:
@@ -100,11 +387,12 @@ def test_large_cuda_batches_round_trip_in_pipelined_chunks(gpu_service, put_chun
         assert found.all()
         assert torch.equal(out[torch.as_tensor(dest, device="cuda")],
                            src[torch.as_tensor(rows, device="cuda")])
+        c.ping()
         assert c.stats()["leases"] == 0
 
 
 def test_hbm_slots_over_the_socket_by_cuda_ipc(tmp_path: Path):
-    # A service with an HBM tier hands its pool to the worker by CUDA IPC: puts and gets with
+    # A service with an HBM tier hands its pools to the worker by CUDA IPC: puts and gets with
     # tier="hbm" move blocks device to device, the commit writes them through to host, and a
     # later host-tier rewrite makes the HBM copy stale, so the next HBM get brings it up again.
     svc = Service(tmp_path / "svc", admin=False, host_capacity="64MiB", nvme_capacity="256MiB",
@@ -124,6 +412,7 @@ def test_hbm_slots_over_the_socket_by_cuda_ipc(tmp_path: Path):
             ns.put(keys(range(10)), new)                              # host rewrite: v2
             found, _ = ns.get(keys(range(10)), out=out[:10], tier="hbm")
             assert found.all() and (out[:10].cpu().numpy() == new).all()
+            c.ping()
             assert c.stats()["leases"] == 0
     finally:
         svc.stop()
@@ -152,6 +441,36 @@ def test_hbm_write_is_written_through_and_served(tmp_path: Path):
     assert e["copies"]["nvme"]["current"]                    # write_through reached NVMe
     eng.evict(Tier.HOST, 8)
     found, out = eng.read("m", keys(range(8)))               # from HBM, back to host
+    assert found.all() and (out == data).all()
+    eng.close()
+
+
+def test_one_hbm_pool_per_device_shares_one_slot_numbering(tmp_path: Path):
+    # Two pools (both on GPU 0 here: the two-GPU host is a separate run): 64 slots each; a
+    # batch larger than one pool spans both, reads and writes go to the right allocation, the
+    # worker's device is preferred, and each pool is exported by its own IPC handle.
+    from kvtier.tiers.hbm import on_device
+    pool = HbmPool("two", BB, 64, devices=(0, 0))
+    assert pool.n_slots == 128 and pool.free_count == 128
+    info = pool.ipc_info()
+    assert [p["first"] for p in info["pools"]] == [0, 64] and len(info["pools"]) == 2
+    slots = pool.alloc(100)
+    assert sorted(slots.tolist()) == list(range(100))
+    data = blocks(100, BB, 9)
+    pool.write(slots, data)
+    assert (pool.read(slots) == data).all()
+    pool.free(slots[:70])
+    got = on_device(0, pool.alloc, 10)
+    assert got is not None and len(set(got.tolist())) == 10
+    pool.close()
+    eng = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "8MiB",
+                                "hbm_capacity": f"{64 * BB}", "nvme_capacity": "0"}),
+                 hbm_pool_factory=functools.partial(HbmPool, devices=(0, 0)))
+    eng.create_namespace("m", BB)
+    data = blocks(120, BB, 2)
+    eng.put("m", keys(range(120)), data, tier=Tier.HBM)       # more than one device's pool
+    eng.evict(Tier.HOST, 120)
+    found, out = eng.read("m", keys(range(120)))              # back up from both pools
     assert found.all() and (out == data).all()
     eng.close()
 

@@ -170,3 +170,29 @@ def test_a_trusted_commit_without_checksums_is_refused_and_nothing_is_stored(mak
         eng.commit(res.rid, checksums=np.zeros(1, np.uint64), trusted=True)
     assert not eng.read("m", keys(range(2)))[0].any()
     assert eng.stats()["reservations"] == 0
+
+
+def test_the_cuda_forms_refuse_host_memory_and_garbage_arguments(tmp_path):
+    # No CUDA needed: each is refused before anything is leased or reserved.
+    import kvtier
+    from tests.service import Service
+    svc = Service(tmp_path / "svc", admin=False, host_capacity="16MiB",
+                  nvme_capacity="0").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("cpu", block_bytes=4096)
+            with pytest.raises(BadRequest, match="put_async reads CUDA memory"):
+                ns.put_async(keys(range(2)), blocks(2, 4096))
+            with pytest.raises(BadRequest, match="get_async fills CUDA memory"):
+                ns.get_async(keys(range(2)), out=np.zeros((2, 4096), np.uint8))
+            r = c._call("reserve", ns="cpu", keys=keys(range(2)))
+            with pytest.raises(BadRequest):
+                c._call("commit", rid=r["rid"], trusted="yes")
+            with pytest.raises(BadRequest):
+                c._call("reserve", ns="cpu", keys=keys(range(2)), device="gpu0")
+            c._call("abort", rid=r["rid"])
+            assert not ns.get(keys(range(2)))[0].any()
+            st = c.stats()
+            assert st["reservations"] == 0 and st["puts"] == 0
+    finally:
+        svc.stop()

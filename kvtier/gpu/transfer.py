@@ -201,6 +201,17 @@ def _side_stream(device: int) -> Stream:
     return st
 
 
+def _settle(st: Stream) -> None:
+    """Wait until what this transfer enqueued on st has run, before its holds end. Where the
+    stream has failed (a CUDA error: the context is lost, nothing of it runs any more) there is
+    nothing to wait for; that error is not raised here, the transfer's first failure is."""
+    import cupy
+    try:
+        st.event().synchronize()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
+
+
 def poll(ns: "Namespace") -> None:
     """Finish the namespace's completed transfers (release leases, commit puts). Their failures
     are raised by their own done()/wait()."""
@@ -266,9 +277,8 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
         if error is not None:
             # Launched copies may still read the leased slots: wait for them (this transfer's
             # own event), then end the leases.
-            ev = st.event()
-            ev.synchronize()
-            GetTransfer(ns, [ev], staging, mover.methods, found, leases, table.device)._finish()
+            _settle(st)
+            GetTransfer(ns, [], staging, mover.methods, found, leases, table.device)._finish()
             raise error
         t = GetTransfer(ns, events, staging, mover.methods, found, leases, table.device)
     ns._inflight.append(t)
@@ -314,7 +324,8 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
         sums = 0
         try:
             side = None
-            if xxh3.supported(ns.block_bytes, tuple(table.size.tolist())) and n:
+            if n and xxh3.supported(ns.block_bytes, tuple(table.size.tolist())) and not (
+                    table.base.astype(np.int64) % 16).any() and not (table.stride % 16).any():
                 side = _side_stream(table.device)
                 sums = mover.checksums(src_rows, side)
             for g, (g_lo, g_hi) in enumerate(groups):
@@ -324,9 +335,9 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
                     st.wait(side.event())      # the last event covers the hash's reads too
                 events.append(st.event())
         except BaseException as exc:
-            st.event().synchronize()           # no launched write may land in aborted slots
+            _settle(st)                        # no launched write may land in aborted slots
             if side is not None:
-                side.event().synchronize()     # nor the hash's output in a reused buffer
+                _settle(side)                  # nor the hash's output in a reused buffer
             for _lo, _hi, rid, _s in parts:
                 c._send_nowait("abort", rid=rid)
             staging.release()
