@@ -15,8 +15,11 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
     matmul_ratio_beside_onboard              the matmul loop's throughput while 2 MiB blocks
     onboard_ratio_beside_matmul              onboard on another stream, against alone; the
                                              same for 64 KiB rows (_64k)
-    kernel_blocks_sweep_64k                  the bounded kernel at 4..132 thread blocks: onboard
-                                             alone and the matmul beside it (the setting's basis)
+    variants_2m / _64k / _16k                the same transfers under other policies (copy-
+                                             engine lanes, kernel only, no stream priority,
+                                             4..132 thread blocks, copy engines only): onboard
+                                             alone, and beside the matmul or the offload; the
+                                             basis of the defaults (kvtier.gpu.plan)
     layerwise_overlap                        a 32-layer load, each layer's compute waiting for
                                              that layer only: total / max(load, compute) alone
     single_cuda_get_p50_us (p99)             one 64 KiB block into a CUDA tensor
@@ -114,11 +117,22 @@ def beside(mm: "Matmul", alone_tflops: float, onboard, nbytes: int, reps: int) -
             round(min(1.0, busy / t_mm), 3))
 
 
+_NS: dict = {}
+
+
+def namespace(c, name: str, bb: int):
+    """One handle per namespace for the whole run (each maps and registers the segment)."""
+    if name not in _NS:
+        _NS[name] = c.namespace(name, block_bytes=bb)
+    return _NS[name]
+
+
 def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
-              mm_alone: float, sweep: bool) -> dict:
-    """n scattered blocks of bb bytes as rows: onboard, offload, and beside the matmul."""
+              mm_alone: float, variants: dict | None = None) -> dict:
+    """n scattered blocks of bb bytes as rows: onboard, offload, and beside the matmul; then
+    each variant of the transfer policy (onboard alone, and beside the matmul or offload)."""
     import torch
-    ns = c.namespace(name, block_bytes=bb)
+    ns = namespace(c, name, bb)
     rng = np.random.default_rng(bb)
     keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
     src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
@@ -156,26 +170,22 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
         res[f"matmul_ratio_beside_onboard{sfx}"] = round(tf / mm_alone, 3)
         res[f"onboard_ratio_beside_matmul{sfx}"] = round(gbps / ceil["pinned_h2d_gbps"], 3)
         res[f"beside_overlap{sfx}"] = cover
-    if sweep:
+    for vname, pol in (variants or {}).items():
         from kvtier.gpu import transfer
-        from kvtier.gpu.plan import TransferPolicy
-        table = {}
-        for blocks in (4, 8, 16, 32, 132):
-            transfer.set_policy(TransferPolicy(kernel_blocks=blocks))
+        transfer.set_policy(pol)
+        try:
             t = med(get, reps)
-            tf, gbps, _ = beside(mm, mm_alone, get, nbytes, 3)
-            table[str(blocks)] = {"onboard_ratio": round(nbytes / t / 1e9 / ceil["pinned_h2d_gbps"],
-                                                         3),
-                                  "matmul_ratio_beside": round(tf / mm_alone, 3),
-                                  "onboard_ratio_beside": round(gbps / ceil["pinned_h2d_gbps"], 3)}
-        transfer.set_policy(None)
-        res[f"kernel_blocks_sweep_{tag}"] = table
-        # The copy engines on the same small rows, for the record (one call per block).
-        transfer.set_policy(TransferPolicy(copy_engine_bytes=0))
-        t = med(get, max(2, reps // 3))
-        transfer.set_policy(None)
-        res[f"copy_engine_onboard_ratio_{tag}"] = round(nbytes / t / 1e9 /
-                                                        ceil["pinned_h2d_gbps"], 3)
+            row = {"onboard_ratio": round(nbytes / t / 1e9 / ceil["pinned_h2d_gbps"], 3)}
+            if tag == "2m":
+                row["offload_ratio"] = round(nbytes / med(put, reps) / 1e9 /
+                                             ceil["pinned_d2h_gbps"], 3)
+            else:
+                tf, gbps, _ = beside(mm, mm_alone, get, nbytes, 3)
+                row["matmul_ratio_beside"] = round(tf / mm_alone, 3)
+                row["onboard_ratio_beside"] = round(gbps / ceil["pinned_h2d_gbps"], 3)
+        finally:
+            transfer.set_policy(None)
+        res.setdefault(f"variants_{tag}", {})[vname] = row
     return res
 
 
@@ -205,7 +215,7 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     import torch
     from kvtier.api.layouts import Pages
     page = 65536
-    ns = c.namespace("rows2m", block_bytes=LAYERS * page)   # the same blocks, rewritten
+    ns = namespace(c, "rows2m", LAYERS * page)   # the same blocks as rows2m, rewritten
     rng = np.random.default_rng(7)
     keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
     caches = [torch.randint(0, 255, (n, page), dtype=torch.uint8, device="cuda")
@@ -229,6 +239,14 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
            "onboard_ratio_layers": round(nbytes / on / 1e9 / ceil["pinned_h2d_gbps"], 3),
            "offload_ratio_layers": round(nbytes / off / 1e9 / ceil["pinned_d2h_gbps"], 3)}
     res.update(overlap(ns, keys, dst, rows, reps))
+    from kvtier.gpu import transfer
+    from kvtier.gpu.plan import TransferPolicy
+    transfer.set_policy(TransferPolicy(kernel_priority=False))
+    try:
+        res["layerwise_overlap_without_priority"] = overlap(ns, keys, dst, rows,
+                                                            reps)["layerwise_overlap"]
+    finally:
+        transfer.set_policy(None)
     return res
 
 
@@ -272,7 +290,7 @@ def overlap(ns, keys: bytes, dst, rows: np.ndarray, reps: int) -> dict:
 
 def single_get(c, reps: int) -> dict:
     import torch
-    ns = c.namespace("rows64k", block_bytes=65536)
+    ns = namespace(c, "rows64k", 65536)
     keys = [(i + 1).to_bytes(16, "big") for i in range(64)]
     src = torch.randint(0, 255, (64, 65536), dtype=torch.uint8, device="cuda")
     ns.put(b"".join(keys), src)
@@ -292,7 +310,7 @@ def single_get(c, reps: int) -> dict:
 def hbm_case(c, reps: int, ceil: dict, n: int) -> dict:
     import torch
     bb = 2 << 20
-    ns = c.namespace("rows2m", block_bytes=bb)
+    ns = namespace(c, "rows2m", bb)
     keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
     src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
     rows = np.random.default_rng(3).permutation(n)
@@ -332,13 +350,21 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="kvtier-gpu-")
     svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="6GiB",
                   nvme_capacity="0", hbm_capacity="2200MiB").start()
+    from kvtier.gpu.plan import TransferPolicy as TP
+    v2m = {"copy_streams_1": TP(copy_engine_streams=1), "copy_streams_4": TP(copy_engine_streams=4)}
+    v64k = {"kernel_only": TP(hybrid=False), "kernel_without_priority": TP(kernel_priority=False),
+            "kernel_only_without_priority": TP(hybrid=False, kernel_priority=False),
+            "copy_engines_only": TP(copy_engine_bytes=0),
+            **{f"blocks_{b}": TP(kernel_blocks=b) for b in (4, 16, 32, 132)}}
+    v16k = {"kernel_only": TP(hybrid=False),
+            "kernel_only_without_priority": TP(hybrid=False, kernel_priority=False)}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
-                                            mm_alone, False)),
+                                            mm_alone, v2m)),
              ("layers", lambda c: layers_case(c, reps, out, 1024)),
              ("rows64k", lambda c: rows_case(c, "rows64k", 65536, 4096, reps, out, mm,
-                                             mm_alone, True)),
+                                             mm_alone, v64k)),
              ("rows16k", lambda c: rows_case(c, "rows16k", 16384, 4096, reps, out, mm,
-                                             mm_alone, False)),
+                                             mm_alone, v16k)),
              ("single", lambda c: single_get(c, reps)),
              ("hbm", lambda c: hbm_case(c, reps, out, 1024))]
     try:
@@ -364,6 +390,8 @@ def main() -> None:
                          ("ratio_offload_gbps_16k", "offload_gbps_16k", d2h)):
         if src in out:
             out[k] = round(out[src] / ceil, 3)
+    from kvtier.gpu.streams import PRIORITY
+    out["kernel_priority_available"] = PRIORITY["available"]
     out["torch"] = torch.__version__
     out["machine"] = m
     emit(out, args.json)

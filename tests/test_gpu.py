@@ -26,8 +26,10 @@ from kvtier.coherence.engine import Engine  # noqa: E402
 from kvtier.config import make_settings  # noqa: E402
 from kvtier.errors import BadRequest, CapacityError  # noqa: E402
 from kvtier.gpu import transfer  # noqa: E402
-from kvtier.gpu.device import MappedSegment, Mover, Staging, Stream, target_table  # noqa: E402
-from kvtier.gpu.plan import Method, TransferPolicy  # noqa: E402
+from kvtier.gpu.device import Mover, Staging, target_table  # noqa: E402
+from kvtier.gpu.slots import MappedSegment  # noqa: E402
+from kvtier.gpu.streams import Stream, own  # noqa: E402
+from kvtier.gpu.plan import TransferPolicy  # noqa: E402
 from kvtier.tiers.hbm import HbmPool  # noqa: E402
 from kvtier.types import Tier  # noqa: E402
 from tests.conftest import blocks, keys  # noqa: E402
@@ -50,12 +52,22 @@ def gpu_service(tmp_path: Path):
     svc.stop()
 
 
-@pytest.fixture(params=["kernel", "copy_engine"])
-def method(request):
+POLICIES = {
+    "kernel": TransferPolicy(copy_engine_bytes=1 << 40, hybrid=False),
+    # the kernel and the copy engines at once, half the blocks each
+    "hybrid": TransferPolicy(copy_engine_bytes=1 << 40, hybrid=True, small_batch_copies=0),
+    "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),
+}
+
+
+@pytest.fixture(params=list(POLICIES))
+def method(request, monkeypatch):
     """Each data-path test once per transfer method (the choice is a setting)."""
-    transfer.set_policy(TransferPolicy(copy_engine_bytes=1 << 40) if request.param == "kernel"
-                        else TransferPolicy(copy_engine_bytes=0, small_batch_copies=0))
-    yield Method(request.param)
+    from kvtier.gpu import plan
+    if request.param == "hybrid":
+        monkeypatch.setattr(plan, "COPY_US", 1e6 * 16384 / plan.KERNEL_READ_BPS)
+    transfer.set_policy(POLICIES[request.param])
+    yield request.param
     transfer.set_policy(None)
 
 
@@ -326,7 +338,7 @@ def test_the_gpu_checksum_is_the_services_xxh3(geometry):
     st = Stream.resolve(None, 0)
     staging = Staging(st)
     rows = np.random.default_rng(len(geometry)).permutation(n + 5)[:n]
-    side = transfer._side_stream(0)
+    side = own(0, "checksums")
     addr = Mover(None, table, st, transfer.policy(), staging).checksums(rows, side)
     side.event().synchronize()
     import ctypes

@@ -211,7 +211,7 @@ class Namespace(NamespaceHandle):
     def _gpu(self, tier: str = "host") -> Any:
         """The device-side view of tier's slots: the mapped, registered host segment, or the
         service's HBM pool opened by CUDA IPC (tier="hbm")."""
-        from kvtier.gpu.device import IpcPool, MappedSegment
+        from kvtier.gpu.slots import IpcPool, MappedSegment
         self._view()
         if tier == "hbm":
             if not self._hbm_info:

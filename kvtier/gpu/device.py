@@ -1,6 +1,6 @@
-"""What the GPU transfers run over: the caller's stream, staged indices, the slots the GPU can
-address (the namespace's mapped host segment, or the service's HBM pools by CUDA IPC), and the
-enqueueing of one page group's copies by the method plan.py chooses.
+"""What a GPU transfer enqueues: the device side of its blocks (target_table), its staged
+indices, and the copies of each page group by the method plan.py chooses (Mover), over the
+slots of kvtier.gpu.slots and the streams of kvtier.gpu.streams.
 
 Needs cupy and a CUDA device; torch tensors are read through their data pointers, no copies.
 """
@@ -8,7 +8,6 @@ Needs cupy and a CUDA device; torch tensors are read through their data pointers
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,9 +16,8 @@ from kvtier.errors import BadRequest
 from kvtier.gpu import kernels
 from kvtier.gpu.plan import (Method, PageTable, TransferPolicy, copy_runs, kernel_launches,
                              uniform_runs, vector_bytes)
-
-_HOST_REGISTER_PORTABLE = 0x01
-_HOST_REGISTER_MAPPED = 0x02
+from kvtier.gpu.slots import DeviceSlots, SlotRange
+from kvtier.gpu.streams import Lanes, Stream, own
 _H2D, _D2H, _DEFAULT = 1, 2, 4       # cudaMemcpyHostToDevice, DeviceToHost, Default
 THREADS = 1024
 _sm_counts: dict[int, int] = {}
@@ -72,44 +70,6 @@ def target_table(target: Any, block_bytes: int) -> PageTable:
         raise BadRequest(f"a CUDA tensor of {nbytes} bytes is not whole blocks of {block_bytes}")
     return PageTable.make([target.data_ptr()], [block_bytes], [block_bytes],
                           nbytes // block_bytes, target.device.index)
-
-
-@dataclass(slots=True)
-class Stream:
-    """The caller's stream: its handle and a cupy view of it (kernels launch on cupy's current
-    stream)."""
-
-    ptr: int
-    cupy: Any
-
-    @classmethod
-    def resolve(cls, stream: Any, device: int) -> "Stream":
-        """torch.cuda.Stream, cupy Stream, a raw cudaStream_t, or None: torch's current stream
-        on device (the engine's)."""
-        import cupy
-        if stream is None:
-            import torch
-            ptr = torch.cuda.current_stream(device).cuda_stream
-        elif hasattr(stream, "cuda_stream"):
-            ptr = int(stream.cuda_stream)
-        elif hasattr(stream, "ptr"):
-            ptr = int(stream.ptr)
-        elif isinstance(stream, int) and not isinstance(stream, bool):
-            ptr = stream
-        else:
-            raise BadRequest(f"stream must be a torch or cupy CUDA stream, or a cudaStream_t "
-                             f"as an int, not {type(stream).__name__}")
-        return cls(ptr, cupy.cuda.ExternalStream(ptr, device))
-
-    def event(self) -> Any:
-        import cupy
-        ev = cupy.cuda.Event(block=False, disable_timing=True)
-        ev.record(self.cupy)
-        return ev
-
-    def wait(self, event: Any) -> None:
-        import cupy
-        cupy.cuda.runtime.streamWaitEvent(self.ptr, event.ptr, 0)
 
 
 class _Arena:
@@ -181,144 +141,83 @@ class Staging:
         self._bufs, self._outs, self._keep = [], [], []
 
 
-@dataclass(frozen=True, slots=True)
-class SlotRange:
-    first: int          # the first slot number of the range
-    count: int
-    base: int           # device-usable address of slot `first`
-    device: int         # -1: host memory
-
-
-class DeviceSlots:
-    """Slots the GPU can address, in one or more ranges (one per HBM pool device)."""
-
-    ranges: tuple[SlotRange, ...]
-    block_bytes: int
-    device_to_device: bool
-
-    def split(self, slots: np.ndarray) -> list[tuple[SlotRange, np.ndarray, np.ndarray]]:
-        """(range, positions in slots, slot numbers within the range) per range touched."""
-        slots = np.asarray(slots, dtype=np.int64)
-        if len(self.ranges) == 1:
-            r = self.ranges[0]
-            return [(r, np.arange(slots.size), slots - r.first)] if slots.size else []
-        out = []
-        for r in self.ranges:
-            pos = np.flatnonzero((slots >= r.first) & (slots < r.first + r.count))
-            if pos.size:
-                out.append((r, pos, slots[pos] - r.first))
-        return out
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-class MappedSegment(DeviceSlots):
-    """The namespace's shared host segment (numpy (n_slots, block_bytes), already mapped in this
-    process) registered with cudaHostRegister, portable and mapped: copy engines and kernels
-    reach it over PCIe without a bounce buffer."""
-
-    device_to_device = False
-
-    def __init__(self, host: np.ndarray) -> None:
-        import cupy
-        if host.shape[1] % 8:
-            raise BadRequest("the CUDA path needs block_bytes that are a multiple of 8")
-        self.block_bytes = int(host.shape[1])
-        self.host = host
-        self.ptr = host.ctypes.data
-        cupy.cuda.runtime.hostRegister(self.ptr, host.nbytes,
-                                       _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-        # With unified addressing (every 64-bit CUDA platform) a mapped registration's device
-        # pointer is its host address.
-        self.ranges = (SlotRange(0, int(host.shape[0]), self.ptr, -1),)
-
-    def close(self) -> None:
-        if self.ptr:
-            import cupy
-            cupy.cuda.runtime.hostUnregister(self.ptr)
-            self.ptr = 0
-
-
-class IpcPool(DeviceSlots):
-    """A worker's view of the service's HBM pools, one per GPU of the service (ns_open's
-    ``hbm``), opened from their CUDA IPC handles with lazy peer access: a worker on another GPU
-    reads a pool by peer copies where P2P is on (through host memory otherwise, which CUDA does
-    for the kernel)."""
-
-    device_to_device = True
-    _LAZY_PEER_ACCESS = 1            # cudaIpcMemLazyEnablePeerAccess
-
-    def __init__(self, info: dict[str, Any], block_bytes: int) -> None:
-        import cupy
-        if block_bytes % 8:
-            raise BadRequest("the CUDA path needs block_bytes that are a multiple of 8")
-        self.block_bytes = block_bytes
-        self._opened: list[int] = []
-        ranges = []
-        for pool in info["pools"]:
-            ptr = cupy.cuda.runtime.ipcOpenMemHandle(pool["ipc"], self._LAZY_PEER_ACCESS)
-            self._opened.append(ptr)
-            ranges.append(SlotRange(int(pool["first"]), int(pool["slots"]), ptr,
-                                    int(pool["device"])))
-        self.ranges = tuple(ranges)
-
-    def close(self) -> None:
-        import cupy
-        for ptr in self._opened:
-            cupy.cuda.runtime.ipcCloseMemHandle(ptr)
-        self._opened = []
-
-
 class Mover:
-    """Enqueues the copies of one transfer on its stream (plan.py's methods)."""
+    """Enqueues the copies of one transfer, ordered on its stream (plan.py's methods; the side
+    streams of kvtier.gpu.streams are forked from it and joined back)."""
 
-    def __init__(self, slots: DeviceSlots, table: PageTable, stream: Stream,
-                 policy: TransferPolicy, staging: Staging) -> None:
+    def __init__(self, slots: DeviceSlots | None, table: PageTable, stream: Stream,
+                 policy: TransferPolicy, staging: Staging, hybrid: bool = True) -> None:
         self.slots, self.table, self.stream = slots, table, stream
         self.policy, self.staging = policy, staging
+        # Per-layer transfers enqueue every layer before returning: the copy engines' share
+        # (thousands of calls) would delay the return, and so every layer's consumer.
+        self.hybrid = hybrid
         self._tab = 0
         self.methods: set[Method] = set()
 
     def move(self, slots: np.ndarray, rows: np.ndarray, lo: int, hi: int, to_seg: bool) -> None:
         """Pages lo..hi of blocks: slots[i] <-> engine block rows[i], to the slots or from."""
-        import cupy
-        bb, table = self.slots.block_bytes, self.table
+        d2d = self.slots.device_to_device
         for rng, pos, local in self.slots.split(slots):
             r = rows[pos]
-            for a, b in uniform_runs(table.size, lo, hi):
-                size = int(table.size[a])
-                method = self.policy.method(size, local.size * (b - a),
-                                            self.slots.device_to_device)
-                self.methods.add(method)
+            for a, b in uniform_runs(self.table.size, lo, hi):
+                size = int(self.table.size[a])
+                method = self.policy.method(size, local.size * (b - a), d2d)
                 if method is Method.COPY_ENGINE:
-                    for c in copy_runs(local, r, table, bb, a, b):
-                        seg = rng.base + c.seg_off
-                        src, dst = (c.dev_addr, seg) if to_seg else (seg, c.dev_addr)
-                        sp, dp = (c.dev_pitch, c.seg_pitch) if to_seg else (c.seg_pitch,
-                                                                            c.dev_pitch)
-                        if c.height == 1:
-                            cupy.cuda.runtime.memcpyAsync(dst, src, c.width, _DEFAULT,
-                                                          self.stream.ptr)
-                        else:
-                            cupy.cuda.runtime.memcpy2DAsync(dst, dp, src, sp, c.width,
-                                                            c.height, _DEFAULT,
-                                                            self.stream.ptr)
+                    self._copy(rng, local, r, a, b, to_seg)
                     continue
-                self._launch(rng, local, r, a, b, to_seg)
+                share = self.policy.hybrid_share(size, not to_seg, d2d) if self.hybrid else 0
+                k = int(local.size * share)
+                self._launch(rng, local[k:], r[k:], a, b, to_seg)   # first: it starts at once
+                if k:
+                    self._copy(rng, local[:k], r[:k], a, b, to_seg)
+
+    def _copy(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int, b: int,
+              to_seg: bool) -> None:
+        import cupy
+        self.methods.add(Method.COPY_ENGINE)
+        runs = copy_runs(local, rows, self.table, self.slots.block_bytes, a, b)
+        lanes = None
+        streams = [self.stream.ptr]
+        n = self.policy.copy_engine_streams
+        if n > 1 and len(runs) > self.policy.small_batch_copies:
+            lanes = Lanes(self.stream, [own(self.table.device, f"copy{i}-{int(to_seg)}")
+                                        for i in range(n)])
+            streams = [s.ptr for s in lanes.sides]
+        for j, c in enumerate(runs):
+            seg = rng.base + c.seg_off
+            src, dst = (c.dev_addr, seg) if to_seg else (seg, c.dev_addr)
+            sp, dp = (c.dev_pitch, c.seg_pitch) if to_seg else (c.seg_pitch, c.dev_pitch)
+            st = streams[j % len(streams)]
+            if c.height == 1:
+                cupy.cuda.runtime.memcpyAsync(dst, src, c.width, _DEFAULT, st)
+            else:
+                cupy.cuda.runtime.memcpy2DAsync(dst, dp, src, sp, c.width, c.height, _DEFAULT,
+                                                st)
+        if lanes is not None:
+            lanes.join()
 
     def _launch(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int, b: int,
                 to_seg: bool) -> None:
+        n = local.size
+        if n == 0:
+            return
+        self.methods.add(Method.KERNEL)
         table, bb = self.table, self.slots.block_bytes
         if not self._tab:
             self._tab = self.staging.upload(table.staged())
         vec = vector_bytes(rng.base, bb, table, a, b)
         vecs = int(table.size[a]) // vec
         idx = self.staging.upload(np.concatenate([local, rows]))
-        n = local.size
         k = kernels.get("move_pages16" if vec == 16 else "move_pages8")
         cap = self.policy.blocks(self.slots.device_to_device, sm_count(table.device))
-        with self.stream.cupy:
+        lanes = None
+        st = self.stream
+        if self.policy.kernel_priority:        # forked after the uploads it reads
+            lanes = Lanes(self.stream, [own(table.device, f"kernel-{int(to_seg)}",
+                                            high_priority=True)])
+            st = lanes.sides[0]
+        with st.cupy:
             for l0, l1 in kernel_launches(n, b - a, vecs):
                 total = (l1 - l0) * (b - a) * vecs
                 grid = max(1, min(cap, -(-total // (4 * THREADS))))
@@ -327,6 +226,8 @@ class Mover:
                    np.int32(table.pages), np.uint64(idx + 8 * l0),
                    np.uint64(idx + 8 * (n + l0)), np.int32(l1 - l0), np.int32(a),
                    np.int32(b - a), np.uint32(vecs), np.int32(1 if to_seg else 0)))
+        if lanes is not None:
+            lanes.join()
 
     def checksums(self, rows: np.ndarray, side: Stream) -> int:
         """xxh3-64 of engine blocks rows of the table, computed on the GPU on stream side

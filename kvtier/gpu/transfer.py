@@ -35,7 +35,8 @@ import numpy as np
 
 from kvtier.api import pipeline
 from kvtier.errors import KvtierError, ServiceUnavailable
-from kvtier.gpu.device import Mover, Staging, Stream, target_table
+from kvtier.gpu.device import Mover, Staging, target_table
+from kvtier.gpu.streams import Stream, own, settle
 from kvtier.gpu.plan import PageTable, TransferPolicy, check_rows, page_groups
 
 if TYPE_CHECKING:
@@ -187,31 +188,6 @@ class PutTransfer(Transfer):
         self.result = versions
 
 
-_side: dict[int, Stream] = {}
-
-
-def _side_stream(device: int) -> Stream:
-    """The stream put checksums run on, one per device (non-blocking: it never waits for the
-    legacy default stream)."""
-    st = _side.get(device)
-    if st is None:
-        import cupy
-        s = cupy.cuda.Stream(non_blocking=True)
-        st = _side[device] = Stream(s.ptr, s)
-    return st
-
-
-def _settle(st: Stream) -> None:
-    """Wait until what this transfer enqueued on st has run, before its holds end. Where the
-    stream has failed (a CUDA error: the context is lost, nothing of it runs any more) there is
-    nothing to wait for; that error is not raised here, the transfer's first failure is."""
-    import cupy
-    try:
-        st.event().synchronize()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pass
-
-
 def poll(ns: "Namespace") -> None:
     """Finish the namespace's completed transfers (release leases, commit puts). Their failures
     are raised by their own done()/wait()."""
@@ -252,7 +228,7 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
     with cupy.cuda.Device(table.device):
         st = Stream.resolve(stream, table.device)
         staging = Staging(st)
-        mover = Mover(seg, table, st, policy(), staging)
+        mover = Mover(seg, table, st, policy(), staging, hybrid=len(groups) == 1)
         events: list[Any] = []
         replies: list[tuple["GetReply", int]] = []
 
@@ -277,7 +253,7 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
         if error is not None:
             # Launched copies may still read the leased slots: wait for them (this transfer's
             # own event), then end the leases.
-            _settle(st)
+            settle(st)
             GetTransfer(ns, [], staging, mover.methods, found, leases, table.device)._finish()
             raise error
         t = GetTransfer(ns, events, staging, mover.methods, found, leases, table.device)
@@ -326,7 +302,7 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
             side = None
             if n and xxh3.supported(ns.block_bytes, tuple(table.size.tolist())) and not (
                     table.base.astype(np.int64) % 16).any() and not (table.stride % 16).any():
-                side = _side_stream(table.device)
+                side = own(table.device, "checksums")
                 sums = mover.checksums(src_rows, side)
             for g, (g_lo, g_hi) in enumerate(groups):
                 for lo, hi, _rid, slots in parts:
@@ -335,9 +311,9 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
                     st.wait(side.event())      # the last event covers the hash's reads too
                 events.append(st.event())
         except BaseException as exc:
-            _settle(st)                        # no launched write may land in aborted slots
+            settle(st)                        # no launched write may land in aborted slots
             if side is not None:
-                _settle(side)                  # nor the hash's output in a reused buffer
+                settle(side)                  # nor the hash's output in a reused buffer
             for _lo, _hi, rid, _s in parts:
                 c._send_nowait("abort", rid=rid)
             staging.release()

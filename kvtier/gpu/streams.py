@@ -1,0 +1,130 @@
+"""Streams of the GPU data path: the caller's, and the few of kvtier's own that a transfer forks
+onto and joins back from, so that everything it does is ordered on the caller's stream.
+
+- the copy-engine lanes (``copy_engine_streams`` of them per device and direction): copies of
+  one transfer spread round-robin, so that one copy engine's setup of the next copy overlaps
+  another's transfer;
+- the kernel stream, of the highest priority the device offers: when the model's kernels fill
+  every SM, the block scheduler gives the next free SM to the transfer's few thread blocks
+  first, instead of after the model's whole next kernel;
+- the checksum stream of puts (kvtier.gpu.xxh3).
+
+Fork: each side stream waits for an event of the caller's stream. Join: the caller's stream
+waits for an event of each side stream. No host waits, no device synchronisation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import BadRequest
+
+
+class _Handle:
+    """A cudaStream_t as the CUDA stream protocol (cupy's Stream.from_external)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def _cupy_view(ptr: int, device: int) -> Any:
+    import cupy
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(_Handle(ptr))
+        except (TypeError, ValueError, AttributeError):
+            pass                       # an older protocol: the deprecated class still works
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ptr, device)
+
+
+@dataclass(slots=True)
+class Stream:
+    """A stream: its handle and a cupy view of it (kernels launch on cupy's current stream)."""
+
+    ptr: int
+    cupy: Any
+
+    @classmethod
+    def resolve(cls, stream: Any, device: int) -> "Stream":
+        """torch.cuda.Stream, cupy Stream, a raw cudaStream_t, or None: torch's current stream
+        on device (the engine's)."""
+        if stream is None:
+            import torch
+            ptr = torch.cuda.current_stream(device).cuda_stream
+        elif hasattr(stream, "cuda_stream"):
+            ptr = int(stream.cuda_stream)
+        elif hasattr(stream, "ptr"):
+            ptr = int(stream.ptr)
+        elif isinstance(stream, int) and not isinstance(stream, bool):
+            ptr = stream
+        else:
+            raise BadRequest(f"stream must be a torch or cupy CUDA stream, or a cudaStream_t "
+                             f"as an int, not {type(stream).__name__}")
+        return cls(ptr, _cupy_view(ptr, device))
+
+    def event(self) -> Any:
+        import cupy
+        ev = cupy.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.cupy)
+        return ev
+
+    def wait(self, event: Any) -> None:
+        import cupy
+        cupy.cuda.runtime.streamWaitEvent(self.ptr, event.ptr, 0)
+
+
+def settle(st: Stream) -> None:
+    """Wait (on the host) until what was enqueued on st so far has run. Where the stream has
+    failed (a CUDA error: the context is lost, nothing of it runs any more) there is nothing to
+    wait for; that error is not raised here: the transfer's first failure is."""
+    import cupy
+    try:
+        st.event().synchronize()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
+
+
+_own: dict[tuple[int, str], Stream] = {}
+PRIORITY = {"available": True}      # False where cupy could not make a prioritised stream
+
+
+def own(device: int, role: str, high_priority: bool = False) -> Stream:
+    """kvtier's stream ``role`` on device (made once, non-blocking: it never waits for the
+    legacy default stream)."""
+    st = _own.get((device, role))
+    if st is None:
+        import cupy
+        with cupy.cuda.Device(device):
+            s = None
+            if high_priority:
+                try:
+                    greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1]
+                    s = cupy.cuda.Stream(non_blocking=True, priority=greatest)
+                except (TypeError, AttributeError):
+                    PRIORITY["available"] = False     # an older cupy: the default priority
+            if s is None:
+                s = cupy.cuda.Stream(non_blocking=True)
+        st = _own[(device, role)] = Stream(s.ptr, s)
+    return st
+
+
+class Lanes:
+    """Side streams forked from a caller's stream for one step of a transfer, then joined."""
+
+    def __init__(self, caller: Stream, sides: list[Stream]) -> None:
+        self.caller, self.sides = caller, sides
+        ev = caller.event()
+        for s in sides:
+            s.wait(ev)
+
+    def join(self) -> None:
+        for s in self.sides:
+            self.caller.wait(s.event())
