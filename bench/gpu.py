@@ -46,6 +46,10 @@ MM = 8192
 LAYERS = 32
 
 
+class WrongBytes(Exception):
+    """A transfer moved the wrong bytes: the case's figures are void."""
+
+
 def med(fn, reps: int) -> float:
     import torch
     ts = []
@@ -142,11 +146,12 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
     rows = rng.permutation(n)
     out = torch.zeros_like(src)
     stream = torch.cuda.Stream()
+    torch.cuda.synchronize()          # the data exists before another stream reads or writes it
     get = lambda: ns.get_async(kb, out=out, rows=rows, stream=stream).wait()   # noqa: E731
     get()
     if not torch.equal(out[torch.as_tensor(rows, device="cuda")],
                        src[torch.as_tensor(order, device="cuda")]):
-        raise SystemExit(f"onboard of {name} returned wrong bytes")
+        raise WrongBytes(f"onboard of {name} returned wrong bytes")
     h = ns.get_async(kb, out=out, rows=rows, stream=stream)
     methods = sorted(h.methods)
     h.wait()
@@ -156,7 +161,7 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
     host = np.empty((n, bb), np.uint8)
     ns.get(kb, out=host)
     if not (host[:64] == out[torch.as_tensor(rows[:64], device="cuda")].cpu().numpy()).all():
-        raise SystemExit(f"offload of {name} stored wrong bytes")
+        raise WrongBytes(f"offload of {name} stored wrong bytes")
     nbytes = n * bb
     tag = {2 << 20: "2m", 65536: "64k", 16384: "16k"}[bb]
     res = {f"onboard_gbps_{tag}": round(nbytes / on / 1e9, 2),
@@ -223,14 +228,15 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     pages = Pages.from_layers(caches)
     rows = rng.permutation(n)
     stream = torch.cuda.Stream()
-    put = lambda: ns.put_async(keys, pages, rows=rows, stream=stream).wait()   # noqa: E731
-    put()
     fresh = [torch.zeros_like(t) for t in caches]
     dst = Pages.from_layers(fresh)
+    torch.cuda.synchronize()          # the data exists before another stream reads or writes it
+    put = lambda: ns.put_async(keys, pages, rows=rows, stream=stream).wait()   # noqa: E731
+    put()
     get = lambda: ns.get_async(keys, out=dst, rows=rows, stream=stream).wait()   # noqa: E731
     get()
     if not all(torch.equal(a, b) for a, b in zip(fresh, caches)):
-        raise SystemExit("the per-layer onboard returned wrong bytes")
+        raise WrongBytes("the per-layer onboard returned wrong bytes")
     on = med(get, reps)
     off = med(put, reps)
     nbytes = n * LAYERS * page
@@ -319,7 +325,7 @@ def hbm_case(c, reps: int, ceil: dict, n: int) -> dict:
     get = lambda: ns.get(keys, out=out, rows=rows, tier="hbm")   # noqa: E731
     get()
     if not torch.equal(out[torch.as_tensor(rows, device="cuda")], src):
-        raise SystemExit("the HBM tier returned wrong bytes")
+        raise WrongBytes("the HBM tier returned wrong bytes")
     t = med(get, reps)
     t_ctl = med(lambda: c._call("release", lease=c._call("get", ns=ns.name, keys=keys,
                                                         tier="hbm")["lease"]), reps)

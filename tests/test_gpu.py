@@ -158,6 +158,7 @@ def test_async_get_holds_its_leases_until_its_event_completes(gpu_service, metho
         model, _a = _busy_model()
         copy_stream = torch.cuda.Stream()
         out = torch.zeros_like(src)
+        copy_stream.wait_stream(torch.cuda.current_stream())     # out is zeroed first
         _sleep(copy_stream)
         h = ns.get_async(keys(range(300)), out=out, stream=copy_stream)
         assert not h.done() and not h.event.done
@@ -175,6 +176,7 @@ def test_async_put_commits_only_after_its_copies_complete(gpu_service, method):
         ns = c.namespace("aput", block_bytes=BB)
         src = torch.randint(0, 255, (200, BB), dtype=torch.uint8, device="cuda")
         s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())                # src is written first
         _sleep(s)
         h = ns.put_async(keys(range(200)), src, stream=s)
         host = np.empty((200, BB), np.uint8)
@@ -202,6 +204,7 @@ def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
         dst = Pages.from_layers(fresh, block_dim=1)
         load = torch.cuda.Stream()
         compute = torch.cuda.Stream()
+        load.wait_stream(torch.cuda.current_stream())            # fresh is zeroed first
         _sleep(load, 50)
         h = ns.get_async(keys(range(40)), out=dst, rows=ids, stream=load, layers=LAYERS)
         assert len(h.events) == LAYERS
