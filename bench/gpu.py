@@ -184,10 +184,9 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
             if tag == "2m":
                 row["offload_ratio"] = round(nbytes / med(put, reps) / 1e9 /
                                              ceil["pinned_d2h_gbps"], 3)
-            else:
-                tf, gbps, _ = beside(mm, mm_alone, get, nbytes, 3)
-                row["matmul_ratio_beside"] = round(tf / mm_alone, 3)
-                row["onboard_ratio_beside"] = round(gbps / ceil["pinned_h2d_gbps"], 3)
+            tf, gbps, _ = beside(mm, mm_alone, get, nbytes, 3)
+            row["matmul_ratio_beside"] = round(tf / mm_alone, 3)
+            row["onboard_ratio_beside"] = round(gbps / ceil["pinned_h2d_gbps"], 3)
         finally:
             transfer.set_policy(None)
         res.setdefault(f"variants_{tag}", {})[vname] = row
@@ -294,6 +293,55 @@ def overlap(ns, keys: bytes, dst, rows: np.ndarray, reps: int) -> dict:
             "layerwise_overlap": round(t_both / max(t_load, t_comp), 3)}
 
 
+def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:
+    """Why 2 MiB copy-engine onboards stop short of the 1 GiB ceiling: 1,024 raw
+    cudaMemcpyAsync of 2 MiB, scattered to scattered, from torch's pinned memory and from the
+    host tier's registered segment; and the host's transparent huge pages for shared memory."""
+    import cupy
+    import torch
+    bb, n = 2 << 20, 1024
+    ns = namespace(c, "rows2m", bb)
+    seg = ns._gpu().ranges[0].base
+    pinned = torch.empty(n * bb, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n * bb, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(11)
+    src_rows, dst_rows = rng.permutation(n), rng.permutation(n)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def loop(base: int) -> None:
+        for s_, d_ in zip(src_rows.tolist(), dst_rows.tolist()):
+            cupy.cuda.runtime.memcpyAsync(dev.data_ptr() + d_ * bb, base + s_ * bb, bb, 4, stream)
+    out = {}
+    for name, base in (("pinned", pinned.data_ptr()), ("registered_segment", seg)):
+        t = med(lambda: loop(base), reps)
+        out[f"raw_copies_ratio_2m_{name}"] = round(n * bb / t / 1e9 / ceil["pinned_h2d_gbps"], 3)
+        t1 = med(lambda: cupy.cuda.runtime.memcpyAsync(dev.data_ptr(), base, n * bb, 4, stream),
+                 reps)
+        out[f"one_copy_ratio_2g_{name}"] = round(n * bb / t1 / 1e9 / ceil["pinned_h2d_gbps"], 3)
+    for knob in ("enabled", "shmem_enabled"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{knob}") as fh:
+                out[f"thp_{knob}"] = fh.read().strip()
+        except OSError as exc:
+            out[f"thp_{knob}"] = str(exc)
+    return out
+
+
+def profile_single(ns, key: bytes, out, n: int = 300) -> list:
+    """Where a single-block CUDA get's time goes: cProfile's top functions by own time."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        ns.get(key, out=out)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:14]
+    return [f"{fn[2]} ({os.path.basename(fn[0])}:{fn[1]}): {v[2] / n * 1e6:.1f} us own, "
+            f"{v[3] / n * 1e6:.1f} us cumulative" for fn, v in rows]
+
+
 def single_get(c, reps: int) -> dict:
     import torch
     ns = namespace(c, "rows64k", 65536)
@@ -309,8 +357,15 @@ def single_get(c, reps: int) -> dict:
         ns.get(keys[i % 64], out=out)
         ts.append((time.perf_counter() - t0) * 1e6)
     p = percentiles(ts)
+    host = np.empty((1, 65536), np.uint8)
+    th = []
+    for i in range(200):
+        t0 = time.perf_counter()
+        ns.get(keys[i % 64], out=host)
+        th.append((time.perf_counter() - t0) * 1e6)
     return {"single_cuda_get_p50_us": round(p["p50"], 1), "single_cuda_get_p99_us":
-            round(p["p99"], 1)}
+            round(p["p99"], 1), "single_host_get_p50_us": round(float(np.median(th)), 1),
+            "single_cuda_get_profile": profile_single(ns, keys[0], out)}
 
 
 def hbm_case(c, reps: int, ceil: dict, n: int) -> dict:
@@ -357,13 +412,11 @@ def main() -> None:
     svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="6GiB",
                   nvme_capacity="0", hbm_capacity="2200MiB").start()
     from kvtier.gpu.plan import TransferPolicy as TP
-    v2m = {"copy_streams_1": TP(copy_engine_streams=1), "copy_streams_4": TP(copy_engine_streams=4)}
-    v64k = {"kernel_only": TP(hybrid=False), "kernel_without_priority": TP(kernel_priority=False),
-            "kernel_only_without_priority": TP(hybrid=False, kernel_priority=False),
+    v2m = {"kernel": TP(copy_engine_bytes=1 << 40)}
+    v64k = {"kernel_without_priority": TP(kernel_priority=False),
             "copy_engines_only": TP(copy_engine_bytes=0),
             **{f"blocks_{b}": TP(kernel_blocks=b) for b in (4, 16, 32, 132)}}
-    v16k = {"kernel_only": TP(hybrid=False),
-            "kernel_only_without_priority": TP(hybrid=False, kernel_priority=False)}
+    v16k = {"kernel_without_priority": TP(kernel_priority=False)}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
                                             mm_alone, v2m)),
              ("layers", lambda c: layers_case(c, reps, out, 1024)),
@@ -371,6 +424,7 @@ def main() -> None:
                                              mm_alone, v64k)),
              ("rows16k", lambda c: rows_case(c, "rows16k", 16384, 4096, reps, out, mm,
                                              mm_alone, v16k)),
+             ("diagnosis", lambda c: copy_engine_diagnosis(c, reps, out)),
              ("single", lambda c: single_get(c, reps)),
              ("hbm", lambda c: hbm_case(c, reps, out, 1024))]
     try:

@@ -53,19 +53,15 @@ def gpu_service(tmp_path: Path):
 
 
 POLICIES = {
-    "kernel": TransferPolicy(copy_engine_bytes=1 << 40, hybrid=False),
-    # the kernel and the copy engines at once, half the blocks each
-    "hybrid": TransferPolicy(copy_engine_bytes=1 << 40, hybrid=True, small_batch_copies=0),
+    "kernel": TransferPolicy(copy_engine_bytes=1 << 40),
+    "kernel_default_priority": TransferPolicy(copy_engine_bytes=1 << 40, kernel_priority=False),
     "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),
 }
 
 
 @pytest.fixture(params=list(POLICIES))
-def method(request, monkeypatch):
+def method(request):
     """Each data-path test once per transfer method (the choice is a setting)."""
-    from kvtier.gpu import plan
-    if request.param == "hybrid":
-        monkeypatch.setattr(plan, "COPY_US", 1e6 * 16384 / plan.KERNEL_READ_BPS)
     transfer.set_policy(POLICIES[request.param])
     yield request.param
     transfer.set_policy(None)

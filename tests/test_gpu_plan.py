@@ -9,7 +9,7 @@ import pytest
 import xxhash
 
 from kvtier.errors import BadRequest
-from kvtier.gpu import plan, xxh3
+from kvtier.gpu import xxh3
 from kvtier.gpu.plan import (Copy, Method, PageTable, TransferPolicy, check_rows, copy_runs,
                              kernel_launches, page_groups, uniform_runs, vector_bytes)
 from kvtier.types import Tier
@@ -35,24 +35,9 @@ def test_policy_sends_large_pages_to_copy_engines_and_small_ones_to_the_bounded_
     assert TransferPolicy(copy_engine_bytes=0).method(4096, 100, False) is Method.COPY_ENGINE
 
 
-def test_policy_refuses_a_kernel_without_blocks_or_copies_without_a_stream():
+def test_policy_refuses_a_kernel_without_blocks():
     with pytest.raises(BadRequest, match="gpu_kernel_blocks"):
         TransferPolicy(kernel_blocks=0)
-    with pytest.raises(BadRequest, match="copy_engine_streams"):
-        TransferPolicy(copy_engine_streams=0)
-
-
-def test_host_to_gpu_kernel_moves_share_out_to_the_copy_engines_by_page_size():
-    # Sized so that both finish together: a copy costs COPY_US whatever its size, the kernel
-    # reads at KERNEL_READ_BPS; larger pages give the copy engines a larger share.
-    p = TransferPolicy()
-    s64, s16 = p.hybrid_share(65536, True, False), p.hybrid_share(16384, True, False)
-    assert 0.2 < s64 < 0.3 and 0.05 < s16 < 0.1
-    t_kernel = (1 - s64) * 65536 / plan.KERNEL_READ_BPS
-    assert t_kernel == pytest.approx(s64 * plan.COPY_US * 1e-6)
-    assert p.hybrid_share(65536, False, False) == 0.0          # GPU -> host: kernel alone
-    assert p.hybrid_share(65536, True, True) == 0.0            # device to device
-    assert TransferPolicy(hybrid=False).hybrid_share(65536, True, False) == 0.0
 
 
 def test_policy_follows_the_settings_table():

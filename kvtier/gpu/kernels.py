@@ -2,7 +2,7 @@
 
 move_pages16 / move_pages8: pages between slots and the engine's tensors (plan.py), one launch
 for a run of equal-sized pages of many blocks. A grid-stride loop over every vector of the
-launch, four vectors in flight per thread, bounded to the grid the caller gives (a few thread
+launch, four vectors in flight per thread (eight device to device), bounded to the grid the caller gives (a few thread
 blocks for host memory, so a few SMs): over PCIe a few SMs with enough loads in flight reach
 the link's speed, and the rest stay with the model. Vector g of the launch is vector
 g % vecs of page (p0 + item % np_) of block item / np_, item = g / vecs: consecutive threads
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 SOURCE = r"""
-template <typename T>
+template <typename T, int U>
 __device__ __forceinline__ void move_pages(
         unsigned long long seg, long long block_bytes, const long long* __restrict__ tab,
         int P, const long long* __restrict__ slots, const long long* __restrict__ rows,
@@ -27,11 +27,11 @@ __device__ __forceinline__ void move_pages(
     const unsigned int total = (unsigned int)n * (unsigned int)np_ * vecs;
     const unsigned int nthreads = gridDim.x * blockDim.x;
     for (unsigned int g0 = blockIdx.x * blockDim.x + threadIdx.x; g0 < total;
-         g0 += 4u * nthreads) {
-        T v[4];
-        T* dst[4];
+         g0 += (unsigned int)U * nthreads) {
+        T v[U];
+        T* dst[U];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < U; u++) {
             const unsigned int g = g0 + u * nthreads;
             dst[u] = 0;
             if (g < total) {
@@ -43,7 +43,7 @@ __device__ __forceinline__ void move_pages(
             }
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < U; u++) {
             if (dst[u]) *dst[u] = v[u];
         }
     }
@@ -52,14 +52,21 @@ __device__ __forceinline__ void move_pages(
 extern "C" __global__ void move_pages16(unsigned long long seg, long long block_bytes,
         const long long* tab, int P, const long long* slots, const long long* rows, int n,
         int p0, int np_, unsigned int vecs, int to_seg) {
-    move_pages<ulonglong2>(seg, block_bytes, tab, P, slots, rows, n, p0, np_, vecs, to_seg);
+    move_pages<ulonglong2, 4>(seg, block_bytes, tab, P, slots, rows, n, p0, np_, vecs, to_seg);
+}
+
+// Device to device (the HBM tier): eight vectors in flight per thread, a full grid.
+extern "C" __global__ void move_pages16_deep(unsigned long long seg, long long block_bytes,
+        const long long* tab, int P, const long long* slots, const long long* rows, int n,
+        int p0, int np_, unsigned int vecs, int to_seg) {
+    move_pages<ulonglong2, 8>(seg, block_bytes, tab, P, slots, rows, n, p0, np_, vecs, to_seg);
 }
 
 extern "C" __global__ void move_pages8(unsigned long long seg, long long block_bytes,
         const long long* tab, int P, const long long* slots, const long long* rows, int n,
         int p0, int np_, unsigned int vecs, int to_seg) {
-    move_pages<unsigned long long>(seg, block_bytes, tab, P, slots, rows, n, p0, np_, vecs,
-                                   to_seg);
+    move_pages<unsigned long long, 4>(seg, block_bytes, tab, P, slots, rows, n, p0, np_, vecs,
+                                      to_seg);
 }
 
 __device__ __forceinline__ void xxh_acc(unsigned long long& a0, unsigned long long& a1,

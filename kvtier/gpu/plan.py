@@ -31,10 +31,6 @@ import numpy as np
 from kvtier.errors import BadRequest
 
 MAX_VECTORS = (1 << 31) - 1          # the kernel's index arithmetic is 32-bit
-# H200 measurements (bench/gpu.py): the bounded kernel's reads of pinned host memory, and the
-# host time of one cudaMemcpyAsync call (the copy engines' cost for a small page).
-KERNEL_READ_BPS = 45e9
-COPY_US = 4.0
 
 
 class Method(enum.Enum):
@@ -51,28 +47,12 @@ class TransferPolicy:
     kernel_blocks: int = 8
     device_kernel_blocks: int = 0     # 0: two per SM
     small_batch_copies: int = 8
-    copy_engine_streams: int = 2      # copy-engine lanes per transfer (kvtier.gpu.streams)
-    kernel_priority: bool = True      # the kernel on a high-priority stream
-    hybrid: bool = True               # host->GPU kernel moves hand a share to copy engines
+    kernel_priority: bool = True      # the kernel on a high-priority stream (streams.py)
 
     def __post_init__(self) -> None:
-        if self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0 \
-                or self.copy_engine_streams < 1:
-            raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
-                             "gpu_device_kernel_blocks >= 0, copy_engine_streams >= 1")
-
-    def hybrid_share(self, page_bytes: int, to_gpu: bool, device_to_device: bool) -> float:
-        """The fraction of a kernel move's blocks given to the copy engines beside the kernel.
-
-        Host to GPU only: SM-issued reads of pinned memory over PCIe stop at ~0.81 of the link
-        (bench/gpu.py, 4 to 132 thread blocks alike), while the copy engines reach it but pay
-        ~COPY_US per call. Both at once, sized to finish together, fill the link. GPU to host
-        (posted writes) the kernel alone reaches ~0.95; device to device, it is not needed.
-        """
-        if not self.hybrid or not to_gpu or device_to_device:
-            return 0.0
-        t_kernel = page_bytes / KERNEL_READ_BPS
-        return t_kernel / (t_kernel + COPY_US * 1e-6)
+        if self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0:
+            raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1 and "
+                             "gpu_device_kernel_blocks >= 0")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
@@ -203,9 +183,12 @@ def copy_runs(slots: np.ndarray, rows: np.ndarray, table: PageTable, block_bytes
     rows = np.asarray(rows, dtype=np.int64)
     if slots.size == 0:
         return []
-    brk = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
-    starts = np.concatenate([[0], brk])
-    ends = np.concatenate([brk, [slots.size]])
+    if slots.size == 1:                   # the latency case: no numpy passes
+        starts, ends = np.zeros(1, np.int64), np.ones(1, np.int64)
+    else:
+        brk = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
+        starts = np.concatenate([[0], brk])
+        ends = np.concatenate([brk, [slots.size]])
     out: list[Copy] = []
     for p in range(lo, hi):
         base, stride = int(table.base[p]), int(table.stride[p])

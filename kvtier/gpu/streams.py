@@ -1,9 +1,6 @@
 """Streams of the GPU data path: the caller's, and the few of kvtier's own that a transfer forks
 onto and joins back from, so that everything it does is ordered on the caller's stream.
 
-- the copy-engine lanes (``copy_engine_streams`` of them per device and direction): copies of
-  one transfer spread round-robin, so that one copy engine's setup of the next copy overlaps
-  another's transfer;
 - the kernel stream, of the highest priority the device offers: when the model's kernels fill
   every SM, the block scheduler gives the next free SM to the transfer's few thread blocks
   first, instead of after the model's whole next kernel;
@@ -45,12 +42,17 @@ def _cupy_view(ptr: int, device: int) -> Any:
         return cupy.cuda.ExternalStream(ptr, device)
 
 
+_views: dict[tuple[int, int], "Stream"] = {}
+
+
 @dataclass(slots=True)
 class Stream:
-    """A stream: its handle and a cupy view of it (kernels launch on cupy's current stream)."""
+    """A stream: its handle and a cupy view of it (kernels launch on cupy's current stream);
+    owner keeps a stream kvtier made alive."""
 
     ptr: int
     cupy: Any
+    owner: Any = None
 
     @classmethod
     def resolve(cls, stream: Any, device: int) -> "Stream":
@@ -68,7 +70,10 @@ class Stream:
         else:
             raise BadRequest(f"stream must be a torch or cupy CUDA stream, or a cudaStream_t "
                              f"as an int, not {type(stream).__name__}")
-        return cls(ptr, _cupy_view(ptr, device))
+        view = _views.get((ptr, device))
+        if view is None:                   # a view holds no resource: cached for the next call
+            view = _views[(ptr, device)] = cls(ptr, _cupy_view(ptr, device))
+        return view
 
     def event(self) -> Any:
         import cupy
@@ -93,26 +98,21 @@ def settle(st: Stream) -> None:
 
 
 _own: dict[tuple[int, str], Stream] = {}
-PRIORITY = {"available": True}      # False where cupy could not make a prioritised stream
+PRIORITY = {"available": True}      # False where the device offers no higher priority
 
 
 def own(device: int, role: str, high_priority: bool = False) -> Stream:
-    """kvtier's stream ``role`` on device (made once, non-blocking: it never waits for the
-    legacy default stream)."""
+    """kvtier's stream ``role`` on device, made once. Non-blocking (it never waits for the
+    legacy default stream); high_priority: the device's highest stream priority, through torch
+    (cupy 14's Stream takes no priority)."""
     st = _own.get((device, role))
     if st is None:
-        import cupy
-        with cupy.cuda.Device(device):
-            s = None
-            if high_priority:
-                try:
-                    greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1]
-                    s = cupy.cuda.Stream(non_blocking=True, priority=greatest)
-                except (TypeError, AttributeError):
-                    PRIORITY["available"] = False     # an older cupy: the default priority
-            if s is None:
-                s = cupy.cuda.Stream(non_blocking=True)
-        st = _own[(device, role)] = Stream(s.ptr, s)
+        import torch
+        s = torch.cuda.Stream(device=device, priority=-100 if high_priority else 0)
+        PRIORITY["available"] = PRIORITY["available"] and (
+            not high_priority or s.priority < 0)
+        st = _own[(device, role)] = Stream(int(s.cuda_stream), _cupy_view(s.cuda_stream,
+                                                                          device), s)
     return st
 
 

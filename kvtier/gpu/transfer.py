@@ -228,7 +228,7 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
     with cupy.cuda.Device(table.device):
         st = Stream.resolve(stream, table.device)
         staging = Staging(st)
-        mover = Mover(seg, table, st, policy(), staging, hybrid=len(groups) == 1)
+        mover = Mover(seg, table, st, policy(), staging)
         events: list[Any] = []
         replies: list[tuple["GetReply", int]] = []
 
