@@ -246,12 +246,14 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     res.update(overlap(ns, keys, dst, rows, reps))
     from kvtier.gpu import transfer
     from kvtier.gpu.plan import TransferPolicy
-    transfer.set_policy(TransferPolicy(kernel_priority=False))
-    try:
-        res["layerwise_overlap_without_priority"] = overlap(ns, keys, dst, rows,
-                                                            reps)["layerwise_overlap"]
-    finally:
-        transfer.set_policy(None)
+    for name, pol in (("launch_per_layer", TransferPolicy(one_launch_layers=False)),
+                      ("without_priority", TransferPolicy(kernel_priority=False))):
+        transfer.set_policy(pol)
+        try:
+            res[f"layerwise_overlap_{name}"] = overlap(ns, keys, dst, rows,
+                                                       reps)["layerwise_overlap"]
+        finally:
+            transfer.set_policy(None)
     return res
 
 
@@ -287,10 +289,13 @@ def overlap(ns, keys: bytes, dst, rows: np.ndarray, reps: int) -> dict:
         comp.synchronize()
         h.wait()
     t_both = med(both, reps)
+    probe = ns.get_async(keys, out=dst, rows=rows, stream=load, layers=LAYERS)
+    probe.wait()
     return {"layerwise_load_ms": round(t_load * 1e3, 3),
             "layerwise_compute_ms": round(t_comp * 1e3, 3),
             "layerwise_total_ms": round(t_both * 1e3, 3),
-            "layerwise_overlap": round(t_both / max(t_load, t_comp), 3)}
+            "layerwise_overlap": round(t_both / max(t_load, t_comp), 3),
+            "layerwise_one_launch": probe.one_launch}
 
 
 def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:

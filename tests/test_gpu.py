@@ -195,7 +195,7 @@ def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
     with kvtier.Client(gpu_service.socket) as c:
         ns = c.namespace("layers", block_bytes=VLLM_BB)
         ids = np.random.default_rng(4).permutation(NB)[:40]
-        ns.put(keys(range(40)), pages, rows=ids)
+        assert ns.put_async(keys(range(40)), pages, rows=ids, layers=LAYERS).wait().all()
         fresh = [torch.zeros_like(t) for t in caches]
         dst = Pages.from_layers(fresh, block_dim=1)
         load = torch.cuda.Stream()
@@ -204,6 +204,7 @@ def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
         _sleep(load, 50)
         h = ns.get_async(keys(range(40)), out=dst, rows=ids, stream=load, layers=LAYERS)
         assert len(h.events) == LAYERS
+        assert h.one_launch == (method != "copy_engine")   # the kernel: all layers, one launch
         seen = []
         idx = torch.as_tensor(ids, device="cuda")
         for i in range(LAYERS):

@@ -71,16 +71,16 @@ def test_uniform_runs_cut_where_the_page_size_changes():
 
 def test_consecutive_slots_and_rows_become_one_copy():
     rows_table = PageTable.make([1 << 30], [BB], [BB], 100, 0)
-    runs = copy_runs(np.arange(10, 20), np.arange(50, 60), rows_table, BB, 0, 1)
+    runs = list(copy_runs(np.arange(10, 20), np.arange(50, 60), rows_table, BB, 0, 1))
     assert runs == [Copy(10 * BB, (1 << 30) + 50 * BB, 10 * BB, 1, BB, BB)]
     # A break in either sequence starts a new copy.
-    runs = copy_runs(np.array([3, 4, 9]), np.array([7, 8, 9]), rows_table, BB, 0, 1)
+    runs = list(copy_runs(np.array([3, 4, 9]), np.array([7, 8, 9]), rows_table, BB, 0, 1))
     assert [(c.seg_off, c.height, c.width) for c in runs] == [(3 * BB, 1, 2 * BB), (9 * BB, 1, BB)]
 
 
 def test_copy_runs_of_per_layer_pages_are_two_dimensional():
     t = _layers(4, 4096, 64)
-    runs = copy_runs(np.array([0, 1, 2]), np.array([5, 6, 7]), t, 4 * 4096, 1, 3)
+    runs = list(copy_runs(np.array([0, 1, 2]), np.array([5, 6, 7]), t, 4 * 4096, 1, 3))
     assert len(runs) == 2                       # pages 1 and 2, each one 2-D copy of 3 rows
     c = runs[0]
     assert (c.seg_off, c.dev_addr, c.width, c.height) == (4096, (2 << 30) + 5 * 4096, 4096, 3)

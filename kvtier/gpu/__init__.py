@@ -21,5 +21,6 @@ def warm(device: int = 0) -> None:
     import cupy
     from kvtier.gpu import kernels
     with cupy.cuda.Device(device):
-        for name in ("move_pages16", "move_pages16_deep", "move_pages8", "xxh3_pages"):
+        for name in ("move_pages16", "move_pages16_deep", "move_pages8", "move_layers16",
+                     "move_layers8", "xxh3_pages"):
             kernels.get(name)

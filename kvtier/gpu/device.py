@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import BadRequest
+from kvtier.errors import BadRequest, KvtierError
 from kvtier.gpu import kernels
-from kvtier.gpu.plan import (Method, PageTable, TransferPolicy, copy_runs, kernel_launches,
-                             uniform_runs, vector_bytes)
+from kvtier.gpu.plan import (MAX_VECTORS, Method, PageTable, TransferPolicy, copy_runs,
+                             kernel_launches, uniform_runs, vector_bytes)
 from kvtier.gpu.slots import DeviceSlots, SlotRange
-from kvtier.gpu.streams import Lanes, Stream, own
+from kvtier.gpu.streams import Lanes, Stream, can_wait_value, own, wait_value
 _H2D, _D2H, _DEFAULT = 1, 2, 4       # cudaMemcpyHostToDevice, DeviceToHost, Default
 THREADS = 1024
 _sm_counts: dict[int, int] = {}
@@ -44,8 +44,33 @@ def sm_count(device: int) -> int:
     return n
 
 
+_tables: dict[tuple, PageTable] = {}
+
+
 def target_table(target: Any, block_bytes: int) -> PageTable:
-    """The PageTable of a CUDA tensor of whole rows, or of CUDA Pages (plan.py)."""
+    """The PageTable of a CUDA tensor of whole rows, or of CUDA Pages (plan.py). Remembered by
+    addresses and sizes (an engine passes the same cache every step; the table is a pure
+    function of them)."""
+    from kvtier.api.layouts import Pages
+    key: tuple = ()
+    if isinstance(target, Pages):
+        if all(is_cuda_tensor(v) for v in target.views):
+            key = (block_bytes, target.num_blocks,
+                   *((v.data_ptr(), v.stride(0), v.shape[1]) for v in target.views))
+    elif is_cuda_tensor(target) and target.is_contiguous():
+        key = (block_bytes, target.data_ptr(), target.numel() * target.element_size(),
+               target.device.index)
+    table = _tables.get(key) if key else None
+    if table is None:
+        table = _table(target, block_bytes)
+        if key:
+            if len(_tables) > 256:
+                _tables.clear()
+            _tables[key] = table
+    return table
+
+
+def _table(target: Any, block_bytes: int) -> PageTable:
     from kvtier.api.layouts import Pages
     if isinstance(target, Pages):
         views = target.views
@@ -151,6 +176,7 @@ class Mover:
         self.policy, self.staging = policy, staging
         self._tab = 0
         self.methods: set[Method] = set()
+        self.one_launch = False         # move_layers moved every layer in one launch
 
     def move(self, slots: np.ndarray, rows: np.ndarray, lo: int, hi: int, to_seg: bool) -> None:
         """Pages lo..hi of blocks: slots[i] <-> engine block rows[i], to the slots or from."""
@@ -181,6 +207,63 @@ class Mover:
             else:
                 cupy.cuda.runtime.memcpy2DAsync(dst, dp, src, sp, c.width, c.height, _DEFAULT,
                                                 st)
+
+    def move_layers(self, slots: np.ndarray, rows: np.ndarray, groups: list[tuple[int, int]],
+                    to_seg: bool) -> list[Any] | None:
+        """Every page group (layer) of the blocks by one kernel launch, returning one event per
+        layer (kernels.move_layers; each completes when its layer has moved). None, with
+        nothing enqueued, where that does not apply: copy engines chosen, groups of unequal
+        pages, several slot ranges, more than 2^31 vectors, no stream memory operations."""
+        import cupy
+        table, d2d = self.table, self.slots.device_to_device
+        lo, hi = groups[0][0], groups[-1][1]
+        np_ = groups[0][1] - groups[0][0]
+        parts = self.slots.split(slots)
+        size = int(table.size[lo])
+        if (not self.policy.one_launch_layers or len(parts) != 1
+                or len(uniform_runs(table.size, lo, hi)) != 1
+                or any(b - a != np_ for a, b in groups)
+                or self.policy.method(size, slots.size * np_, d2d) is not Method.KERNEL):
+            return None
+        rng, pos, local = parts[0]
+        vec = vector_bytes(rng.base, self.slots.block_bytes, table, lo, hi)
+        vecs = size // vec
+        if local.size * (hi - lo) * vecs > MAX_VECTORS or not can_wait_value(table.device):
+            return None
+        self.methods.add(Method.KERNEL)
+        self.one_launch = True
+        if not self._tab:
+            self._tab = self.staging.upload(table.staged())
+        n, layers = local.size, len(groups)
+        idx = self.staging.upload(np.concatenate([local, rows[pos]]))
+        counters = self.staging.device(-(-layers // 2))
+        cupy.cuda.runtime.memsetAsync(counters, 0, 4 * layers, self.stream.ptr)
+        cap = self.policy.blocks(d2d, sm_count(table.device))
+        grid = max(1, min(cap, -(-n * np_ * vecs // (4 * THREADS))))
+        marker = own(table.device, f"layers-{int(to_seg)}")
+        Lanes(self.stream, [marker])                    # forked once the counters are zeroed
+        lanes, st = None, self.stream
+        if self.policy.kernel_priority:
+            lanes = Lanes(self.stream, [own(table.device, f"kernel-{int(to_seg)}",
+                                            high_priority=True)])
+            st = lanes.sides[0]
+        with st.cupy:
+            kernels.get("move_layers16" if vec == 16 else "move_layers8")(
+                (grid,), (THREADS,),
+                (np.uint64(rng.base), np.int64(self.slots.block_bytes), np.uint64(self._tab),
+                 np.int32(table.pages), np.uint64(idx), np.uint64(idx + 8 * n), np.int32(n),
+                 np.int32(lo), np.int32(np_), np.uint32(vecs), np.int32(1 if to_seg else 0),
+                 np.int32(layers), np.uint64(counters)))
+        if lanes is not None:
+            lanes.join()
+        events = []
+        for layer in range(layers - 1):
+            if not wait_value(marker, counters + 4 * layer, grid):
+                raise KvtierError("cuStreamWaitValue32 failed after its probe succeeded; "
+                                  "set layers=None to load without per-layer events")
+            events.append(marker.event())
+        events.append(self.stream.event())              # the last: everything, on the caller's
+        return events
 
     def _launch(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int, b: int,
                 to_seg: bool) -> None:

@@ -69,6 +69,65 @@ extern "C" __global__ void move_pages8(unsigned long long seg, long long block_b
                                       to_seg);
 }
 
+// All layers of a per-layer transfer in one launch, layer after layer: after its share of
+// layer l, each thread block adds one to counters[l], so counters[l] == gridDim.x when layer l
+// has moved (a stream waits for that with cuStreamWaitValue32, kvtier.gpu.streams). One launch
+// holds its few SMs from the first layer to the last; one launch per layer had to win SMs back
+// from the model's kernels for every layer.
+template <typename T, int U>
+__device__ __forceinline__ void move_layers(
+        unsigned long long seg, long long block_bytes, const long long* __restrict__ tab,
+        int P, const long long* __restrict__ slots, const long long* __restrict__ rows,
+        int n, int p0, int np_, unsigned int vecs, int to_seg, int layers,
+        unsigned int* counters) {
+    const unsigned int per = (unsigned int)n * (unsigned int)np_ * vecs;
+    const unsigned int nthreads = gridDim.x * blockDim.x;
+    const unsigned long long* pbase = (const unsigned long long*)tab;
+    const long long* pstride = tab + P;
+    const long long* poff = tab + 2 * P;
+    for (int l = 0; l < layers; l++) {
+        const int pl = p0 + l * np_;
+        for (unsigned int g0 = blockIdx.x * blockDim.x + threadIdx.x; g0 < per;
+             g0 += (unsigned int)U * nthreads) {
+            T v[U];
+            T* dst[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const unsigned int g = g0 + u * nthreads;
+                dst[u] = 0;
+                if (g < per) {
+                    const unsigned int item = g / vecs, w = g - item * vecs;
+                    const unsigned int i = item / np_, p = pl + (item - i * np_);
+                    T* a = (T*)(seg + slots[i] * block_bytes + poff[p]) + w;
+                    T* b = (T*)(pbase[p] + rows[i] * pstride[p]) + w;
+                    if (to_seg) { v[u] = *b; dst[u] = a; } else { v[u] = *a; dst[u] = b; }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (dst[u]) *dst[u] = v[u];
+            }
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(&counters[l], 1u);
+    }
+}
+
+extern "C" __global__ void move_layers16(unsigned long long seg, long long block_bytes,
+        const long long* tab, int P, const long long* slots, const long long* rows, int n,
+        int p0, int np_, unsigned int vecs, int to_seg, int layers, unsigned int* counters) {
+    move_layers<ulonglong2, 4>(seg, block_bytes, tab, P, slots, rows, n, p0, np_, vecs,
+                               to_seg, layers, counters);
+}
+
+extern "C" __global__ void move_layers8(unsigned long long seg, long long block_bytes,
+        const long long* tab, int P, const long long* slots, const long long* rows, int n,
+        int p0, int np_, unsigned int vecs, int to_seg, int layers, unsigned int* counters) {
+    move_layers<unsigned long long, 4>(seg, block_bytes, tab, P, slots, rows, n, p0, np_,
+                                       vecs, to_seg, layers, counters);
+}
+
 __device__ __forceinline__ void xxh_acc(unsigned long long& a0, unsigned long long& a1,
                                         ulonglong2 d, unsigned long long k0,
                                         unsigned long long k1) {

@@ -8,10 +8,15 @@ onto and joins back from, so that everything it does is ordered on the caller's 
 
 Fork: each side stream waits for an event of the caller's stream. Join: the caller's stream
 waits for an event of each side stream. No host waits, no device synchronisation.
+
+wait_value: a stream waits, on the GPU, for a counter in device memory to reach a value
+(cuStreamWaitValue32, through the driver library: cupy has no binding). A per-layer transfer
+done by one kernel signals each layer that way (kernels.move_layers).
 """
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -128,3 +133,49 @@ class Lanes:
     def join(self) -> None:
         for s in self.sides:
             self.caller.wait(s.event())
+
+
+_wait_fn: list[Any] = []
+_wait_ok: dict[int, bool] = {}
+
+
+def _cu_wait_value() -> Any:
+    if not _wait_fn:
+        fn = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+                try:
+                    fn = getattr(lib, name)
+                    break
+                except AttributeError:
+                    continue
+        except OSError:
+            fn = None
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _wait_fn.append(fn)
+    return _wait_fn[0]
+
+
+def wait_value(st: Stream, addr: int, value: int) -> bool:
+    """st waits on the GPU until the uint32 at device address addr is >= value. False (and
+    nothing enqueued) where the driver refuses stream memory operations."""
+    fn = _cu_wait_value()
+    return fn is not None and fn(ctypes.c_void_p(st.ptr), ctypes.c_uint64(addr),
+                                 ctypes.c_uint32(value), 0) == 0    # CU_STREAM_WAIT_VALUE_GEQ
+
+
+def can_wait_value(device: int) -> bool:
+    """Whether wait_value works on device (tried once on a counter already reached)."""
+    ok = _wait_ok.get(device)
+    if ok is None:
+        import cupy
+        with cupy.cuda.Device(device):
+            flag = cupy.ones(1, dtype=cupy.uint32)
+            probe = own(device, "probe")
+            ok = wait_value(probe, int(flag.data.ptr), 1)
+            probe.event().synchronize()
+        _wait_ok[device] = ok
+    return ok

@@ -70,6 +70,7 @@ class Transfer:
         self.events = events
         self.methods = {m.value for m in methods}
         self._staging = staging
+        self.one_launch = False         # every layer of a per-layer get moved by one launch
         self._finished = False
         self._error: BaseException | None = None
         self.result: Any = None
@@ -241,22 +242,28 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
         extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
         found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra)
         try:
-            if error is None:
-                for g_lo, g_hi in groups:
-                    if len(groups) > 1:
-                        for rep, lo in replies:
-                            idx = np.flatnonzero(rep.found)
-                            mover.move(rep.slots[idx], dst_rows[lo + idx], g_lo, g_hi, False)
+            if error is None and len(groups) > 1:
+                found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
+                slots = np.concatenate([rep.slots[i] for rep, _lo, i in found_at])
+                rows_ = np.concatenate([dst_rows[lo + i] for _rep, lo, i in found_at])
+                events = mover.move_layers(slots, rows_, groups, False) or []
+                for g_lo, g_hi in groups if not events else ():
+                    mover.move(slots, rows_, g_lo, g_hi, False)      # a launch per layer
                     events.append(st.event())
+            elif error is None:
+                events.append(st.event())
         except BaseException as exc:
             error = exc
         if error is not None:
             # Launched copies may still read the leased slots: wait for them (this transfer's
             # own event), then end the leases.
             settle(st)
+            if mover.one_launch:              # its layer waits read counters in the staging
+                settle(own(table.device, "layers-0"))
             GetTransfer(ns, [], staging, mover.methods, found, leases, table.device)._finish()
             raise error
         t = GetTransfer(ns, events, staging, mover.methods, found, leases, table.device)
+        t.one_launch = mover.one_launch
     ns._inflight.append(t)
     return t
 
