@@ -153,7 +153,7 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
                        src[torch.as_tensor(order, device="cuda")]):
         raise WrongBytes(f"onboard of {name} returned wrong bytes")
     h = ns.get_async(kb, out=out, rows=rows, stream=stream)
-    methods = sorted(h.methods)
+    methods = sorted(h.methods) + (["staged"] if h.staged else [])
     h.wait()
     on = med(get, reps)
     put = lambda: ns.put_async(kb, out, rows=rows, stream=stream).wait()   # noqa: E731
@@ -246,7 +246,8 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     res.update(overlap(ns, keys, dst, rows, reps))
     from kvtier.gpu import transfer
     from kvtier.gpu.plan import TransferPolicy
-    for name, pol in (("launch_per_layer", TransferPolicy(one_launch_layers=False)),
+    for name, pol in (("one_launch", TransferPolicy(staged=False)),
+                      ("launch_per_layer", TransferPolicy(staged=False, one_launch_layers=False)),
                       ("without_priority", TransferPolicy(kernel_priority=False))):
         transfer.set_policy(pol)
         try:
@@ -295,7 +296,7 @@ def overlap(ns, keys: bytes, dst, rows: np.ndarray, reps: int) -> dict:
             "layerwise_compute_ms": round(t_comp * 1e3, 3),
             "layerwise_total_ms": round(t_both * 1e3, 3),
             "layerwise_overlap": round(t_both / max(t_load, t_comp), 3),
-            "layerwise_one_launch": probe.one_launch}
+            "layerwise_one_launch": probe.one_launch, "layerwise_staged": probe.staged}
 
 
 def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:
@@ -418,10 +419,11 @@ def main() -> None:
                   nvme_capacity="0", hbm_capacity="2200MiB").start()
     from kvtier.gpu.plan import TransferPolicy as TP
     v2m = {"kernel": TP(copy_engine_bytes=1 << 40)}
-    v64k = {"kernel_without_priority": TP(kernel_priority=False),
+    v64k = {"direct_kernel": TP(staged=False),
+            "kernel_without_priority": TP(kernel_priority=False),
             "copy_engines_only": TP(copy_engine_bytes=0),
             **{f"blocks_{b}": TP(kernel_blocks=b) for b in (4, 16, 32, 132)}}
-    v16k = {"kernel_without_priority": TP(kernel_priority=False)}
+    v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False)}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
                                             mm_alone, v2m)),
              ("layers", lambda c: layers_case(c, reps, out, 1024)),

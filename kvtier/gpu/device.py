@@ -17,9 +17,10 @@ from kvtier.gpu import kernels
 from kvtier.gpu.plan import (MAX_VECTORS, Method, PageTable, TransferPolicy, copy_runs,
                              kernel_launches, uniform_runs, vector_bytes)
 from kvtier.gpu.slots import DeviceSlots, SlotRange
-from kvtier.gpu.streams import Lanes, Stream, can_wait_value, own, wait_value
+from kvtier.gpu.streams import Lanes, Stream, can_wait_value, own, settle, wait_value
 _H2D, _D2H, _DEFAULT = 1, 2, 4       # cudaMemcpyHostToDevice, DeviceToHost, Default
 THREADS = 1024
+STAGE_BYTES = 256 << 20       # the largest staging buffer of a host->GPU move (two in turn)
 _sm_counts: dict[int, int] = {}
 
 
@@ -177,6 +178,25 @@ class Mover:
         self._tab = 0
         self.methods: set[Method] = set()
         self.one_launch = False         # move_layers moved every layer in one launch
+        self.staged = False             # a host->GPU move went through the staging ring
+        self._pending: list[Stream] = []    # side streams to join before the next event
+        self._kernel_stream = stream        # where the last kernel ran
+        self._ring: list[list[Any]] = []    # staging buffers: [address, bytes, last reader]
+        self._turn = 0
+
+    def event(self) -> Any:
+        """An event of the transfer's stream covering everything enqueued so far (the side
+        streams joined first)."""
+        for side in self._pending:
+            self.stream.wait(side.event())
+        self._pending = []
+        return self.stream.event()
+
+    def settle(self) -> None:
+        """The host waits until everything enqueued so far has run (or the stream failed)."""
+        for side in self._pending:
+            settle(side)
+        settle(self.stream)
 
     def move(self, slots: np.ndarray, rows: np.ndarray, lo: int, hi: int, to_seg: bool) -> None:
         """Pages lo..hi of blocks: slots[i] <-> engine block rows[i], to the slots or from."""
@@ -187,8 +207,52 @@ class Mover:
                 size = int(self.table.size[a])
                 if self.policy.method(size, local.size * (b - a), d2d) is Method.COPY_ENGINE:
                     self._copy(rng, local, r, a, b, to_seg)
-                else:
-                    self._launch(rng, local, r, a, b, to_seg)
+                elif to_seg or d2d or not self._staged(rng, local, r, a, b):
+                    self._launch(rng.base, self.slots.block_bytes, local, r, a, b, to_seg, d2d)
+
+    def _staged(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int,
+                b: int) -> bool:
+        """Host to GPU through device memory: one copy-engine copy of the slot range holding
+        the blocks (dense: a batch put together is consecutive slots) into a staging buffer,
+        then the kernel from there, device to device. SM-issued reads over PCIe stop at ~0.8 of
+        the link alone and ~0.6 beside a matmul; one large copy reaches it. Two staging buffers
+        in turn: a copy into one waits only for the kernel that last read it. False (nothing
+        enqueued) for a sparse or too large range."""
+        import cupy
+        if not self.policy.staged or local.size == 0:
+            return False
+        smin = int(local.min())
+        span = int(local.max()) - smin + 1
+        off = int(self.table.offset[a])
+        width = int(self.table.offset[b - 1] + self.table.size[b - 1]) - off
+        if span > local.size + local.size // 4 + 8 or span * width > STAGE_BYTES:
+            return False
+        self.staged = True
+        self.methods.add(Method.COPY_ENGINE)
+        buf = self._buffer(span * width)
+        bb = self.slots.block_bytes
+        src = rng.base + smin * bb + off
+        if width == bb:
+            cupy.cuda.runtime.memcpyAsync(buf[0], src, span * bb, _DEFAULT, self.stream.ptr)
+        else:
+            cupy.cuda.runtime.memcpy2DAsync(buf[0], width, src, bb, width, span, _DEFAULT,
+                                            self.stream.ptr)
+        # The kernel's slot i at buffer + (slot - smin) * width + (page offset - off).
+        self._launch(buf[0] - off, width, local - smin, rows, a, b, False, False)
+        buf[2] = self._kernel_stream.event()
+        return True
+
+    def _buffer(self, nbytes: int) -> list[Any]:
+        """The next staging buffer of the ring, once its last reader has run."""
+        if len(self._ring) < 2:
+            self._ring.append([0, 0, None])
+        buf = self._ring[self._turn % 2]
+        self._turn += 1
+        if buf[2] is not None:
+            self.stream.wait(buf[2])
+        if buf[1] < nbytes:
+            buf[0], buf[1] = self.staging.device(-(-nbytes // 8)), nbytes
+        return buf
 
     def _copy(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int, b: int,
               to_seg: bool) -> None:
@@ -207,6 +271,35 @@ class Mover:
             else:
                 cupy.cuda.runtime.memcpy2DAsync(dst, dp, src, sp, c.width, c.height, _DEFAULT,
                                                 st)
+
+    def stage_layers(self, slots: np.ndarray, rows: np.ndarray,
+                     groups: list[tuple[int, int]]) -> list[Any] | None:
+        """A per-layer get through the staging ring (_staged, layer by layer): per layer one
+        2-D copy-engine copy of that layer's pages of the slot range and a short kernel from
+        device memory; layer l's event follows its kernel on the kernel stream, while the copy
+        of layer l + 1 already runs. None (nothing enqueued) where _staged would refuse."""
+        d2d = self.slots.device_to_device
+        parts = self.slots.split(slots)
+        if not self.policy.staged or d2d or len(parts) != 1 or slots.size == 0:
+            return None
+        rng, pos, local = parts[0]
+        r = rows[pos]
+        lo, hi = groups[0][0], groups[-1][1]
+        if (len(uniform_runs(self.table.size, lo, hi)) != 1 or self.policy.method(
+                int(self.table.size[lo]), local.size * (groups[0][1] - groups[0][0]), d2d)
+                is not Method.KERNEL):
+            return None
+        span = int(local.max()) - int(local.min()) + 1
+        widest = max(int(self.table.size[a:b].sum()) for a, b in groups)
+        if span > local.size + local.size // 4 + 8 or span * widest > STAGE_BYTES:
+            return None
+        events = []
+        for g_lo, g_hi in groups:
+            if not self._staged(rng, local, r, g_lo, g_hi):
+                raise KvtierError("a staged layer was refused after its checks passed")
+            events.append(self._ring[(self._turn - 1) % 2][2])
+        events[-1] = self.event()                       # the last: everything, on the caller's
+        return events
 
     def move_layers(self, slots: np.ndarray, rows: np.ndarray, groups: list[tuple[int, int]],
                     to_seg: bool) -> list[Any] | None:
@@ -265,39 +358,39 @@ class Mover:
         events.append(self.stream.event())              # the last: everything, on the caller's
         return events
 
-    def _launch(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int, b: int,
-                to_seg: bool) -> None:
+    def _launch(self, base: int, bb: int, local: np.ndarray, rows: np.ndarray, a: int, b: int,
+                to_seg: bool, d2d: bool) -> None:
+        """The kernel over pages a..b: slot i at base + local[i] * bb + offset, on the
+        high-priority kernel stream (forked now, joined at the next event()) or the caller's."""
         n = local.size
         if n == 0:
             return
         self.methods.add(Method.KERNEL)
-        table, bb = self.table, self.slots.block_bytes
+        table = self.table
         if not self._tab:
             self._tab = self.staging.upload(table.staged())
-        vec = vector_bytes(rng.base, bb, table, a, b)
+        vec = vector_bytes(base, bb, table, a, b)
         vecs = int(table.size[a]) // vec
         idx = self.staging.upload(np.concatenate([local, rows]))
-        d2d = self.slots.device_to_device
         k = kernels.get("move_pages8" if vec == 8 else
                         "move_pages16_deep" if d2d else "move_pages16")
-        cap = self.policy.blocks(self.slots.device_to_device, sm_count(table.device))
-        lanes = None
+        cap = self.policy.blocks(d2d, sm_count(table.device))
         st = self.stream
         if self.policy.kernel_priority:        # forked after the uploads it reads
-            lanes = Lanes(self.stream, [own(table.device, f"kernel-{int(to_seg)}",
-                                            high_priority=True)])
-            st = lanes.sides[0]
+            st = own(table.device, f"kernel-{int(to_seg)}", high_priority=True)
+            Lanes(self.stream, [st])
+            if st not in self._pending:
+                self._pending.append(st)
+        self._kernel_stream = st
         with st.cupy:
             for l0, l1 in kernel_launches(n, b - a, vecs):
                 total = (l1 - l0) * (b - a) * vecs
                 grid = max(1, min(cap, -(-total // (8 * THREADS))))
                 k((grid,), (THREADS,),
-                  (np.uint64(rng.base), np.int64(bb), np.uint64(self._tab),
+                  (np.uint64(base % (1 << 64)), np.int64(bb), np.uint64(self._tab),
                    np.int32(table.pages), np.uint64(idx + 8 * l0),
                    np.uint64(idx + 8 * (n + l0)), np.int32(l1 - l0), np.int32(a),
                    np.int32(b - a), np.uint32(vecs), np.int32(1 if to_seg else 0)))
-        if lanes is not None:
-            lanes.join()
 
     def checksums(self, rows: np.ndarray, side: Stream) -> int:
         """xxh3-64 of engine blocks rows of the table, computed on the GPU on stream side

@@ -49,6 +49,7 @@ class TransferPolicy:
     small_batch_copies: int = 8
     kernel_priority: bool = True      # the kernel on a high-priority stream (streams.py)
     one_launch_layers: bool = True    # a per-layer get by one kernel launch (move_layers)
+    staged: bool = True               # host->GPU kernel moves through device staging
 
     def __post_init__(self) -> None:
         if self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0:

@@ -71,6 +71,7 @@ class Transfer:
         self.methods = {m.value for m in methods}
         self._staging = staging
         self.one_launch = False         # every layer of a per-layer get moved by one launch
+        self.staged = False             # host->GPU through device staging (device.Mover)
         self._finished = False
         self._error: BaseException | None = None
         self.result: Any = None
@@ -246,24 +247,25 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
                 slots = np.concatenate([rep.slots[i] for rep, _lo, i in found_at])
                 rows_ = np.concatenate([dst_rows[lo + i] for _rep, lo, i in found_at])
-                events = mover.move_layers(slots, rows_, groups, False) or []
+                events = (mover.stage_layers(slots, rows_, groups)
+                          or mover.move_layers(slots, rows_, groups, False) or [])
                 for g_lo, g_hi in groups if not events else ():
                     mover.move(slots, rows_, g_lo, g_hi, False)      # a launch per layer
-                    events.append(st.event())
+                    events.append(mover.event())
             elif error is None:
-                events.append(st.event())
+                events.append(mover.event())
         except BaseException as exc:
             error = exc
         if error is not None:
             # Launched copies may still read the leased slots: wait for them (this transfer's
             # own event), then end the leases.
-            settle(st)
+            mover.settle()
             if mover.one_launch:              # its layer waits read counters in the staging
                 settle(own(table.device, "layers-0"))
             GetTransfer(ns, [], staging, mover.methods, found, leases, table.device)._finish()
             raise error
         t = GetTransfer(ns, events, staging, mover.methods, found, leases, table.device)
-        t.one_launch = mover.one_launch
+        t.one_launch, t.staged = mover.one_launch, mover.staged
     ns._inflight.append(t)
     return t
 
@@ -316,9 +318,9 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
                     mover.move(slots, src_rows[lo:hi], g_lo, g_hi, True)
                 if side is not None and g == len(groups) - 1:
                     st.wait(side.event())      # the last event covers the hash's reads too
-                events.append(st.event())
+                events.append(mover.event())
         except BaseException as exc:
-            settle(st)                        # no launched write may land in aborted slots
+            mover.settle()                    # no launched write may land in aborted slots
             if side is not None:
                 settle(side)                  # nor the hash's output in a reused buffer
             for _lo, _hi, rid, _s in parts:
