@@ -139,7 +139,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gpu_copy_engine_bytes", "1MiB", _size,
             "a worker's CUDA transfers move pages at least this large by copy engines (no SMs "
             "taken from the model), smaller ones by an SM-bounded kernel", "bytes"),
-    Setting("gpu_kernel_blocks", 8, _int,
+    Setting("gpu_kernel_blocks", 16, _int,
             "thread blocks (so SMs, at most) of the transfer kernel between host and GPU"),
     Setting("gpu_device_kernel_blocks", 0, _int,
             "thread blocks of the HBM tier's device-to-device kernel; 0: two per SM"),
@@ -194,7 +194,7 @@ class Settings:
     hbm_reserve: str = "fixed"
     hbm_reserve_alpha: float = 0.7
     gpu_copy_engine_bytes: int = 1 << 20
-    gpu_kernel_blocks: int = 8
+    gpu_kernel_blocks: int = 16
     gpu_device_kernel_blocks: int = 0
     write_policy: str = "write_through"
     eviction: str = "lru"

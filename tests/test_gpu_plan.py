@@ -31,7 +31,7 @@ def test_policy_sends_large_pages_to_copy_engines_and_small_ones_to_the_bounded_
     assert p.method(16 << 10, 32768, device_to_device=False) is Method.KERNEL
     assert p.method(16 << 10, 1, device_to_device=False) is Method.COPY_ENGINE   # one block
     assert p.method(2 << 20, 1024, device_to_device=True) is Method.KERNEL       # HBM tier
-    assert p.blocks(False, 132) == 8 and p.blocks(True, 132) == 264
+    assert p.blocks(False, 132) == 16 and p.blocks(True, 132) == 264
     assert TransferPolicy(copy_engine_bytes=0).method(4096, 100, False) is Method.COPY_ENGINE
 
 

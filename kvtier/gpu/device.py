@@ -200,6 +200,10 @@ class Mover:
 
     def move(self, slots: np.ndarray, rows: np.ndarray, lo: int, hi: int, to_seg: bool) -> None:
         """Pages lo..hi of blocks: slots[i] <-> engine block rows[i], to the slots or from."""
+        if (slots.size == 1 and len(self.slots.ranges) == 1
+                and hi - lo <= self.policy.small_batch_copies):
+            self._one(int(slots[0]), int(rows[0]), lo, hi, to_seg)
+            return
         d2d = self.slots.device_to_device
         for rng, pos, local in self.slots.split(slots):
             r = rows[pos]
@@ -209,6 +213,18 @@ class Mover:
                     self._copy(rng, local, r, a, b, to_seg)
                 elif to_seg or d2d or not self._staged(rng, local, r, a, b):
                     self._launch(rng.base, self.slots.block_bytes, local, r, a, b, to_seg, d2d)
+
+    def _one(self, slot: int, row: int, lo: int, hi: int, to_seg: bool) -> None:
+        """One block, the latency case: a copy-engine call per page, no numpy."""
+        import cupy
+        self.methods.add(Method.COPY_ENGINE)
+        t, rng = self.table, self.slots.ranges[0]
+        seg0 = rng.base + (slot - rng.first) * self.slots.block_bytes
+        for p in range(lo, hi):
+            seg = seg0 + int(t.offset[p])
+            dev = int(t.base[p]) + row * int(t.stride[p])
+            src, dst = (dev, seg) if to_seg else (seg, dev)
+            cupy.cuda.runtime.memcpyAsync(dst, src, int(t.size[p]), _DEFAULT, self.stream.ptr)
 
     def _staged(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int,
                 b: int) -> bool:

@@ -44,7 +44,7 @@ class TransferPolicy:
     gpu_device_kernel_blocks; the README's GPU section gives the measurements behind them)."""
 
     copy_engine_bytes: int = 1 << 20
-    kernel_blocks: int = 8
+    kernel_blocks: int = 16
     device_kernel_blocks: int = 0     # 0: two per SM
     small_batch_copies: int = 8
     kernel_priority: bool = True      # the kernel on a high-priority stream (streams.py)
