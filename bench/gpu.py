@@ -255,8 +255,7 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     from kvtier.gpu import transfer
     from kvtier.gpu.plan import TransferPolicy
     for name, pol in (("one_launch", TransferPolicy(staged=False)),
-                      ("launch_per_layer", TransferPolicy(staged=False, one_launch_layers=False)),
-                      ("without_priority", TransferPolicy(kernel_priority=False))):
+                      ("launch_per_layer", TransferPolicy(staged=False, one_launch_layers=False))):
         transfer.set_policy(pol)
         try:
             res[f"layerwise_overlap_{name}"] = overlap(ns, keys, dst, rows,
