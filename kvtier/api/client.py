@@ -157,8 +157,8 @@ class NamespaceHandle:
         self.inline = inline
         self._seg: SegmentMap | None = None
         self._arr: np.ndarray | None = None
-        self._mapped: Any = None           # kvtier.gpu.MappedSegment, made on first CUDA use
-        self._ipc: Any = None              # kvtier.gpu.IpcPool of the service's HBM pools
+        self._mapped: Any = None           # kvtier.gpu.slots.MappedSegment, on first CUDA use
+        self._ipc: Any = None              # kvtier.gpu.slots.IpcPool: the service's HBM pools
         self._inflight: list[Any] = []     # kvtier.gpu.transfer.Transfer not yet finished
         self._hbm_info: dict[str, Any] | None = None
         self._generation = -1
@@ -230,11 +230,11 @@ class Namespace(NamespaceHandle):
             rows: np.ndarray | None = None, tier: str = "host") -> np.ndarray:
         """Store blocks under keys (two-phase: reserve, write, commit). Returns new versions.
 
-        ``blocks`` may be a CUDA tensor: the blocks are then copied by one scatter launch per
-        chunk from its rows (``rows[i]`` for key i, default 0..n-1) into the reserved slots,
-        and the service checksums them at commit (``verify`` applies to host inputs). With
-        tier="hbm" the slots are in the service's HBM pool (device to device); the service
-        writes the blocks through to host memory at commit.
+        ``blocks`` may be CUDA memory (a tensor of rows, ``rows[i]`` for key i, default
+        0..n-1, or Pages over CUDA tensors): put_async, waited; the checksums are computed on
+        the GPU and sent with the commit (``verify`` applies to host inputs). With tier="hbm"
+        the slots are in the service's HBM pools (device to device); the service writes the
+        blocks through to host memory at commit.
         """
         kb = pack_keys(keys, self.key_width)
         n = len(kb) // self.key_width
@@ -320,8 +320,9 @@ class Namespace(NamespaceHandle):
         """Copy the blocks of keys into out (or a new (n, block_bytes) array).
 
         Returns (found mask, out as a uint8 array view). Missing blocks leave zeroed rows.
-        ``out`` may be a CUDA tensor: one gather launch copies the leased slots into its rows
-        (``rows[i]`` for key i, default 0..n-1; missing blocks leave their rows untouched).
+        ``out`` may be CUDA memory (a tensor of rows or Pages, as get_async takes): get_async,
+        waited (``rows[i]`` for key i, default 0..n-1; missing blocks leave their rows
+        untouched).
         The slots were checksummed at commit and cannot change while leased; ``verify=True``
         re-hashes the copy (host outputs only; see the module docstring). With tier="hbm" (CUDA
         outputs) the service leases the blocks in its HBM pool, bringing up the ones that are
