@@ -169,7 +169,6 @@ def put(ns: "Namespace", kb: bytes, n: int, parents: bytes | None,
     return versions
 
 
-
 def commit_replies(ns: "Namespace", commit_ids: list[tuple[int, int, int]], n: int
                    ) -> tuple[np.ndarray, int, KvtierError | None]:
     """Read every commit reply of (lo, hi, request id): the versions, how many blocks were
