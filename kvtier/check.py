@@ -56,7 +56,14 @@ def check(data_dir: str | Path, repair: bool = False) -> Report:
     cat = Catalog(data_dir / "meta")
     rep = Report()
     try:
-        for ns in cat.namespaces():
+        namespaces = cat.namespaces()
+        for raw_name, why in cat.damaged.items():
+            rep.damage.append({"namespace": raw_name.decode("utf-8", "backslashreplace"),
+                               "key": None, "problem": "namespace_record", "detail": why})
+            if repair:
+                cat.quarantine_namespace(raw_name)     # moved aside in LMDB, not deleted
+                rep.repaired += 1
+        for ns in namespaces:
             rep.namespaces += 1
             nsdir = data_dir / "nvme" / f"ns-{ns.ns_id}"
             keys, recs, malformed = cat.load(ns.ns_id, ns.key_width)

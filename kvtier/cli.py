@@ -69,6 +69,10 @@ async def _serve(settings: Settings) -> int:
     print(f"kvtier: admin {admin.url if admin else 'disabled'}", flush=True)
     if hbm_note:
         print(f"kvtier: {hbm_note}", flush=True)
+    for name, why in engine.catalog.damaged.items():
+        print(f"kvtier: warning: namespace record {name!r} in {engine.catalog.path} is damaged "
+              f"({why}) and was skipped; stop the service and run `kvtier check --repair "
+              f"--data-dir {settings.data_dir}` to quarantine it", flush=True)
     thp = shmem_huge_pages()
     if thp in ("never", "deny"):
         print(f"kvtier: note: the host tier is in 4 KiB pages (shmem_enabled is {thp}); with "

@@ -39,7 +39,7 @@ from typing import Any, Callable, cast
 import numpy as np
 
 from kvtier.checksums import block_checksums
-from kvtier.coherence import persist, reserve
+from kvtier.coherence import admission, persist, reserve
 from kvtier.coherence.namespace import (EngineCounters, GetResult, Lease, Namespace,
                                         Reservation, SlotState, add_one)
 from kvtier.coherence.eviction import Eviction
@@ -164,7 +164,7 @@ class Engine(Eviction, Transfers, FastPath, Holds):
         if block_bytes > self.settings.host_capacity:
             raise CapacityError(f"block_bytes {block_bytes} exceeds host_capacity "
                                 f"{self.settings.host_capacity}; raise host_capacity")
-        layout = dict(layout or {})
+        layout = admission.layout(layout)
         with self.lock:
             ns = self.namespaces.get(name)
             if ns is not None:

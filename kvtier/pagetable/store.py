@@ -4,6 +4,13 @@ Databases in one environment (``<data_dir>/meta``):
 
     namespaces        name -> msgpack {id, block_bytes, key_width, layout}
     ns:<id>           key -> fixed 40 + key_width bytes (RECORD below)
+    meta              small service metadata (HBM demand history)
+    quarantine        "<db>/<key>" -> a damaged value moved aside by `kvtier check --repair`
+
+Namespace records are read back with the decoder rules of the socket frames they came from
+(``strict_map_key=False``): a map with integer keys written by an older service reads again.
+A record that does not decode is skipped and listed in ``Catalog.damaged``; it never keeps the
+other namespaces from opening, and its id is never given to a new namespace.
 
 A record is written only for a version whose bytes are already in a segment and fdatasync'ed
 (coherence.flush orders this); one write transaction per flush batch. Because every value of a
@@ -30,7 +37,8 @@ from kvtier.errors import DataDirError, NamespaceError, StorageError
 T = TypeVar("T")
 
 _INITIAL_MAP = 64 << 20
-_MAX_NAMESPACES = 1000
+MAX_NAMESPACES = 1000          # the store's ceiling; the service's own is max_namespaces
+_OWN_DBS = ("namespaces", "meta", "quarantine")
 
 
 def record_dtype(key_width: int) -> np.dtype:
@@ -61,15 +69,20 @@ class Catalog:
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=_MAX_NAMESPACES + 1,
-                                 subdir=True, sync=True, metasync=True, lock=True)
+            # max_dbs counts every named database: one per namespace and the catalog's own
+            # (MDB_DBS_FULL at the 1,000th namespace when it counted only the namespaces).
+            self.env = lmdb.open(str(self.path), map_size=map_size,
+                                 max_dbs=MAX_NAMESPACES + len(_OWN_DBS), subdir=True, sync=True,
+                                 metasync=True, lock=True)
         except (OSError, lmdb.Error) as exc:
             raise DataDirError(f"cannot open LMDB under {self.path}: {exc}; check that data_dir "
                                "is writable and not on a network file system") from None
         self._ns_db = self.env.open_db(b"namespaces")
         self._meta_db = self.env.open_db(b"meta")
+        self._quarantine_db = self.env.open_db(b"quarantine")
         self._dbs: dict[int, Any] = {}
         self.map_grows = 0
+        self.damaged: dict[bytes, str] = {}   # namespace record name -> why it was skipped
 
     # ------------------------------------------------------------------ transactions
 
@@ -95,17 +108,17 @@ class Catalog:
     # ------------------------------------------------------------------ namespaces
 
     def namespaces(self) -> list[NamespaceRecord]:
+        """Every readable namespace record; damaged ones are skipped into ``self.damaged``."""
         out = []
+        damaged: dict[bytes, str] = {}
         with self.env.begin(db=self._ns_db) as txn:
             for name, raw in txn.cursor():
                 try:
-                    d = msgpack.unpackb(raw)
-                    out.append(NamespaceRecord(name.decode(), int(d["id"]), int(d["block_bytes"]),
-                                               int(d["key_width"]), dict(d.get("layout") or {})))
-                except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-                    raise DataDirError(
-                        f"namespace record {name!r} in {self.path} is damaged; run "
-                        "`kvtier check --repair`") from None
+                    out.append(_namespace_record(name, raw))
+                except (ValueError, KeyError, TypeError, UnicodeDecodeError, msgpack.ExtraData,
+                        msgpack.FormatError, msgpack.StackError) as exc:
+                    damaged[bytes(name)] = f"{type(exc).__name__}: {exc}"
+        self.damaged = damaged
         return out
 
     def add_namespace(self, name: str, block_bytes: int, key_width: int,
@@ -113,14 +126,42 @@ class Catalog:
         existing = {r.name: r for r in self.namespaces()}
         if name in existing:
             return existing[name]
-        if len(existing) >= _MAX_NAMESPACES:
-            raise NamespaceError(f"at most {_MAX_NAMESPACES} namespaces per data directory")
-        ns_id = max((r.ns_id for r in existing.values()), default=0) + 1
+        if name.encode() in self.damaged:
+            raise DataDirError(f"the record of namespace {name!r} in {self.path} is damaged "
+                               f"({self.damaged[name.encode()]}); stop the service and run `kvtier check "
+                               "--repair` to quarantine it, then create the namespace again")
+        if len(existing) + len(self.damaged) >= MAX_NAMESPACES:
+            raise NamespaceError(f"at most {MAX_NAMESPACES} namespaces per data directory")
+        ns_id = max(self._taken_ids() | {r.ns_id for r in existing.values()}, default=0) + 1
         rec = NamespaceRecord(name, ns_id, block_bytes, key_width, layout)
         value = msgpack.packb({"id": ns_id, "block_bytes": block_bytes, "key_width": key_width,
                                "layout": layout})
+        self._db(ns_id)         # its records' database exists before any put is acknowledged
         self._write(lambda txn: txn.put(name.encode(), value, db=self._ns_db))
         return rec
+
+    def _taken_ids(self) -> set[int]:
+        """Namespace ids in use by a database or a segment directory, readable record or not:
+        a new namespace must never inherit a damaged one's records or segments."""
+        ids: set[int] = set()
+        with self.env.begin() as txn:
+            for dbname, _ in txn.cursor():
+                if dbname.startswith(b"ns:") and dbname[3:].isdigit():
+                    ids.add(int(dbname[3:]))
+        nvme = self.path.parent / "nvme"
+        if nvme.is_dir():
+            ids.update(int(p.name[3:]) for p in nvme.iterdir()
+                       if p.name.startswith("ns-") and p.name[3:].isdigit())
+        return ids
+
+    def quarantine_namespace(self, key: bytes) -> None:
+        """Move a damaged namespace record aside (``quarantine`` database), never delete it."""
+        def move(txn: lmdb.Transaction) -> None:
+            raw = txn.get(key, db=self._ns_db)
+            if raw is not None:
+                txn.put(b"namespaces/" + key, raw, db=self._quarantine_db)
+                txn.delete(key, db=self._ns_db)
+        self._write(move)
 
     # ------------------------------------------------------------------ service metadata
 
@@ -192,6 +233,15 @@ class Catalog:
 
     def close(self) -> None:
         self.env.close()
+
+
+def _namespace_record(name: bytes, raw: bytes) -> NamespaceRecord:
+    d = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    layout = d.get("layout") or {}
+    if not isinstance(layout, dict):
+        raise TypeError("layout is not a map")
+    return NamespaceRecord(name.decode(), int(d["id"]), int(d["block_bytes"]),
+                           int(d["key_width"]), dict(layout))
 
 
 def check_writable(path: Path) -> None:

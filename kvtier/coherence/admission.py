@@ -1,0 +1,108 @@
+"""What a connected peer may ask of the service: checked before anything is allocated or stored.
+
+Any process of an allowed uid can reach the socket, so every request that makes the service
+allocate or persist something is bounded here, with an error that names the setting to change
+(issue 20):
+
+    layout       a namespace's layout metadata is JSON-like (string keys; str, int, float,
+                 bool, None, lists and maps), at most LAYOUT_BYTES packed and LAYOUT_DEPTH
+                 deep. It is stored in LMDB and read back at every start, so a value msgpack
+                 can carry but the catalog cannot read back (a map with integer keys, as the
+                 frame decoder's strict_map_key=False allows) once made the data directory
+                 unusable.
+    slots        a namespace's host pool costs 13 bytes of slot metadata per slot (slot_row,
+                 leases, retired; coherence.namespace) plus the page table's rows, allocated
+                 at create and at every start: block_bytes=1 at a 64 MiB tier asked ~786 MB
+                 under the engine lock. max_host_slots bounds it.
+    namespaces   each costs a memfd, segment files and page-table arrays; max_namespaces
+                 bounds their number (LMDB's max_dbs is sized from the store's ceiling).
+
+These functions hold no state; the engine and the server call them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+
+from kvtier.errors import BadRequest, CapacityError, NamespaceError
+
+LAYOUT_BYTES = 4096            # a layout describes a model (dtype, layers, heads...): tiny
+LAYOUT_DEPTH = 4
+LAYOUT_KEY_CHARS = 128
+LAYOUT_ENTRIES = 256           # items of one map or list
+SLOT_METADATA_BYTES = 13       # per host slot: int64 slot_row + uint32 leases + bool retired
+
+
+def layout(value: Any) -> dict[str, Any]:
+    """A validated copy of a namespace layout; BadRequest naming the offending part."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"layout must be a map of strings to JSON-like values, got "
+                         f"{type(value).__name__}")
+    _check_value(value, "layout", 0)
+    size = len(msgpack.packb(value, use_bin_type=True))
+    if size > LAYOUT_BYTES:
+        raise BadRequest(f"layout is {size} bytes packed; at most {LAYOUT_BYTES}: keep "
+                         "per-block data out of the namespace layout")
+    return dict(value)
+
+
+def _check_value(value: Any, where: str, depth: int) -> None:
+    if value is None or isinstance(value, (bool, str)):
+        if isinstance(value, str) and len(value) > LAYOUT_BYTES:
+            raise BadRequest(f"{where} is a string of {len(value)} characters; the whole "
+                             f"layout is at most {LAYOUT_BYTES} bytes")
+        return
+    if isinstance(value, int):
+        if not -(1 << 63) <= value < (1 << 64):
+            raise BadRequest(f"{where} is an integer outside 64 bits")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise BadRequest(f"{where} is {value!r}; layout numbers must be finite (JSON)")
+        return
+    if depth >= LAYOUT_DEPTH and isinstance(value, (list, tuple, dict)):
+        raise BadRequest(f"{where} nests deeper than {LAYOUT_DEPTH} levels")
+    if isinstance(value, (list, tuple)):
+        if len(value) > LAYOUT_ENTRIES:
+            raise BadRequest(f"{where} has {len(value)} items; at most {LAYOUT_ENTRIES}")
+        for i, item in enumerate(value):
+            _check_value(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        if len(value) > LAYOUT_ENTRIES:
+            raise BadRequest(f"{where} has {len(value)} entries; at most {LAYOUT_ENTRIES}")
+        for k, item in value.items():
+            if not isinstance(k, str):
+                raise BadRequest(f"{where} has a key {k!r} of type {type(k).__name__}; layout "
+                                 "keys are strings (JSON objects)")
+            if not 0 < len(k) <= LAYOUT_KEY_CHARS:
+                raise BadRequest(f"{where} has a key of {len(k)} characters; keys are 1 to "
+                                 f"{LAYOUT_KEY_CHARS}")
+            _check_value(item, f"{where}[{k!r}]", depth + 1)
+        return
+    raise BadRequest(f"{where} is of type {type(value).__name__}; layout values are strings, "
+                     "numbers, booleans, null, lists and maps")
+
+
+def host_slots(block_bytes: int, host_capacity: int, max_host_slots: int) -> int:
+    """The host pool's slot count for a new namespace, or CapacityError naming the settings."""
+    n = host_capacity // block_bytes
+    if n > max_host_slots:
+        least = -(-host_capacity // max_host_slots)
+        raise CapacityError(
+            f"block_bytes={block_bytes} at host_capacity={host_capacity} needs {n:,} host slots "
+            f"(~{n * SLOT_METADATA_BYTES >> 20} MiB of slot metadata); max_host_slots is "
+            f"{max_host_slots:,}: use blocks of at least {least} bytes, or raise max_host_slots")
+    return n
+
+
+def namespace_count(existing: int, max_namespaces: int) -> None:
+    if existing >= max_namespaces:
+        raise NamespaceError(f"this service holds {existing} namespaces, max_namespaces is "
+                             f"{max_namespaces}: delete unused ones' data or raise "
+                             "max_namespaces")
