@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -34,6 +35,7 @@ def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = load(args.config, overrides=_overrides(args))
+    os.umask(0o077)      # whatever the service creates is its user's alone (issue 20, item 13)
     from kvtier.memory import tune_malloc
     tune_malloc()
     try:

@@ -154,3 +154,178 @@ def test_the_documented_thousand_namespaces_survive_a_restart(tmp_path):
             cat.add_namespace("one-too-many", BB, 16, {})
     finally:
         cat.close()
+
+
+# ---------------------------------------------------------------------- item 13: file modes
+
+def test_no_file_of_the_data_directory_is_readable_by_other_users(tmp_path):
+    svc = _svc(tmp_path).start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            c.namespace("m", block_bytes=BB).put(keys(range(3)), blocks(3, BB))
+        loose = []
+        for root, dirs, files in os.walk(svc.data_dir):
+            for name in dirs + files:
+                p = Path(root) / name
+                mode = p.lstat().st_mode
+                if stat.S_ISSOCK(mode):
+                    continue                       # the socket: 0600 (test_api)
+                if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                    loose.append(f"{p.relative_to(svc.data_dir)} {stat.filemode(mode)}")
+        assert loose == []
+        assert svc.data_dir.stat().st_mode & 0o077 == 0
+    finally:
+        svc.stop()
+
+
+def test_an_older_directory_with_open_modes_is_tightened_at_start(tmp_path):
+    svc = _svc(tmp_path).start()
+    svc.stop()
+    for p in [svc.data_dir / "meta", svc.data_dir / "meta" / "data.mdb",
+              svc.data_dir / "meta" / "lock.mdb"]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    svc.start()
+    svc.stop()
+    assert (svc.data_dir / "meta").stat().st_mode & 0o077 == 0
+    assert (svc.data_dir / "meta" / "data.mdb").stat().st_mode & 0o077 == 0
+    assert (svc.data_dir / "meta" / "lock.mdb").stat().st_mode & 0o077 == 0
+
+
+# ---------------------------------------------------------------------- items 11, 12, 14: admin
+
+def _http(port: int, head: str, body: bytes = b"", timeout: float = 10.0) -> tuple[int, bytes]:
+    """One raw HTTP/1.1 exchange; returns (status, body). The caller writes every header."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head_part, _, rest = data.partition(b"\r\n\r\n")
+        status = int(head_part.split()[1]) if head_part else 0
+        length = next((int(line.split(b":")[1]) for line in head_part.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), None)
+        while length is not None and len(rest) < length:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+        return status, rest
+
+
+@pytest.fixture
+def admin_svc(tmp_path):
+    svc = _svc(tmp_path, admin_token="s3cret-token").start()
+    yield svc
+    svc.stop()
+
+
+def test_an_oversized_unauthenticated_body_is_refused_before_it_is_read(admin_svc):
+    """200 MiB announced, nothing sent: the 401 must come from the headers alone (before the fix
+    the server waited for the body, and buffered it all when it came)."""
+    status, _ = _http(admin_svc.port, f"POST /v1/flush HTTP/1.1\nHost: 127.0.0.1:{admin_svc.port}"
+                      f"\nContent-Type: application/json\nContent-Length: {200 << 20}\n")
+    assert status == 401
+    status, body = _http(admin_svc.port,
+                         f"POST /v1/flush HTTP/1.1\nHost: 127.0.0.1:{admin_svc.port}\n"
+                         "Authorization: Bearer s3cret-token\nContent-Type: application/json\n"
+                         f"Content-Length: {200 << 20}\n")
+    assert status == 413 and b"admin_max_body" in body
+    status, body = _http(admin_svc.port,
+                         f"POST /v1/flush HTTP/1.1\nHost: 127.0.0.1:{admin_svc.port}\n"
+                         "Authorization: Bearer s3cret-token\nContent-Type: application/json\n"
+                         "Content-Length: 2\n", b"{}")
+    assert status == 200 and b"flushed" in body
+
+
+def test_a_chunked_body_over_the_cap_is_cut_off(admin_svc):
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(8)) + b"0\r\n\r\n"
+    status, text = _http(admin_svc.port,
+                         f"POST /v1/flush HTTP/1.1\nHost: 127.0.0.1:{admin_svc.port}\n"
+                         "Authorization: Bearer s3cret-token\nContent-Type: application/json\n"
+                         "Transfer-Encoding: chunked\n", body)
+    assert status == 413 and b"admin_max_body" in text
+
+
+def test_the_token_must_match_exactly(admin_svc):
+    for auth in ["Bearer s3cret-token ", "Bearer  s3cret-token", "Bearer s3cret-token\t",
+                 "bearer s3cret-token", "Bearer s3cret-tokenX", "Bearer"]:
+        status, _ = _http(admin_svc.port,
+                          f"POST /v1/flush HTTP/1.1\nHost: 127.0.0.1:{admin_svc.port}\n"
+                          f"Authorization: {auth}\nContent-Length: 0\n")
+        assert status == 401, auth
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1.nip.io",
+                                  "localhost.evil.example:{port}", ""])
+def test_a_forged_host_header_is_refused_on_every_endpoint(admin_svc, host):
+    """DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 sends
+    Host: evil.example; only the bound address, IP literals and localhost names are served."""
+    host = host.format(port=admin_svc.port)
+    for path in ["/v1/stats", "/v1/clients", "/v1/namespaces", "/metrics", "/", "/healthz"]:
+        line = f"Host: {host}\n" if host else ""
+        status, _ = _http(admin_svc.port, f"GET {path} HTTP/1.1\n{line}")
+        assert status in (400, 421), (path, status)
+    for ok in [f"127.0.0.1:{admin_svc.port}", f"localhost:{admin_svc.port}", "localhost",
+               "127.0.0.1"]:
+        status, _ = _http(admin_svc.port, f"GET /v1/clients HTTP/1.1\nHost: {ok}\n")
+        assert status == 200, ok
+
+
+@pytest.mark.skipif(__import__("shutil").which("chromium") is None,
+                    reason="chromium is installed by .ci/run")
+def test_dns_rebinding_from_headless_chromium_reads_nothing(admin_svc, tmp_path):
+    """A real browser, its resolver told that rebind.test is 127.0.0.1 (what a rebinding DNS
+    server does after the page has loaded): the page may not read the admin API."""
+    import shutil
+    import subprocess
+    with kvtier.Client(admin_svc.socket, name="victim-worker"):
+        out = subprocess.run(
+            [shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu",
+             f"--user-data-dir={tmp_path / 'chromium'}",
+             "--host-resolver-rules=MAP rebind.test 127.0.0.1", "--dump-dom",
+             f"http://rebind.test:{admin_svc.port}/v1/clients"],
+            capture_output=True, text=True, timeout=120)
+    assert "victim-worker" not in out.stdout and '"pid"' not in out.stdout
+    assert "Host" in out.stdout                   # the refusal says why
+
+
+def test_a_release_parked_for_a_closed_connection_leaves_no_unretrieved_error(tmp_path):
+    """Releases that wait for the engine lock and whose connection then closes: their
+    LeaseError must not surface as 'Future exception was never retrieved', nor shutdown leave
+    'coroutine ... was never awaited'."""
+    import socket
+    import threading
+    svc = _svc(tmp_path, host_capacity="32MiB", nvme_capacity="256MiB").start()
+    stop = threading.Event()
+
+    def writer() -> None:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("busy", block_bytes=1 << 20)
+            data = blocks(8, 1 << 20)
+            i = 0
+            while not stop.is_set():
+                ns.put(keys(range(i, i + 8)), data)       # write_through: holds the lock
+                i = (i + 8) % 64
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        frames = b"".join(P.pack({"id": i, "op": "release", "lease": 10**9 + i})
+                          for i in range(64))
+        for _ in range(150):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(svc.socket))
+            s.sendall(P.pack({"id": 0, "op": "hello", "version": 1}) + frames)
+            s.close()                                     # gone before its replies
+    finally:
+        stop.set()
+        t.join()
+        svc.stop()
+    log = svc.output()
+    assert "never retrieved" not in log and "never awaited" not in log
+    assert "Traceback" not in log

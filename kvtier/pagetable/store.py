@@ -68,12 +68,13 @@ class Catalog:
     def __init__(self, path: Path, map_size: int = _INITIAL_MAP) -> None:
         self.path = Path(path)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
             # max_dbs counts every named database: one per namespace and the catalog's own
             # (MDB_DBS_FULL at the 1,000th namespace when it counted only the namespaces).
             self.env = lmdb.open(str(self.path), map_size=map_size,
                                  max_dbs=MAX_NAMESPACES + len(_OWN_DBS), subdir=True, sync=True,
-                                 metasync=True, lock=True)
+                                 metasync=True, lock=True, mode=0o600)
+            _private(self.path, ("data.mdb", "lock.mdb"))
         except (OSError, lmdb.Error) as exc:
             raise DataDirError(f"cannot open LMDB under {self.path}: {exc}; check that data_dir "
                                "is writable and not on a network file system") from None
@@ -244,10 +245,24 @@ def _namespace_record(name: bytes, raw: bytes) -> NamespaceRecord:
                            int(d["key_width"]), dict(layout))
 
 
+def _private(directory: Path, files: tuple[str, ...]) -> None:
+    """Mode 0700 on a directory of ours and 0600 on the named files in it: LMDB holds every
+    namespace's name, layout, keys, versions and checksums, which other uids must not read
+    (issue 20: data.mdb was 0644 in a 0755 directory). Directories made by an older kvtier are
+    tightened at start. Best effort on a file system without modes; never follows a link."""
+    try:
+        os.chmod(directory, 0o700, follow_symlinks=False)
+        for name in files:
+            if (directory / name).exists():
+                os.chmod(directory / name, 0o600, follow_symlinks=False)
+    except (NotImplementedError, PermissionError):
+        pass
+
+
 def check_writable(path: Path) -> None:
     """Raise DataDirError with a clear message when path cannot be created or written."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
         raise DataDirError(f"cannot create data_dir {path}: {exc.strerror}; choose a writable "
                            "directory with --data-dir or KVTIER_DATA_DIR") from None
@@ -255,6 +270,15 @@ def check_writable(path: Path) -> None:
         raise DataDirError(f"data_dir {path} exists and is not a directory")
     # Try a real write rather than os.access(): root passes access() on a read-only mount or an
     # immutable directory, and then fails later with a less helpful error.
+    _private(path, ())
+    for sub in ("meta", "nvme"):
+        if (path / sub).is_dir() and not (path / sub).is_symlink():
+            _private(path / sub, ())
+    nvme = path / "nvme"
+    if nvme.is_dir() and not nvme.is_symlink():
+        for d in nvme.iterdir():
+            if d.is_dir() and not d.is_symlink() and d.name.startswith("ns-"):
+                _private(d, ())
     probe = path / ".kvtier-write-probe"
     try:
         probe.write_bytes(b"")

@@ -161,7 +161,7 @@ class SegmentLog:
         if self.direct and type(self.backend) is PosixBackend and Aio.available():
             self._aio = Aio(depth=aio_depth)       # requests in flight at most (a window)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
             raise DataDirError(f"cannot create NVMe directory {self.dir}: {exc.strerror}; "
                                "check that data_dir exists and is writable") from None
