@@ -128,6 +128,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("socket", "", _str, "Unix socket path; empty: <data_dir>/run/kvtier.sock"),
     Setting("admin", "127.0.0.1:8787", _hostport, "admin REST HOST:PORT; empty string disables"),
     Setting("admin_token", "", _str, "bearer token for POST /v1/flush and /v1/evict"),
+    Setting("admin_hosts", "", _str,
+            "comma-separated host names the admin API answers to besides IP literals and "
+            "localhost (any other Host header gets 421: a guard against DNS rebinding)"),
+    Setting("admin_max_body", "64KiB", _size,
+            "largest admin request body (they are small JSON); larger gets 413 unread",
+            "bytes"),
     Setting("host_capacity", "1GiB", _size, "shared host-tier bytes, all namespaces", "bytes"),
     Setting("nvme_capacity", "16GiB", _size, "NVMe log bytes, all namespaces; 0 disables", "bytes"),
     Setting("hbm_capacity", "0", _size, "HBM pool bytes per GPU; ignored without CUDA", "bytes"),
@@ -188,6 +194,8 @@ class Settings:
     socket: str = ""
     admin: str = "127.0.0.1:8787"
     admin_token: str = ""
+    admin_hosts: str = ""
+    admin_max_body: int = 64 << 10
     host_capacity: int = 1 << 30
     nvme_capacity: int = 16 << 30
     hbm_capacity: int = 0

@@ -1,7 +1,9 @@
 """The admin REST API (FastAPI), served by uvicorn inside the service's event loop.
 
 Read endpoints need no token; the two mutations (POST /v1/flush, POST /v1/evict) need
-``Authorization: Bearer <admin_token>``. Without a configured token the service binds loopback
+exactly ``Authorization: Bearer <admin_token>``. In the service the app runs behind
+api.admin_guard: forged Host headers (DNS rebinding), unauthenticated mutations and oversized
+bodies are refused there, before any body is read. Without a configured token the service binds loopback
 only and writes a random token to <data_dir>/admin.token (mode 0600); binding another address
 without a token is refused at start. The app is a thin façade: every number comes from
 Engine.stats(), the server's client table or the Metrics object.
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import ipaddress
 import os
 import secrets
@@ -26,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
+from kvtier.api.admin_guard import AdminGuard, token_matches
 from kvtier.api.metrics import Metrics
 from kvtier.config import Settings, parse_hostport
 from kvtier.errors import ConfigError, KvtierError, NamespaceError
@@ -124,9 +126,7 @@ def build_app(engine: Any, server: Any, settings: Settings, metrics: Metrics,
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def need_token(authorization: str | None = Header(None)) -> None:
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not authorization or not authorization.startswith("Bearer ") or not \
-                hmac.compare_digest(given.encode(), token.encode()):
+        if not token_matches(authorization, token):
             raise HTTPException(401, "missing or wrong bearer token; see admin_token or "
                                      "<data_dir>/admin.token",
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -243,7 +243,9 @@ class AdminServer:
         metrics.bind(server.stats)
         self.app = build_app(engine, server, settings, metrics, self.history, self.token,
                              self.ready)
-        cfg = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
+        guarded = AdminGuard(self.app, self.token, settings.admin_max_body,
+                             tuple(settings.admin_hosts.split(",")))
+        cfg = uvicorn.Config(guarded, host=self.host, port=self.port, log_level="warning",
                              lifespan="off", access_log=False)
         self._uv = uvicorn.Server(cfg)
         self._uv.install_signal_handlers = lambda: None   # the service owns SIGTERM/SIGINT

@@ -145,10 +145,22 @@ class Server:
         os.chmod(self.path, mode)
         self._spawn(self._housekeeping())
 
-    def _spawn(self, aw: Awaitable[Any], name: str | None = None) -> None:
+    def _spawn(self, aw: Awaitable[Any], name: str | None = None) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(_awaited(aw), name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """A background task's failure is logged here, once: nobody else awaits it (issue 20:
+        'Future exception was never retrieved' for a release whose connection had closed)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            if isinstance(exc, KvtierError):
+                log.info("%s: %s", task.get_name(), exc)
+            else:
+                log.error("%s failed", task.get_name(), exc_info=exc)
 
     async def _housekeeping(self) -> None:
         """Expire stalled reservations and leases; flush under write_back."""
@@ -174,7 +186,10 @@ class Server:
             await self._server.wait_closed()
         await asyncio.sleep(0)
         for t in list(self._tasks):
-            if not (t.get_name() or "").startswith("release-owner"):
+            # Releases of closed connections and replies in flight run to their end (their
+            # engine calls are on threads anyway); cancelling a reply task before it started
+            # left its op's coroutine never awaited.
+            if not (t.get_name() or "").startswith(("release-owner", "reply-")):
                 t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         loop = asyncio.get_running_loop()
@@ -486,9 +501,9 @@ class _Connection(asyncio.Protocol):
         self.client = self.server._connection_made(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # A reply in flight is not cancelled: it finishes (its engine call holds or releases
+        # what it must, its error is retrieved) and _finish drops it unwritten.
         self.closed = True
-        if self.task is not None:
-            self.task.cancel()
         self.server._connection_lost(self)
 
     def pause_writing(self) -> None:
@@ -534,7 +549,8 @@ class _Connection(asyncio.Protocol):
                                            or not self.transport.get_write_buffer_size()):
                 self._write(out, t0)
             else:
-                self.task = asyncio.get_running_loop().create_task(self._finish(out, t0))
+                self.task = self.server._spawn(self._finish(out, t0),
+                                               name=f"reply-{self.client.cid}")
         if self.eof and not self._busy():
             self.closed = True
             self.transport.close()            # after the replies already written
