@@ -173,7 +173,19 @@ SETTINGS: tuple[Setting, ...] = (
             "after each request the socket loop polls, not sleeps, this long (a waiting worker's "
             "next request is read at once; costs up to a core while clients are active); 0: off",
             "us"),
-    Setting("max_frame", "64MiB", _size, "largest socket frame accepted", "bytes"),
+    Setting("max_frame", "64MiB", _size, "largest socket frame accepted, and largest reply "
+            "(an inline get of more bytes is refused)", "bytes"),
+    Setting("max_buffered", "256MiB", _size,
+            "socket bytes of partly received frames, all connections together; the connection "
+            "that would pass it is closed (a peer sending half frames cannot grow the service "
+            "without bound)", "bytes"),
+    Setting("max_host_slots", 1 << 20, _int,
+            "host slots per namespace (host_capacity / block_bytes) at most: each costs 17 bytes "
+            "of metadata at create and every start (block_bytes=1 at 64 MiB asked ~1 GB); "
+            "a namespace needing more is refused"),
+    Setting("max_namespaces", 1000, _int,
+            "namespaces per service at most; each costs a memfd, segment files and table "
+            "memory (1,000 is also LMDB's ceiling here)"),
     Setting("redis", "", _str, "shared remote tier: a Redis URL, or several comma-separated "
             "(sharded by consistent hashing); empty disables it"),
     Setting("redis_cluster", False, _bool, "the redis URL is a Redis Cluster node"),
@@ -219,6 +231,9 @@ class Settings:
     io_threads: int = 4
     busy_poll_us: float = 1000.0
     max_frame: int = 64 << 20
+    max_buffered: int = 256 << 20
+    max_host_slots: int = 1 << 20
+    max_namespaces: int = 1000
     redis: str = ""
     redis_cluster: bool = False
     redis_ttl: float = 0.0
@@ -265,6 +280,13 @@ def make_settings(values: dict[str, Any]) -> Settings:
                           "2.1)")
     if out["gpu_kernel_blocks"] < 1:
         raise ConfigError("gpu_kernel_blocks: must be at least 1")
+    if not 1 <= out["max_namespaces"] <= 1000:
+        raise ConfigError("max_namespaces: 1 to 1000 (the LMDB catalog's ceiling)")
+    if out["max_host_slots"] < 1:
+        raise ConfigError("max_host_slots: must be at least 1")
+    if out["max_buffered"] < out["max_frame"]:
+        raise ConfigError(f"max_buffered ({out['max_buffered']}) must be at least max_frame "
+                          f"({out['max_frame']}): one whole frame has to fit")
     if out["io_threads"] < 1:
         raise ConfigError("io_threads: must be at least 1")
     return Settings(**out)

@@ -335,3 +335,93 @@ def test_a_release_parked_for_a_closed_connection_leaves_no_unretrieved_error(tm
     log = svc.output()
     assert "never retrieved" not in log and "never awaited" not in log
     assert "Traceback" not in log
+
+
+# ---------------------------------------------------------------------- items 7, 8: memory
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_namespace_whose_slot_metadata_would_be_huge_is_refused(tmp_path):
+    """block_bytes=1 at a 64 MiB host tier: 67M slots, ~1 GB of metadata before the fix."""
+    svc = _svc(tmp_path, host_capacity="64MiB").start()
+    try:
+        before = _rss(svc.proc.pid)
+        reply = _ns_create(svc.socket, name="tiny", block_bytes=1)
+        assert reply["ok"] is False and reply["error"]["code"] == "capacity"
+        assert "max_host_slots" in reply["error"]["message"]
+        assert _rss(svc.proc.pid) - before < 64 << 20
+        assert _ns_create(svc.socket, name="ok", block_bytes=64)["ok"] is True   # 1 Mi slots
+    finally:
+        svc.stop()
+
+
+def test_the_namespace_count_is_bounded_by_a_setting(tmp_path):
+    svc = _svc(tmp_path, max_namespaces=3, nvme_capacity="0").start()
+    try:
+        for i in range(3):
+            assert _ns_create(svc.socket, name=f"n{i}", block_bytes=BB)["ok"] is True
+        reply = _ns_create(svc.socket, name="n3", block_bytes=BB)
+        assert reply["ok"] is False and "max_namespaces" in reply["error"]["message"]
+        assert _ns_create(svc.socket, name="n1", block_bytes=BB)["ok"] is True   # reopen
+    finally:
+        svc.stop()
+
+
+def test_an_inline_get_larger_than_max_frame_is_refused_without_allocating(tmp_path):
+    svc = _svc(tmp_path, max_frame="8MiB", max_buffered="64MiB").start()
+    try:
+        assert _ns_create(svc.socket, name="big", block_bytes=1 << 20)["ok"] is True
+        before = _rss(svc.proc.pid)
+        for _ in range(4):                # missing keys: zeros would have been sent for each
+            reply = raw_call(svc.socket, [P.pack({"id": 1, "op": "get", "ns": "big",
+                                                  "keys": keys(range(200)), "inline": True})])[0]
+            assert reply["ok"] is False and "max_frame" in reply["error"]["message"]
+        assert _rss(svc.proc.pid) - before < 64 << 20
+        reply = raw_call(svc.socket, [P.pack({"id": 1, "op": "get", "ns": "big",
+                                              "keys": keys(range(4)), "inline": True})])[0]
+        assert reply["ok"] is True and len(reply["data"]) == 4 << 20
+    finally:
+        svc.stop()
+
+
+def test_half_sent_frames_of_many_connections_are_bounded(tmp_path):
+    import socket
+    svc = _svc(tmp_path, max_frame="1MiB", max_buffered="4MiB").start()
+    conns = []
+    try:
+        before = _rss(svc.proc.pid)
+        refused = 0
+        for _ in range(12):
+            s = socket.socket(socket.AF_UNIX)
+            conns.append(s)
+            s.settimeout(10)
+            s.connect(str(svc.socket))
+            try:
+                s.sendall(P.LENGTH.pack(1 << 20) + b"\x81" + b"x" * ((1 << 20) - 4096))
+            except (BrokenPipeError, ConnectionResetError):
+                refused += 1                # closed while it was still sending
+                continue
+            s.settimeout(2)
+            try:
+                data = s.recv(65536)
+            except TimeoutError:
+                continue                    # still open, its half frame within the budget
+            assert b"max_buffered" in data
+            refused += 1
+        assert 8 <= refused <= 10           # 4 MiB hold three or four of them
+        assert _rss(svc.proc.pid) - before < 32 << 20
+    finally:
+        for s in conns:
+            s.close()
+    try:
+        with kvtier.Client(svc.socket) as c:      # the service carries on
+            ns = c.namespace("m", block_bytes=BB)
+            ns.put(keys(range(2)), blocks(2, BB))
+            assert ns.get(keys(range(2)))[0].all()
+    finally:
+        svc.stop()

@@ -10,8 +10,8 @@ allocate or persist something is bounded here, with an error that names the sett
                  can carry but the catalog cannot read back (a map with integer keys, as the
                  frame decoder's strict_map_key=False allows) once made the data directory
                  unusable.
-    slots        a namespace's host pool costs 13 bytes of slot metadata per slot (slot_row,
-                 leases, retired; coherence.namespace) plus the page table's rows, allocated
+    slots        a namespace's host pool costs 17 bytes of slot metadata per slot (slot_row,
+                 leases, retired: coherence.namespace; the free stack: tiers.slots), allocated
                  at create and at every start: block_bytes=1 at a 64 MiB tier asked ~786 MB
                  under the engine lock. max_host_slots bounds it.
     namespaces   each costs a memfd, segment files and page-table arrays; max_namespaces
@@ -33,7 +33,7 @@ LAYOUT_BYTES = 4096            # a layout describes a model (dtype, layers, head
 LAYOUT_DEPTH = 4
 LAYOUT_KEY_CHARS = 128
 LAYOUT_ENTRIES = 256           # items of one map or list
-SLOT_METADATA_BYTES = 13       # per host slot: int64 slot_row + uint32 leases + bool retired
+SLOT_METADATA_BYTES = 17       # per host slot: slot_row i8, leases u4, retired, free stack i4
 
 
 def layout(value: Any) -> dict[str, Any]:

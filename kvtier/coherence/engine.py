@@ -109,7 +109,8 @@ class Engine(Eviction, Transfers, FastPath, Holds):
 
     def _open_namespace(self, rec: NamespaceRecord) -> Namespace:
         s = self.settings
-        host_slots = s.host_capacity // rec.block_bytes
+        # Bounded for namespaces made before max_host_slots existed (admission.host_slots).
+        host_slots = min(s.host_capacity // rec.block_bytes, s.max_host_slots)
         slots = {Tier.HOST: SlotState.for_pool(
             SlotPool(f"{rec.name}/host", rec.block_bytes, host_slots))}
         if self.hbm_pool_factory is not None and s.hbm_capacity >= rec.block_bytes:
@@ -165,6 +166,8 @@ class Engine(Eviction, Transfers, FastPath, Holds):
             raise CapacityError(f"block_bytes {block_bytes} exceeds host_capacity "
                                 f"{self.settings.host_capacity}; raise host_capacity")
         layout = admission.layout(layout)
+        admission.host_slots(block_bytes, self.settings.host_capacity,
+                             self.settings.max_host_slots)
         with self.lock:
             ns = self.namespaces.get(name)
             if ns is not None:
@@ -173,6 +176,7 @@ class Engine(Eviction, Transfers, FastPath, Holds):
                         f"namespace {name!r} exists with block_bytes={ns.block_bytes}, "
                         f"key_width={ns.key_width}; use another name for another layout")
                 return ns.info()
+            admission.namespace_count(len(self.namespaces), self.settings.max_namespaces)
             rec = self.catalog.add_namespace(name, block_bytes, key_width, layout)
             return self._open_namespace(rec).info()
 
