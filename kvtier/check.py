@@ -1,10 +1,12 @@
 """`kvtier check --data-dir D [--repair] [--json]`: offline consistency of LMDB and the segments.
 
 For every namespace in LMDB, every NVMe record is checked: its segment exists and has a valid
-header, the record lies inside the segment's written length, and its bytes hash (xxh3-64) to the
-checksum LMDB holds. Damage is listed record by record. With --repair the damaged records are
-deleted from LMDB (their blocks are lost; a restart would drop them on first read anyway) and
-segment files that no record points to are removed. A sound record is never touched.
+header, the record lies inside the segment's written length, its bytes hash (xxh3-64) to the
+checksum LMDB holds, and the record still binds to its namespace and key (store.bindings: a
+flipped key bit is caught). Damage is listed record by record. With --repair the damaged
+records are moved to LMDB's quarantine database (their blocks are lost to the service; a
+restart would drop them on first read anyway) and segment files that no record points to are
+removed. A sound record is never touched.
 
 Run it with the service stopped: it opens LMDB for writing only with --repair.
 """
@@ -66,13 +68,13 @@ def check(data_dir: str | Path, repair: bool = False) -> Report:
         for ns in namespaces:
             rep.namespaces += 1
             nsdir = data_dir / "nvme" / f"ns-{ns.ns_id}"
-            keys, recs, malformed = cat.load(ns.ns_id, ns.key_width)
-            rep.records += len(keys) + malformed
-            bad_keys: list[bytes] = []
-            if malformed:
-                rep.damage.append({"namespace": ns.name, "key": None, "problem": "malformed",
-                                   "detail": f"{malformed} LMDB entries of the wrong size"})
-                bad_keys.extend(_malformed_keys(cat, ns.ns_id, ns.key_width))
+            keys, recs, skipped = cat.load_checked(ns.ns_id, ns.key_width)
+            rep.records += len(keys) + len(skipped)
+            bad_keys: list[bytes] = [k for k, _problem in skipped]
+            for k, problem in skipped:
+                # "binding": the record no longer names the key it was written for (a flipped
+                # key bit would serve another key's block under it)
+                rep.damage.append({"namespace": ns.name, "key": k.hex(), "problem": problem})
             # readonly: a file that is not one of our segments is listed, never deleted, and
             # the records that point into it count as missing_segment.
             log = SegmentLog(nsdir, ns.ns_id, ns.block_bytes, 1 << 40, io_threads=4,
@@ -89,22 +91,11 @@ def check(data_dir: str | Path, repair: bool = False) -> Report:
                     rep.removed_segments += 1
             log.close()
             if repair and bad_keys:
-                cat.delete_records(ns.ns_id, bad_keys)
+                cat.quarantine_records(ns.ns_id, bad_keys)
                 rep.repaired += len(bad_keys)
     finally:
         cat.close()
     return rep
-
-
-def _malformed_keys(cat: Catalog, ns_id: int, key_width: int) -> list[bytes]:
-    from kvtier.pagetable.store import record_dtype
-    size = record_dtype(key_width).itemsize
-    out = []
-    with cat.env.begin(db=cat._db(ns_id)) as txn:
-        for k, v in txn.cursor():
-            if len(k) != key_width or len(v) != size:
-                out.append(bytes(k))
-    return out
 
 
 def _check_records(name: str, block_bytes: int, log: SegmentLog, keys: np.ndarray,

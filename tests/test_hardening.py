@@ -425,3 +425,111 @@ def test_half_sent_frames_of_many_connections_are_bounded(tmp_path):
             assert ns.get(keys(range(2)))[0].all()
     finally:
         svc.stop()
+
+
+# ---------------------------------------------------------------------- item 3: bound records
+
+def _flip_key_in(path: Path, key: bytes, bit: int = 0) -> bytes:
+    """Flip one bit of every copy of key in a real file (LMDB keeps old pages too)."""
+    raw = bytearray(path.read_bytes())
+    flipped = bytes([key[0] ^ (1 << bit)]) + key[1:]
+    at = raw.find(key)
+    assert at >= 0
+    while at >= 0:
+        raw[at:at + len(key)] = flipped
+        at = raw.find(key, at + 1)
+    path.write_bytes(bytes(raw))
+    return flipped
+
+
+def test_a_bit_flip_in_a_key_stored_in_lmdb_serves_nothing_and_check_reports_it(tmp_path):
+    import hashlib
+    svc = _svc(tmp_path).start()
+    k = hashlib.sha256(b"victim").digest()[:16]
+    data = blocks(1, BB, seed=9)
+    try:
+        with kvtier.Client(svc.socket) as c:
+            c.namespace("m", block_bytes=BB).put(k, data)        # write_through: in LMDB
+    finally:
+        svc.stop()
+    flipped = _flip_key_in(svc.data_dir / "meta" / "data.mdb", k, bit=3)
+    svc.start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            found, out = c.namespace("m").get(flipped)
+            assert not found.any()                 # before: another key's block, served
+            assert not c.namespace("m").get(k)[0].any()
+            assert c.stats()["records_dropped"] == 1
+    finally:
+        svc.stop()
+    rep = check(svc.data_dir)
+    assert [(d["problem"], d["key"]) for d in rep.damage] == [("binding", flipped.hex())]
+    rep = check(svc.data_dir, repair=True)
+    assert rep.repaired == 1 and not check(svc.data_dir).damage
+
+
+def test_records_written_before_the_binding_still_read(tmp_path):
+    """Older records (flags without FLAG_BOUND, binding zero) are served as before."""
+    import numpy as np
+    from kvtier.pagetable.store import FLAG_BOUND, record_dtype
+    svc = _svc(tmp_path).start()
+    data = blocks(3, BB, seed=4)
+    try:
+        with kvtier.Client(svc.socket) as c:
+            c.namespace("m", block_bytes=BB).put(keys(range(3)), data)
+    finally:
+        svc.stop()
+    cat = Catalog(svc.data_dir / "meta")
+    ns_id = cat.namespaces()[0].ns_id
+    ks, recs, _ = cat.load(ns_id, 16)
+    old = recs.copy()
+    old["flags"] &= ~np.uint32(FLAG_BOUND)
+    old["binding"] = 0
+    db = cat._db(ns_id)
+    cat._write(lambda txn: [txn.put(bytes(k), r.tobytes(), db=db) for k, r in zip(ks, old)])
+    cat.close()
+    assert old.dtype == record_dtype(16)
+    svc.start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            found, out = c.namespace("m").get(keys(range(3)))
+            assert found.all() and (out == data).all()
+    finally:
+        svc.stop()
+    assert not check(svc.data_dir).damage
+
+
+@pytest.mark.skipif(__import__("shutil").which("redis-server") is None,
+                    reason="redis-server is installed by .ci/run")
+def test_a_remote_value_under_another_key_is_not_served(tmp_path):
+    from tests.redis_servers import RedisServer
+    redis = RedisServer(tmp_path).start()
+    a = _svc(tmp_path, "a", redis=redis.url).start()
+    b = None
+    data = blocks(2, BB, seed=5)
+    try:
+        with kvtier.Client(a.socket) as c:
+            c.namespace("shared", block_bytes=BB).put(keys(range(2)), data)
+        k0, k9 = keys([0]).hex(), keys([9]).hex()
+        redis.cli("COPY", f"kvtier:shared:{k0}", f"kvtier:shared:{k9}")   # a misplaced value
+        # an old-format (KVT1) value of key 5, as a service before the binding wrote it
+        import xxhash
+        v1 = b"KVT1%020d%020d" % (1, xxhash.xxh3_64_intdigest(data[1].tobytes())) + \
+            data[1].tobytes()
+        import redis as redis_py
+        r = redis_py.Redis(port=redis.port)
+        r.set(f"kvtier:shared:{keys([5]).hex()}".encode(), v1)
+        r.close()
+        b = _svc(tmp_path, "b", redis=redis.url).start()        # empty local tiers
+        with kvtier.Client(b.socket) as c:
+            ns = c.namespace("shared", block_bytes=BB)
+            found, out = ns.get(keys([9]))
+            assert not found.any()                       # before: key 0's block, as key 9
+            found, out = ns.get(keys([0, 5]))
+            assert found.all() and (out[0] == data[0]).all() and (out[1] == data[1]).all()
+            assert c.stats()["tiers"]["remote"]["binding_failures"] == 1
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+        redis.stop()

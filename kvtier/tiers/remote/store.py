@@ -1,7 +1,12 @@
 """The shared remote tier on Redis or Valkey, through redis-py's asyncio client.
 
-Layout. A block is one Redis string ``kvtier:{namespace}:{key hex}``: a 44-byte header
-(``KVT1``, the version and the xxh3-64 checksum as 20 decimal digits each) and the bytes. One
+Layout. A block is one Redis string ``kvtier:{namespace}:{key hex}``: a 64-byte header
+(``KVT2``, then the version, the xxh3-64 checksum of the bytes and a binding, 20 decimal
+digits each) and the bytes. The binding is xxh3-64 of namespace, key, version and checksum
+(``binding()``): the checksum covers the bytes only, so a value renamed or copied under
+another key (or a flipped bit in the key) would otherwise be served as that key's block
+(issue 20). ``KVT1`` values (a 44-byte header without the binding, written before) are still
+read, unchecked for the key, and are replaced by the next put. One
 string rather than a hash because plain GET and SET are what Redis moves fastest (bench/remote.py
 measured a hash layout at 0.60 of plain GET and 0.29 of plain SET). Writes go through a Lua
 script that reads only the header (GETRANGE) and sets the value only when the stored version is
@@ -37,8 +42,10 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.remote.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.remote.ring import HashRing
 
-MAGIC = b"KVT1"
-HEADER = 44
+MAGIC = b"KVT2"
+HEADER = 64
+MAGIC_V1 = b"KVT1"              # read, never written
+HEADER_V1 = 44
 # KEYS[1] = block key; ARGV = version (decimal), value (header + bytes), ttl_ms.
 # Returns 1 written, 0 when the stored version is the same or newer, -1 when not ours.
 PUT_SCRIPT = """
@@ -46,7 +53,8 @@ local t = redis.call('TYPE', KEYS[1])['ok']
 if t ~= 'none' then
   if t ~= 'string' then return -1 end
   local h = redis.call('GETRANGE', KEYS[1], 0, 23)
-  if string.sub(h, 1, 4) ~= 'KVT1' then return -1 end
+  local m = string.sub(h, 1, 4)
+  if m ~= 'KVT2' and m ~= 'KVT1' then return -1 end
   if tonumber(string.sub(h, 5, 24)) >= tonumber(ARGV[1]) then return 0 end
 end
 if tonumber(ARGV[3]) > 0 then
@@ -58,8 +66,15 @@ return 1
 """
 
 
-def encode(version: int, checksum: int, data: bytes | memoryview) -> bytes:
-    return b"%s%020d%020d" % (MAGIC, version, checksum) + bytes(data)
+def binding(ns: str, key: bytes, version: int, checksum: int) -> int:
+    """What ties a remote value to its namespace, key and version (module docstring)."""
+    return xxhash.xxh3_64_intdigest(b"%s\x00%s%020d%020d" % (ns.encode(), key, version,
+                                                              checksum))
+
+
+def encode(ns: str, key: bytes, version: int, checksum: int, data: bytes | memoryview) -> bytes:
+    return (b"%s%020d%020d%020d" % (MAGIC, version, checksum, binding(ns, key, version, checksum))
+            + bytes(data))
 
 
 @dataclass(slots=True)
@@ -72,6 +87,7 @@ class RemoteCounters:
     skipped: int = 0             # keys not asked because their shard's breaker was open
     foreign: int = 0             # a value under our key that is not ours
     checksum_failures: int = 0
+    binding_failures: int = 0    # a value that names another namespace, key or version
     bytes_read: int = 0
     bytes_written: int = 0
 
@@ -195,7 +211,8 @@ class RemoteStore:
             # A new key needs no comparison: SET NX writes it only if it is still absent, at
             # plain SET speed. Keys that exist (a rewrite, or another host's copy) go through
             # the version-guarded script; both steps are atomic on the server.
-            values = {i: encode(int(versions[i]), int(sums[i]), blocks[i]) for i in pos.tolist()}
+            values = {i: encode(ns, keys[i], int(versions[i]), int(sums[i]), blocks[i])
+                      for i in pos.tolist()}
             pipe = shard.client.pipeline(transaction=False)
             for i, val in values.items():
                 pipe.set(rkeys[i], val, nx=True, px=self.ttl_ms or None)
@@ -260,18 +277,24 @@ class RemoteStore:
             for i, r in zip(pos.tolist(), res):
                 if r is None:
                     continue
-                # Header: KVT1, version and checksum as 20 decimal digits each (encode()).
-                if isinstance(r, Exception) or r[:4] != MAGIC or len(r) != HEADER + block_bytes:
+                # Header: KVT2, version, checksum and binding as 20 decimal digits (encode()).
+                head = (0 if isinstance(r, Exception) else HEADER if r[:4] == MAGIC
+                        else HEADER_V1 if r[:4] == MAGIC_V1 else 0)
+                if not head or len(r) != head + block_bytes:
                     self.counters.foreign += 1
                     continue
                 try:
                     vi, ci = int(r[4:24]), int(r[24:44])
+                    bi = int(r[44:64]) if head == HEADER else None
                 except ValueError:
                     self.counters.foreign += 1
                     continue
-                d = memoryview(r)[HEADER:]
+                d = memoryview(r)[head:]
                 if vi <= 0 or ci >= 1 << 64:
                     self.counters.foreign += 1
+                    continue
+                if bi is not None and bi != binding(ns, keys[i], vi, ci):
+                    self.counters.binding_failures += 1   # another key's value, or altered
                     continue
                 if xxhash.xxh3_64_intdigest(d) != ci:
                     self.counters.checksum_failures += 1
