@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import DataDirError, KvtierError
-from kvtier.pagetable.store import Catalog
+from kvtier.pagetable.store import Catalog, CatalogDamaged
 from kvtier.tiers.nvme import ALIGN, SegmentLog, _aligned
 
 BATCH = 256
@@ -39,6 +41,7 @@ class Report:
     damage: list[dict[str, Any]] = field(default_factory=list)
     orphan_segments: list[str] = field(default_factory=list)
     foreign_files: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)     # moved under quarantine/
     repaired: int = 0
     removed_segments: int = 0
 
@@ -47,6 +50,7 @@ class Report:
         return {"namespaces": self.namespaces, "records": self.records, "sound": self.sound,
                 "damaged": len(self.damage), "by_problem": dict(kinds), "damage": self.damage,
                 "orphan_segments": self.orphan_segments, "foreign_files": self.foreign_files,
+                "quarantined": self.quarantined,
                 "repaired": self.repaired,
                 "removed_segments": self.removed_segments}
 
@@ -55,8 +59,40 @@ def check(data_dir: str | Path, repair: bool = False) -> Report:
     data_dir = Path(data_dir)
     if not (data_dir / "meta").is_dir():
         raise DataDirError(f"{data_dir} has no meta/ directory: not a kvtier data directory")
+    try:
+        return _check(data_dir, repair)
+    except CatalogDamaged as exc:
+        if not repair:
+            raise
+        # The index is lost: nothing in the segments says which key a record holds. Move the
+        # LMDB files and every segment aside, so that the service starts empty and nothing is
+        # deleted (an operator may still restore meta/ from a backup and move them back).
+        rep = Report()
+        rep.damage.append({"namespace": None, "key": None, "problem": "lmdb",
+                           "detail": str(exc)})
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for name in ("data.mdb", "lock.mdb"):
+            if (data_dir / "meta" / name).exists():
+                rep.quarantined.append(str(_quarantine(data_dir, data_dir / "meta" / name,
+                                                       stamp)))
+        for nsdir in sorted((data_dir / "nvme").glob("ns-*")):
+            rep.quarantined.append(str(_quarantine(data_dir, nsdir, stamp)))
+        rep.repaired += 1
+        return rep
+
+
+def _quarantine(data_dir: Path, path: Path, stamp: str) -> Path:
+    """Move path to <data_dir>/quarantine/<stamp>/<its relative path>; never delete it."""
+    dest = data_dir / "quarantine" / stamp / path.relative_to(data_dir)
+    dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.rename(path, dest)
+    return dest
+
+
+def _check(data_dir: Path, repair: bool) -> Report:
     cat = Catalog(data_dir / "meta")
     rep = Report()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
         namespaces = cat.namespaces()
         for raw_name, why in cat.damaged.items():
@@ -81,6 +117,10 @@ def check(data_dir: str | Path, repair: bool = False) -> Report:
                              readonly=True)
             for path in log.foreign:
                 rep.foreign_files.append(str(path))
+                if repair:
+                    # the service refuses to start beside it; records pointing into it are
+                    # missing_segment below and quarantined with the rest
+                    rep.quarantined.append(str(_quarantine(data_dir, path, stamp)))
             used = _check_records(ns.name, ns.block_bytes, log, keys, recs, rep, bad_keys)
             for sid, seg in sorted(log.segments.items()):
                 if sid not in used:
@@ -164,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(d["damage"]) > 50:
             print(f"  ... {len(d['damage']) - 50} more (--json lists all)")
         for path in d["foreign_files"]:
-            print(f"  not a segment of this namespace (left alone): {path}")
+            print(f"  not a segment of this namespace: {path}"
+                  + (" (moved to quarantine/)" if args.repair else " (--repair moves it aside)"))
+        for path in d["quarantined"]:
+            print(f"  moved aside: {path}")
         if d["orphan_segments"]:
             print(f"{len(d['orphan_segments'])} segment files hold no live record"
                   + (" (removed)" if args.repair else " (--repair removes them)"))

@@ -87,8 +87,11 @@ def test_orphan_segments_are_reported_and_removed_on_repair(damaged):
     rep = check(data).as_dict()
     assert str(orphan) in rep["orphan_segments"]
     assert rep["foreign_files"] == [str(foreign)] and rep["damaged"] == 0
-    assert check(data, repair=True).removed_segments == 1 and not orphan.exists()
-    assert seg.exists() and foreign.exists()            # never ours to delete
+    fixed = check(data, repair=True)
+    assert fixed.removed_segments == 1 and not orphan.exists()
+    # never ours to delete: moved aside, so that the service can start beside it again
+    assert seg.exists() and not foreign.exists()
+    assert [Path(p).read_bytes() for p in fixed.quarantined] == [b"someone else's file" * 300]
     assert check(data).as_dict()["sound"] == 6
 
 

@@ -533,3 +533,119 @@ def test_a_remote_value_under_another_key_is_not_served(tmp_path):
         if b is not None:
             b.stop()
         redis.stop()
+
+
+# ---------------------------------------------------------------------- item 6: damaged files
+
+def _filled(tmp_path: Path, n: int = 64) -> tuple[Service, "object"]:
+    svc = _svc(tmp_path).start()
+    data = blocks(n, BB, seed=11)
+    try:
+        with kvtier.Client(svc.socket) as c:
+            c.namespace("m", block_bytes=BB).put(keys(range(n)), data)
+    finally:
+        svc.stop()
+    return svc, data
+
+
+def _refused(svc: Service, *words: str) -> str:
+    with pytest.raises(RuntimeError) as info:
+        svc.start()
+    text = str(info.value)
+    assert "exited with 2" in text, text              # not -7 (SIGBUS) nor a traceback's 1
+    assert "Traceback" not in text
+    for w in words:
+        assert w in text, (w, text)
+    return text
+
+
+def _check_cli(data_dir: Path, *extra: str) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", "check", "--data-dir",
+                           str(data_dir), *extra], capture_output=True, text=True, timeout=120)
+
+
+def test_a_truncated_lmdb_file_is_refused_by_name_and_repair_moves_it_aside(tmp_path):
+    svc, _ = _filled(tmp_path)
+    mdb = svc.data_dir / "meta" / "data.mdb"
+    os.truncate(mdb, mdb.stat().st_size // 2 // 4096 * 4096)
+    _refused(svc, "data.mdb", "kvtier check --repair")
+    out = _check_cli(svc.data_dir)
+    assert out.returncode == 2 and "data.mdb" in out.stderr and out.returncode != -7
+    out = _check_cli(svc.data_dir, "--repair")
+    assert out.returncode == 0, out.stderr
+    moved = list((svc.data_dir / "quarantine").rglob("data.mdb"))
+    assert len(moved) == 1                                  # kept, not deleted
+    assert list((svc.data_dir / "quarantine").rglob("seg-*.kvt"))   # its segments too
+    svc.start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("m", block_bytes=BB)
+            assert not ns.get(keys(range(4)))[0].any()      # empty, and says so in the log
+            ns.put(keys([1]), blocks(1, BB))
+            assert ns.get(keys([1]))[0].all()
+    finally:
+        svc.stop()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_bytes_inside_lmdb_never_give_a_traceback_or_a_wrong_block(tmp_path, seed):
+    import random
+    svc, data = _filled(tmp_path, n=400)
+    mdb = svc.data_dir / "meta" / "data.mdb"
+    raw = bytearray(mdb.read_bytes())
+    rng = random.Random(seed)
+    for _ in range(4):                                     # four pages of garbage, past the metas
+        page = rng.randrange(2, len(raw) // 4096)
+        raw[page * 4096:(page + 1) * 4096] = rng.randbytes(4096)
+    mdb.write_bytes(bytes(raw))
+    try:
+        svc.start()
+    except RuntimeError as exc:
+        text = str(exc)
+        assert "exited with 2" in text and "Traceback" not in text and "data.mdb" in text
+        out = _check_cli(svc.data_dir, "--repair")
+        assert out.returncode == 0, out.stderr
+        svc.start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("m", block_bytes=BB)
+            found, out = ns.get(keys(range(400)))
+            assert (out[found] == data[found]).all()        # served or missed, never wrong
+    finally:
+        svc.stop()
+    assert "Traceback" not in svc.output()
+
+
+def test_a_lost_lmdb_file_is_refused_instead_of_starting_empty_over_old_segments(tmp_path):
+    svc, _ = _filled(tmp_path)
+    for name in ("data.mdb", "lock.mdb"):
+        (svc.data_dir / "meta" / name).unlink()
+    _refused(svc, "data.mdb", "nvme", "kvtier check --repair")
+    out = _check_cli(svc.data_dir, "--repair")
+    assert out.returncode == 0, out.stderr
+    assert list((svc.data_dir / "quarantine").rglob("seg-*.kvt"))
+    assert not (svc.data_dir / "nvme" / "ns-1").exists()
+    svc.start()
+    svc.stop()
+
+
+@pytest.mark.parametrize("content", ["foreign", "zeroed"])
+def test_a_foreign_or_zeroed_segment_is_refused_and_repair_moves_it_aside(tmp_path, content):
+    svc, data = _filled(tmp_path)
+    seg_dir = svc.data_dir / "nvme" / "ns-1"
+    bogus = seg_dir / "seg-00000099.kvt"
+    bogus.write_bytes(os.urandom(8192) if content == "foreign" else bytes(8192))
+    _refused(svc, "seg-00000099.kvt", "kvtier check --repair")
+    out = _check_cli(svc.data_dir, "--repair")
+    assert out.returncode == 0, out.stderr
+    assert not bogus.exists()
+    assert list((svc.data_dir / "quarantine").rglob("seg-00000099.kvt"))
+    svc.start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            found, out = c.namespace("m").get(keys(range(64)))
+            assert found.all() and (out == data).all()
+    finally:
+        svc.stop()

@@ -23,10 +23,11 @@ MapFull is handled by doubling the map and retrying the transaction. LMDB is ope
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import lmdb
 import msgpack
@@ -83,11 +84,58 @@ class NamespaceRecord:
     layout: dict[str, Any]
 
 
+class CatalogDamaged(DataDirError):
+    """meta/data.mdb is truncated, corrupt or missing beside existing segments."""
+
+
+def _verify_file(path: Path) -> None:
+    """Refuse, by name, an LMDB file that LMDB itself would crash on or misread.
+
+    LMDB maps data.mdb; a file shorter than its own meta page says (a truncation) makes the
+    first read past the end a SIGBUS, which no Python code can catch (issue 20: serve and check
+    died with no message). The two meta pages (64-bit layout: magic at 16, page size at 40,
+    last page and txnid at 136) are read here first and the length compared. A lost data.mdb
+    beside segments of namespaces would start an empty service over them: refused too."""
+    mdb = path / "data.mdb"
+    way_out = (f"stop the service and restore {path} from a backup, or run `kvtier check "
+               f"--repair --data-dir {path.parent}`: it moves the file and the segments it "
+               f"indexed to {path.parent / 'quarantine'}/ (their blocks are lost) so that the "
+               "service starts empty")
+    if not mdb.exists():
+        nvme = path.parent / "nvme"
+        held = sorted(p.name for p in nvme.glob("ns-*") if any(p.glob("seg-*.kvt"))) \
+            if nvme.is_dir() else []
+        if held:
+            raise CatalogDamaged(f"{mdb} is missing but {nvme} holds the segments of "
+                                 f"{len(held)} namespaces ({', '.join(held[:5])}); {way_out}")
+        return
+    size = mdb.stat().st_size
+    with mdb.open("rb") as fh:
+        head = fh.read(2 * 4096)
+    metas = []
+    for page in (0, 1):
+        o = page * 4096
+        if len(head) >= o + 152 and head[o + 16:o + 20] == _LMDB_MAGIC:
+            psize = int.from_bytes(head[o + 40:o + 44], "little")
+            last, txnid = (int.from_bytes(head[o + i:o + i + 8], "little") for i in (136, 144))
+            metas.append((txnid, last, psize))
+    if not metas:
+        raise CatalogDamaged(f"{mdb} has no valid LMDB header ({size} bytes); {way_out}")
+    _txnid, last, psize = max(metas)
+    if not 512 <= psize <= 65536 or size < (last + 1) * psize:
+        raise CatalogDamaged(f"{mdb} is truncated: {size} bytes, its header says "
+                             f"{(last + 1) * psize}; {way_out}")
+
+
+_LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
+
+
 class Catalog:
     """The LMDB environment of one data directory."""
 
     def __init__(self, path: Path, map_size: int = _INITIAL_MAP) -> None:
         self.path = Path(path)
+        _verify_file(self.path)
         try:
             self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
             # max_dbs counts every named database: one per namespace and the catalog's own
@@ -96,17 +144,37 @@ class Catalog:
                                  max_dbs=MAX_NAMESPACES + len(_OWN_DBS), subdir=True, sync=True,
                                  metasync=True, lock=True, mode=0o600)
             _private(self.path, ("data.mdb", "lock.mdb"))
+        except lmdb.CorruptedError as exc:
+            raise self._damaged(exc) from None
         except (OSError, lmdb.Error) as exc:
             raise DataDirError(f"cannot open LMDB under {self.path}: {exc}; check that data_dir "
                                "is writable and not on a network file system") from None
-        self._ns_db = self.env.open_db(b"namespaces")
-        self._meta_db = self.env.open_db(b"meta")
-        self._quarantine_db = self.env.open_db(b"quarantine")
+        with self._reading():
+            self._ns_db = self.env.open_db(b"namespaces")
+            self._meta_db = self.env.open_db(b"meta")
+            self._quarantine_db = self.env.open_db(b"quarantine")
         self._dbs: dict[int, Any] = {}
         self.map_grows = 0
         self.damaged: dict[bytes, str] = {}   # namespace record name -> why it was skipped
 
     # ------------------------------------------------------------------ transactions
+
+    def _damaged(self, exc: Exception) -> CatalogDamaged:
+        return CatalogDamaged(
+            f"{self.path / 'data.mdb'} is damaged ({exc}); stop the service and restore "
+            f"{self.path} from a backup, or run `kvtier check --repair --data-dir "
+            f"{self.path.parent}`: it moves the file and the segments it indexed to "
+            f"{self.path.parent / 'quarantine'}/ (their blocks are lost)")
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """LMDB's errors on a damaged file (MDB_CORRUPTED, MDB_PAGE_NOTFOUND, a transaction
+        spoiled by one) become CatalogDamaged, which names the file and the way out."""
+        try:
+            yield
+        except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError,
+                lmdb.InvalidError, lmdb.BadValsizeError) as exc:
+            raise self._damaged(exc) from None
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run fn in a write transaction; on MapFull double the map and run it again."""
@@ -117,6 +185,8 @@ class Catalog:
             except lmdb.MapFullError:
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
                 self.map_grows += 1
+            except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
+                raise self._damaged(exc) from None
             except lmdb.Error as exc:
                 raise StorageError(f"LMDB write under {self.path} failed: {exc}") from None
 
@@ -133,7 +203,7 @@ class Catalog:
         """Every readable namespace record; damaged ones are skipped into ``self.damaged``."""
         out = []
         damaged: dict[bytes, str] = {}
-        with self.env.begin(db=self._ns_db) as txn:
+        with self._reading(), self.env.begin(db=self._ns_db) as txn:
             for name, raw in txn.cursor():
                 try:
                     out.append(_namespace_record(name, raw))
@@ -166,7 +236,7 @@ class Catalog:
         """Namespace ids in use by a database or a segment directory, readable record or not:
         a new namespace must never inherit a damaged one's records or segments."""
         ids: set[int] = set()
-        with self.env.begin() as txn:
+        with self._reading(), self.env.begin() as txn:
             for dbname, _ in txn.cursor():
                 if dbname.startswith(b"ns:") and dbname[3:].isdigit():
                     ids.add(int(dbname[3:]))
@@ -190,7 +260,7 @@ class Catalog:
     def meta(self, key: str) -> Any:
         """A small msgpack value the service keeps between runs (None when absent or
         unreadable: metadata only tunes, it never holds blocks)."""
-        with self.env.begin(db=self._meta_db) as txn:
+        with self._reading(), self.env.begin(db=self._meta_db) as txn:
             raw = txn.get(key.encode())
         if raw is None:
             return None
@@ -246,7 +316,7 @@ class Catalog:
         keys: list[bytes] = []
         vals: list[bytes] = []
         bad: list[tuple[bytes, str]] = []
-        with self.env.begin(db=db) as txn:
+        with self._reading(), self.env.begin(db=db) as txn:
             for k, v in txn.cursor():
                 if len(k) != key_width or len(v) != dt.itemsize:
                     bad.append((bytes(k), "malformed"))
@@ -277,7 +347,7 @@ class Catalog:
         self._write(move)
 
     def count(self, ns_id: int) -> int:
-        with self.env.begin() as txn:
+        with self._reading(), self.env.begin() as txn:
             return txn.stat(self._db(ns_id))["entries"]
 
     def sync(self) -> None:
