@@ -168,6 +168,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reserve_timeout", 30.0, _float, "a put reservation not committed by then is reclaimed",
             "s"),
     Setting("lease_timeout", 600.0, _float, "a get lease not released by then is reclaimed", "s"),
+    Setting("max_client_share", 0.75, _float,
+            "fraction of a namespace's host slots that one connection's leases and reservations "
+            "may pin; the rest stays free for other clients' gets and puts (a pipelined "
+            "client pins up to about two batches at once)", "fraction"),
     Setting("io_threads", 4, _int, "threads issuing NVMe reads and writes"),
     Setting("busy_poll_us", 1000.0, _float,
             "after each request the socket loop polls, not sleeps, this long (a waiting worker's "
@@ -228,6 +232,7 @@ class Settings:
     compact_threshold: float = 0.5
     reserve_timeout: float = 30.0
     lease_timeout: float = 600.0
+    max_client_share: float = 0.75
     io_threads: int = 4
     busy_poll_us: float = 1000.0
     max_frame: int = 64 << 20
@@ -273,6 +278,8 @@ def make_settings(values: dict[str, Any]) -> Settings:
         raise ConfigError("segment_bytes: must be at least 1MiB")
     if out["max_frame"] < 4096:
         raise ConfigError("max_frame: must be at least 4KiB")
+    if not 0 < out["max_client_share"] <= 1:
+        raise ConfigError("max_client_share: a fraction above 0 and at most 1")
     if out["compact_threshold"] > 1:
         raise ConfigError("compact_threshold: a fraction between 0 and 1")
     if not 0 < out["hbm_reserve_alpha"] < 1:

@@ -649,3 +649,36 @@ def test_a_foreign_or_zeroed_segment_is_refused_and_repair_moves_it_aside(tmp_pa
             assert found.all() and (out == data).all()
     finally:
         svc.stop()
+
+
+# ---------------------------------------------------------------------- item 9: lease quota
+
+def test_one_client_pinning_the_host_tier_leaves_others_their_nvme_blocks_and_puts(tmp_path):
+    """A: leases on as many host slots as it can get. B: gets of durable blocks that live on
+    NVMe only, and puts. Before max_client_share, A held all 256 slots and B got misses and
+    CapacityError until lease_timeout."""
+    svc = _svc(tmp_path, host_capacity="1MiB", nvme_capacity="64MiB").start()   # 256 slots
+    data = blocks(768, BB, seed=2)
+    try:
+        with kvtier.Client(svc.socket) as a, kvtier.Client(svc.socket) as b:
+            na = a.namespace("m", block_bytes=BB)
+            for lo in range(0, 768, 128):
+                na.put(keys(range(lo, lo + 128)), data[lo:lo + 128])   # write_through: durable
+            held, refused = [], None
+            for lo in range(512, 768, 16):
+                try:
+                    held.append(na.get_leased(keys(range(lo, lo + 16))))
+                except kvtier.errors.CapacityError as exc:
+                    refused = exc
+                    break
+            assert refused is not None and "max_client_share" in str(refused)
+            nb = b.namespace("m")
+            found, out = nb.get(keys(range(0, 32)))          # on NVMe only: copy-on-read
+            assert found.all() and (out == data[:32]).all()
+            nb.put(keys(range(1000, 1016)), blocks(16, BB, seed=8))
+            assert nb.get(keys(range(1000, 1016)))[0].all()
+            for lease in held:
+                lease.release()
+            assert len(na.get_leased(keys(range(512, 528))).views) == 16  # quota given back
+    finally:
+        svc.stop()

@@ -40,7 +40,8 @@ from kvtier.api import protocol as P
 from kvtier.api.busypoll import BusyPoll
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
-from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
+from kvtier.errors import (AuthError, BadRequest, CapacityError, ConfigError, KvtierError,
+                           ProtocolError)
 from kvtier.tiers.hbm import on_device
 from kvtier.types import Tier
 
@@ -60,6 +61,7 @@ class ClientInfo:
     ops: int = 0
     errors: int = 0
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2048))
+    pinned: dict[int, tuple[str, int]] = field(default_factory=dict)  # lease/rid -> (ns, slots)
 
     def record(self, seconds: float, ok: bool) -> None:
         self.ops += 1
@@ -270,6 +272,7 @@ class Server:
         them all when that must wait for the engine lock. An unknown one is counted, not fatal:
         the request itself must still be answered."""
         ids = P.array_arg(req, "release_first", "<u8").tolist()
+        self._unpin(client, ids)
         done, bad = self._fast(self.engine.release_many, ids, client.cid)
         if not done:
             return ids
@@ -330,19 +333,27 @@ class Server:
         return info
 
     async def op_reserve(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        name, keys, tier = P.arg(req, "ns", str), P.arg(req, "keys", bytes), _slot_tier(req)
+        if tier is Tier.HOST:
+            self._check_share(client, name, keys)
         res = await self._run(on_device, P.arg(req, "device", int, None), self.engine.reserve,
-                              P.arg(req, "ns", str), P.arg(req, "keys", bytes),
-                              P.arg(req, "parents", bytes, None), _slot_tier(req), client.cid)
+                              name, keys, P.arg(req, "parents", bytes, None), tier, client.cid)
+        if tier is Tier.HOST:
+            client.pinned[res.rid] = (name, int(res.slots.size))
         return {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
 
     async def op_commit(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         sums = P.array_arg(req, "checksums", "<u8", None)
-        versions = await self._run(self.engine.commit, P.arg(req, "rid", int), client.cid, sums,
+        rid = P.arg(req, "rid", int)
+        self._unpin(client, [rid])          # committed or refused, the reservation has ended
+        versions = await self._run(self.engine.commit, rid, client.cid, sums,
                                    P.arg(req, "trusted", bool, False))
         return {"versions": P.arr(versions, "<u8")}
 
     async def op_abort(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
-        await self._run(self.engine.abort, P.arg(req, "rid", int), client.cid)
+        rid = P.arg(req, "rid", int)
+        self._unpin(client, [rid])
+        await self._run(self.engine.abort, rid, client.cid)
         return {}
 
     async def op_put(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
@@ -358,6 +369,28 @@ class Server:
                                    P.arg(req, "parents", bytes, None), Tier.HOST, client.cid)
         return {"versions": P.arr(versions, "<u8")}
 
+    def _check_share(self, client: ClientInfo, name: str, keys: bytes) -> None:
+        """One connection's leases and reservations pin at most max_client_share of a
+        namespace's host slots, so that one peer holding every slot cannot turn every other
+        client's get of durable NVMe blocks into a miss and its puts into errors until
+        lease_timeout (issue 20). Counted here from the ids the engine handed this
+        connection; they end with release, commit, abort or the connection."""
+        ns = self.engine.namespace(name)
+        limit = int(self.settings.max_client_share * ns.slots[Tier.HOST].pool.n_slots)
+        held = sum(n for nsname, n in client.pinned.values() if nsname == name)
+        want = len(keys) // max(ns.key_width, 1)
+        if held + want > max(limit, 1) and want:
+            raise CapacityError(
+                f"this connection holds {held} slots of {name!r} under lease or reservation and "
+                f"asks for {want} more; one connection may pin {limit} "
+                f"(max_client_share={self.settings.max_client_share} of "
+                f"{ns.slots[Tier.HOST].pool.n_slots}): release leases first, or raise "
+                "max_client_share")
+
+    def _unpin(self, client: ClientInfo, ids: Any) -> None:
+        for i in ids:
+            client.pinned.pop(int(i), None)
+
     def op_get(self, client: ClientInfo, req: dict[str, Any]
                ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         name = P.arg(req, "ns", str)
@@ -366,6 +399,8 @@ class Server:
         tier = _slot_tier(req)
         if inline:
             self._check_inline_size(name, keys)
+        elif tier is Tier.HOST:
+            self._check_share(client, name, keys)
         if inline and tier is not Tier.HOST:
             raise BadRequest("inline gets are served from the host tier; drop tier or inline")
         if tier is Tier.HOST:
@@ -400,6 +435,8 @@ class Server:
             # too busy to tell now.
             if self.engine.wants_prefetch(name, keys) is not False:
                 self._spawn(self._run(self.engine.prefetch_after, name, keys))
+        if not inline and res.tier is Tier.HOST:
+            client.pinned[res.lease_id] = (name, int(res.found.sum()))
         out = {"lease": res.lease_id, "found": P.arr(res.found, "u1"),
                "slots": P.arr(res.slots, "<i4"), "versions": P.arr(res.versions, "<u8"),
                "checksums": P.arr(res.checksums, "<u8")}
@@ -418,6 +455,11 @@ class Server:
                    ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         lid = P.arg(req, "lease", int)
         slots = P.array_arg(req, "slots", "<i4", None)
+        if slots is None:
+            self._unpin(client, [lid])
+        elif lid in client.pinned:
+            name, n = client.pinned[lid]
+            client.pinned[lid] = (name, max(0, n - int(slots.size)))
         done, _ = self._fast(self.engine.release, lid, client.cid, slots)
         if done:
             return {}
