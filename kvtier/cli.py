@@ -36,6 +36,7 @@ def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = load(args.config, overrides=_overrides(args))
     os.umask(0o077)      # whatever the service creates is its user's alone (issue 20, item 13)
+    _raise_fd_limit()
     from kvtier.memory import tune_malloc
     tune_malloc()
     try:
@@ -43,6 +44,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         return asyncio.run(_serve(settings))
     return uvloop.run(_serve(settings))
+
+
+def _raise_fd_limit() -> None:
+    """Each namespace holds about 3 fds (memfd, segments): take the hard limit, as servers do,
+    so that max_namespaces is reached before EMFILE."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def _serve(settings: Settings) -> int:

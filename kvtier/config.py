@@ -187,6 +187,9 @@ SETTINGS: tuple[Setting, ...] = (
             "host slots per namespace (host_capacity / block_bytes) at most: each costs 17 bytes "
             "of metadata at create and every start (block_bytes=1 at 64 MiB asked ~1 GB); "
             "a namespace needing more is refused"),
+    Setting("max_slot_metadata", "512MiB", _size,
+            "host-slot metadata of all namespaces together (17 bytes a slot; each namespace's "
+            "pool spans host_capacity); a namespace that would pass it is refused", "bytes"),
     Setting("max_namespaces", 1000, _int,
             "namespaces per service at most; each costs a memfd, segment files and table "
             "memory (1,000 is also LMDB's ceiling here)"),
@@ -238,6 +241,7 @@ class Settings:
     max_frame: int = 64 << 20
     max_buffered: int = 256 << 20
     max_host_slots: int = 1 << 20
+    max_slot_metadata: int = 512 << 20
     max_namespaces: int = 1000
     redis: str = ""
     redis_cluster: bool = False

@@ -682,3 +682,24 @@ def test_one_client_pinning_the_host_tier_leaves_others_their_nvme_blocks_and_pu
             assert len(na.get_leased(keys(range(512, 528))).views) == 16  # quota given back
     finally:
         svc.stop()
+
+
+# ---------------------------------------------------------------------- item 10: per-namespace
+
+def test_namespaces_share_one_aio_context_and_their_slot_metadata_is_bounded(tmp_path):
+    """Each namespace set up its own AIO context (256 events of the host-wide fs.aio-max-nr:
+    ~256 namespaces exhausted it for every process on the host)."""
+    svc = _svc(tmp_path, host_capacity="64MiB", max_slot_metadata="16MiB").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            for i in range(40):
+                c.namespace(f"n{i}", block_bytes=BB).put(keys(range(2)), blocks(2, BB, seed=i))
+            maps = Path(f"/proc/{svc.proc.pid}/maps").read_text()
+            assert maps.count("[aio]") <= 1
+            # 16,384 slots x 17 B each (278,528 B): 16 MiB holds 60 such namespaces
+        replies = [_ns_create(svc.socket, name=f"m{i}", block_bytes=BB) for i in range(30)]
+        ok = [r["ok"] for r in replies]
+        assert ok == [True] * 20 + [False] * 10       # 60 namespaces' worth, then refused
+        assert "max_slot_metadata" in replies[-1]["error"]["message"]
+    finally:
+        svc.stop()

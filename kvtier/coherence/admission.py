@@ -14,8 +14,13 @@ allocate or persist something is bounded here, with an error that names the sett
                  leases, retired: coherence.namespace; the free stack: tiers.slots), allocated
                  at create and at every start: block_bytes=1 at a 64 MiB tier asked ~786 MB
                  under the engine lock. max_host_slots bounds it.
-    namespaces   each costs a memfd, segment files and page-table arrays; max_namespaces
+                 Every namespace's pool spans the whole host_capacity (the budget is shared),
+                 so n namespaces cost n times that metadata: max_slot_metadata bounds the sum
+                 (1,000 namespaces of 16 KiB blocks at 1 GiB took ~1 GB of RSS).
+    namespaces   each costs a memfd and segment files (about 3 fds); max_namespaces
                  bounds their number (LMDB's max_dbs is sized from the store's ceiling).
+                 NVMe AIO is one context per process (tiers.aio.acquire_shared), not one
+                 per namespace.
 
 These functions hold no state; the engine and the server call them.
 """
@@ -89,8 +94,11 @@ def _check_value(value: Any, where: str, depth: int) -> None:
                      "numbers, booleans, null, lists and maps")
 
 
-def host_slots(block_bytes: int, host_capacity: int, max_host_slots: int) -> int:
-    """The host pool's slot count for a new namespace, or CapacityError naming the settings."""
+def host_slots(block_bytes: int, host_capacity: int, max_host_slots: int,
+               slots_in_use: int = 0, max_slot_metadata: int | None = None) -> int:
+    """The host pool's slot count for a new namespace, or CapacityError naming the settings.
+    slots_in_use: the host slots of the namespaces already open, which max_slot_metadata
+    (bytes, all namespaces together) bounds with the new one's."""
     n = host_capacity // block_bytes
     if n > max_host_slots:
         least = -(-host_capacity // max_host_slots)
@@ -98,6 +106,14 @@ def host_slots(block_bytes: int, host_capacity: int, max_host_slots: int) -> int
             f"block_bytes={block_bytes} at host_capacity={host_capacity} needs {n:,} host slots "
             f"(~{n * SLOT_METADATA_BYTES >> 20} MiB of slot metadata); max_host_slots is "
             f"{max_host_slots:,}: use blocks of at least {least} bytes, or raise max_host_slots")
+    if max_slot_metadata is not None and (slots_in_use + n) * SLOT_METADATA_BYTES \
+            > max_slot_metadata:
+        raise CapacityError(
+            f"a namespace of {block_bytes}-byte blocks adds {n:,} host slots "
+            f"({n * SLOT_METADATA_BYTES >> 10} KiB of slot metadata) to the {slots_in_use:,} "
+            f"of the open namespaces, past max_slot_metadata ({max_slot_metadata} bytes): use "
+            "larger blocks, fewer namespaces, a smaller host_capacity, or raise "
+            "max_slot_metadata")
     return n
 
 

@@ -166,8 +166,6 @@ class Engine(Eviction, Transfers, FastPath, Holds):
             raise CapacityError(f"block_bytes {block_bytes} exceeds host_capacity "
                                 f"{self.settings.host_capacity}; raise host_capacity")
         layout = admission.layout(layout)
-        admission.host_slots(block_bytes, self.settings.host_capacity,
-                             self.settings.max_host_slots)
         with self.lock:
             ns = self.namespaces.get(name)
             if ns is not None:
@@ -177,6 +175,11 @@ class Engine(Eviction, Transfers, FastPath, Holds):
                         f"key_width={ns.key_width}; use another name for another layout")
                 return ns.info()
             admission.namespace_count(len(self.namespaces), self.settings.max_namespaces)
+            admission.host_slots(block_bytes, self.settings.host_capacity,
+                                 self.settings.max_host_slots,
+                                 sum(n.slots[Tier.HOST].pool.n_slots
+                                     for n in self.namespaces.values()),
+                                 self.settings.max_slot_metadata)
             rec = self.catalog.add_namespace(name, block_bytes, key_width, layout)
             return self._open_namespace(rec).info()
 

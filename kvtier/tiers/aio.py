@@ -11,7 +11,10 @@ helper ``_aio.c`` (built by setup.py, the GIL released) and otherwise in Python,
 syscalls through libc's syscall(); the Python loop costs 20-40 us a completion on the
 development VM, though bench/nvme.py was disk-bound there either way. Only on x86-64 and aarch64 Linux; elsewhere
 ``Aio.available()`` is False and the tier uses threads.
-Thread-safety: run() serialises on the context's lock (the segment log keeps one Aio).
+Thread-safety: run() serialises on the context's lock. Every segment log of the process shares
+one context (acquire_shared): each namespace used to set up its own, 256 events of the host-wide
+fs.aio-max-nr (65,536 by default), so ~256 namespaces exhausted it for every process on the host
+(issue 20).
 """
 
 from __future__ import annotations
@@ -185,10 +188,45 @@ class Aio:
         except OSError as exc:
             out[i] = -(exc.errno or errno.EIO)
 
-    def close(self) -> None:
+    def close(self, _syscall: object = _syscall, _destroy: int = _DESTROY) -> None:
+        # (bound at definition: the process-wide context may be destroyed by __del__ at
+        # interpreter exit, when module globals are already gone)
         if self._ctx.value:
-            _syscall(_DESTROY, self._ctx)
+            _syscall(_destroy, self._ctx)
             self._ctx = ctypes.c_ulong(0)
 
     def __del__(self) -> None:
         self.close()
+
+
+_shared: Aio | None = None
+_shared_users = 0
+_shared_lock = threading.Lock()
+
+
+def acquire_shared(depth: int = 256) -> Aio | None:
+    """The process's one AIO context, set up on first use; None where native AIO is missing or
+    the host-wide limit is reached (io_setup: EAGAIN), and the caller then uses threads. Give
+    it back with release_shared()."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None or not _shared._ctx.value:
+            try:
+                _shared = Aio(depth)
+            except OSError:
+                return None
+        _shared_users += 1
+        return _shared
+
+
+def release_shared(aio: Aio) -> None:
+    """One user fewer; the context is destroyed with its last user."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if aio is not _shared:
+            aio.close()              # a context replaced after a failure: this was its user
+            return
+        _shared_users -= 1
+        if _shared_users == 0:
+            aio.close()
+            _shared = None

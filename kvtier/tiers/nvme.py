@@ -46,7 +46,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from kvtier.errors import DataDirError, StorageError
-from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, Aio
+from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared, release_shared
 
 MAGIC = b"KVTSEG02"
 MAGIC_V1 = b"KVTSEG01"             # records at HEADER_BYTES; still read, never written
@@ -158,8 +158,8 @@ class SegmentLog:
         # Native AIO keeps a whole batch in flight from one thread (see tiers/aio.py); only for
         # O_DIRECT files of the POSIX back-end, where it is truly asynchronous.
         self._aio = None
-        if self.direct and type(self.backend) is PosixBackend and Aio.available():
-            self._aio = Aio(depth=aio_depth)       # requests in flight at most (a window)
+        if self.direct and type(self.backend) is PosixBackend:
+            self._aio = acquire_shared(aio_depth)  # one per process, or None: threads
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
@@ -466,7 +466,7 @@ class SegmentLog:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self._aio is not None:
-            self._aio.close()
+            release_shared(self._aio)
         with self._lock:
             for seg in self.segments.values():
                 self.backend.close(seg.fd)
