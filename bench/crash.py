@@ -18,6 +18,17 @@ is SIGKILLed, restarted on the same data directory, and every key is read back:
 recovery_s is from the restart's exec to the first answered get. Both must-be-zero figures are
 checked by the harness itself (a mutation that acknowledges without flushing makes it report
 losses: see RELIABILITY.md).
+
+    python bench/crash.py --iterations 100 --damage --json
+
+--damage: between the kill and the restart, damage the data directory for real, one of DAMAGE
+per iteration (bit flips in segment records, a truncated or header-zeroed segment, a foreign
+file named like a segment, a flipped key bit, garbage pages or a truncation in meta/data.mdb).
+A restart the service refuses must exit 2 with a message and no traceback; `kvtier check
+--repair` must then exit 0 and the next start must succeed. Damage loses blocks, so acked_lost
+becomes lost_to_damage (reported, and those keys leave the model); what must stay zero is
+wrong_served, crashes (an exit by signal, or a traceback) and unrepaired (no start even after
+the repair).
 """
 
 from __future__ import annotations
@@ -136,10 +147,10 @@ def load(sock: str, model: Model, stop: threading.Event, keyspace: int, cid: int
         c.close()
 
 
-def verify(sock: str, model: Model, keyspace: int) -> int:
-    """Read every key back (versions included). Returns acked_lost."""
+def verify(sock: str, model: Model, keyspace: int) -> list[int]:
+    """Read every key back (versions included). Returns the keys acked and lost."""
     import kvtier
-    lost = 0
+    lost: list[int] = []
     with kvtier.Client(sock, timeout=30) as c:
         ns = c.namespace("crash", block_bytes=BB)
         ids = list(range(keyspace))
@@ -150,15 +161,110 @@ def verify(sock: str, model: Model, keyspace: int) -> int:
                                          lease.views):
                     want = model.durable.get(k)
                     if not f:
-                        lost += want is not None
+                        if want is not None:
+                            lost.append(k)
                         continue
                     seed = model.served(k, np.array(view))
                     if want is not None and (v < want[0] or (v == want[0] and seed != want[1])):
-                        lost += 1
+                        lost.append(k)
     return lost
 
 
-def iteration(svc, model: Model, args: argparse.Namespace, rng: random.Random) -> tuple[int, float]:
+DAMAGE = ("segment_bitflip", "segment_truncate", "segment_header_zeroed", "foreign_segment",
+          "lmdb_key_flip", "lmdb_garbage_page", "lmdb_truncate")
+
+
+def damage(data_dir: str, kind: str, rng: random.Random, keyspace: int) -> str:
+    """Damage the stopped service's files for real; returns what was done."""
+    segs = sorted(p for p in _walk(os.path.join(data_dir, "nvme")) if p.endswith(".kvt"))
+    mdb = os.path.join(data_dir, "meta", "data.mdb")
+    if kind.startswith("segment") and not segs:
+        kind = "foreign_segment"
+    if kind == "segment_bitflip":
+        path = rng.choice(segs)
+        size = os.path.getsize(path)
+        if size <= 4096:
+            return f"{kind}: {path} holds no record"
+        with open(path, "r+b") as fh:
+            for _ in range(rng.randint(1, 8)):
+                at = rng.randrange(4096, size)
+                fh.seek(at)
+                b = fh.read(1)
+                fh.seek(at)
+                fh.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+        return f"{kind}: {path}"
+    if kind == "segment_truncate":
+        path = rng.choice(segs)
+        os.truncate(path, rng.randrange(4096, max(4097, os.path.getsize(path))))
+        return f"{kind}: {path}"
+    if kind == "segment_header_zeroed":
+        path = rng.choice(segs)
+        with open(path, "r+b") as fh:
+            fh.write(bytes(4096))
+        return f"{kind}: {path}"
+    if kind == "foreign_segment":
+        nsdirs = [d for d in _walk(os.path.join(data_dir, "nvme"), dirs=True)] or \
+            [os.path.join(data_dir, "nvme", "ns-1")]
+        os.makedirs(nsdirs[0], exist_ok=True)
+        path = os.path.join(nsdirs[0], "seg-99999999.kvt")
+        with open(path, "wb") as fh:
+            fh.write(rng.randbytes(rng.choice([100, 4096, 65536])))
+        return f"{kind}: {path}"
+    raw = bytearray(open(mdb, "rb").read())
+    if kind == "lmdb_key_flip":
+        hits = [raw.find(key(k)) for k in rng.sample(range(keyspace), min(keyspace, 64))]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            at = rng.choice(hits) + rng.randrange(16)
+            raw[at] ^= 1 << rng.randrange(8)
+    elif kind == "lmdb_garbage_page":
+        pages = len(raw) // 4096
+        for _ in range(rng.randint(1, 3)):
+            page = rng.randrange(2, max(3, pages))
+            raw[page * 4096:(page + 1) * 4096] = rng.randbytes(4096)
+    elif kind == "lmdb_truncate":
+        raw = raw[:rng.randrange(2, max(3, len(raw) // 4096)) * 4096]
+    with open(mdb, "wb") as fh:
+        fh.write(bytes(raw))
+    return f"{kind}: {mdb}"
+
+
+def _walk(top: str, dirs: bool = False) -> list[str]:
+    out = []
+    for root, ds, fs in os.walk(top):
+        out += [os.path.join(root, d) for d in ds] if dirs else [os.path.join(root, f) for f in fs]
+    return out
+
+
+def restart_damaged(svc, stats: dict) -> None:
+    """Start after damage: a refusal must be clean and repaired by `kvtier check --repair`."""
+    import subprocess
+    try:
+        svc.start()
+        return
+    except RuntimeError as exc:
+        text = str(exc)
+    if "exited with 2" not in text or "Traceback" in text:
+        stats["crashes"] += 1
+        stats.setdefault("crash_samples", []).append(text[-600:])
+    stats["refused_starts"] += 1
+    fix = subprocess.run([sys.executable, "-m", "kvtier.cli", "check", "--repair",
+                          "--data-dir", str(svc.data_dir)], capture_output=True, text=True,
+                         timeout=300)
+    if fix.returncode != 0 or "Traceback" in fix.stderr:
+        stats["crashes"] += 1
+        stats.setdefault("crash_samples", []).append(fix.stderr[-600:])
+    try:
+        svc.start()
+        stats["repaired"] += 1
+    except RuntimeError as exc:
+        stats["unrepaired"] += 1
+        stats.setdefault("crash_samples", []).append(str(exc)[-600:])
+        raise SystemExit(f"the service did not start after kvtier check --repair:\n{exc}")
+
+
+def iteration(svc, model: Model, args: argparse.Namespace, rng: random.Random,
+              stats: dict) -> tuple[int, float]:
     stop = threading.Event()
     threads = [threading.Thread(target=load, args=(str(svc.socket), model, stop, args.keys, i,
                                                    args.write_policy == "write_back"))
@@ -170,13 +276,27 @@ def iteration(svc, model: Model, args: argparse.Namespace, rng: random.Random) -
     stop.set()
     for t in threads:
         t.join()
+    if args.damage:
+        kind = rng.choice(DAMAGE)
+        stats["by_kind"][kind] = stats["by_kind"].get(kind, 0) + 1
+        damage(str(svc.data_dir), kind, rng, args.keys)
     t0 = time.perf_counter()
-    svc.start()
+    if args.damage:
+        restart_damaged(svc, stats)
+    else:
+        svc.start()
     import kvtier
     with kvtier.Client(svc.socket, timeout=30) as c:
         c.namespace("crash", block_bytes=BB).get(key(0))
     recovery = time.perf_counter() - t0
-    lost = verify(str(svc.socket), model, args.keys)
+    lost_keys = verify(str(svc.socket), model, args.keys)
+    lost = len(lost_keys)
+    if args.damage:
+        with model.lock:                    # gone with the damage: no longer expected
+            for k in lost_keys:
+                model.durable.pop(k, None)
+        if "Traceback" in svc.output():
+            stats["crashes"] += 1
     # After a restart, what was served is what the model now knows as durable.
     with model.lock:
         for k in list(model.acked):
@@ -227,6 +347,8 @@ def main() -> None:
     ap.add_argument("--mutant", action="store_true",
                     help="self-test: run the service write_back while the model believes every "
                          "ack is durable; the harness must then report losses")
+    ap.add_argument("--damage", action="store_true",
+                    help="damage segments and LMDB between the kill and the restart")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -238,6 +360,8 @@ def main() -> None:
     out: dict = {"iterations": 0, "acked_lost": 0, "wrong_served": 0, "clients": args.clients,
                  "keys": args.keys, "write_policy": args.write_policy, "mutant": args.mutant}
     recoveries = []
+    stats: dict = {"by_kind": {}, "refused_starts": 0, "repaired": 0, "unrepaired": 0,
+                   "crashes": 0}
     try:
         if args.iterations:
             policy = "write_back" if args.mutant else args.write_policy
@@ -245,10 +369,14 @@ def main() -> None:
                           nvme_capacity="256MiB", segment_bytes="4MiB", write_policy=policy,
                           flush_interval=3600 if args.mutant else 0.2).start()
             for _ in range(args.iterations):
-                lost, rec = iteration(svc, model, args, rng)
+                lost, rec = iteration(svc, model, args, rng, stats)
                 out["iterations"] += 1
-                out["acked_lost"] += lost
+                out["lost_to_damage" if args.damage else "acked_lost"] = \
+                    out.get("lost_to_damage" if args.damage else "acked_lost", 0) + lost
                 recoveries.append(rec)
+            if args.damage:
+                out["damage"] = stats
+                del out["acked_lost"]           # damage loses blocks: see lost_to_damage
             svc.stop(signal.SIGTERM)
             out["wrong_served"] = model.wrong
             out["max_recovery_s"] = round(max(recoveries), 3)
@@ -260,7 +388,8 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     out["machine"] = m
     emit(out, args.json)
-    if (out["acked_lost"] or out["wrong_served"]) and not args.mutant:
+    if (out.get("acked_lost") or out["wrong_served"] or stats["crashes"] or stats["unrepaired"]) \
+            and not args.mutant:
         sys.exit(1)
 
 

@@ -142,7 +142,9 @@ def _check_records(name: str, block_bytes: int, log: SegmentLog, keys: np.ndarra
                    recs: np.ndarray, rep: Report, bad_keys: list[bytes]) -> set[int]:
     used: set[int] = set()
     buf = _aligned(BATCH * block_bytes)
-    arr = np.frombuffer(buf, dtype=np.uint8).reshape(BATCH, block_bytes)
+    # (the buffer is rounded up to 4 KiB: take only the blocks, whatever their size)
+    arr = np.frombuffer(buf, dtype=np.uint8, count=BATCH * block_bytes).reshape(BATCH,
+                                                                                block_bytes)
     views = [memoryview(buf)[i * block_bytes:(i + 1) * block_bytes] for i in range(BATCH)]
     for lo in range(0, len(keys), BATCH):
         k, r = keys[lo: lo + BATCH], recs[lo: lo + BATCH]

@@ -29,6 +29,20 @@ def test_crash_harness_catches_acks_that_were_not_durable():
     assert res["acked_lost"] > 0 and res["wrong_served"] == 0
 
 
+def test_crash_harness_damage_mode_refuses_cleanly_repairs_and_serves_nothing_wrong():
+    rc, res = _bench("bench/crash.py", "--iterations", "3", "--damage", "--max-run", "0.3",
+                     "--seed", "3")
+    assert rc == 0 and res["iterations"] == 3 and res["wrong_served"] == 0
+    assert res["damage"]["crashes"] == 0 and res["damage"]["unrepaired"] == 0
+    assert sum(res["damage"]["by_kind"].values()) == 3
+
+
+def test_structured_fuzz_short_soak_leaves_a_store_that_opens():
+    rc, res = _bench("bench/fuzz.py", "--structured", "--frames", "3000")
+    assert rc == 0 and res["alive"] and res["roundtrip_ok"] and res["reopened_ok"]
+    assert res["check_damage"] == 0 and res["replies"] >= 3000 and res["rss_ratio"] < 2
+
+
 def test_fuzz_short_soak():
     rc, res = _bench("bench/fuzz.py", "--frames", "5000")
     assert rc == 0 and res["alive"] and res["hello_ok"] and res["roundtrip_ok"]
