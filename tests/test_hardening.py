@@ -703,3 +703,16 @@ def test_namespaces_share_one_aio_context_and_their_slot_metadata_is_bounded(tmp
         assert "max_slot_metadata" in replies[-1]["error"]["message"]
     finally:
         svc.stop()
+
+
+def test_check_reads_namespaces_of_any_block_size(tmp_path):
+    """A 17-byte namespace made check crash (a 4 KiB-rounded buffer reshaped to 256 x 17)."""
+    svc = _svc(tmp_path).start()
+    data = blocks(3, 17, seed=1)
+    try:
+        with kvtier.Client(svc.socket) as c:
+            c.namespace("odd", block_bytes=17).put(keys(range(3)), data)
+    finally:
+        svc.stop()
+    rep = check(svc.data_dir)
+    assert rep.records == 3 and rep.sound == 3 and not rep.damage
