@@ -20,7 +20,6 @@ where they are checked against the lease.
 from __future__ import annotations
 
 import asyncio
-import collections
 import grp
 import inspect
 import logging
@@ -30,56 +29,23 @@ import stat
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
 from kvtier import __version__
 from kvtier.api import protocol as P
+from kvtier.api import quota
 from kvtier.api.busypoll import BusyPoll
+from kvtier.api.quota import ClientInfo
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
-from kvtier.errors import (AuthError, BadRequest, CapacityError, ConfigError, KvtierError,
-                           ProtocolError)
+from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
 from kvtier.tiers.hbm import on_device
 from kvtier.types import Tier
 
 log = logging.getLogger("kvtier.server")
 _PEERCRED = struct.Struct("3i")
-
-
-@dataclass(slots=True)
-class ClientInfo:
-    """Per-connection figures behind /v1/clients."""
-
-    cid: int
-    pid: int
-    uid: int
-    name: str = ""
-    connected: float = field(default_factory=time.time)
-    ops: int = 0
-    errors: int = 0
-    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2048))
-    pinned: dict[int, tuple[str, int]] = field(default_factory=dict)  # lease/rid -> (ns, slots)
-
-    def record(self, seconds: float, ok: bool) -> None:
-        self.ops += 1
-        self.errors += 0 if ok else 1
-        self.recent.append((time.monotonic(), seconds, ok))
-
-    def summary(self, window: float = 10.0) -> dict[str, Any]:
-        now = time.monotonic()
-        rec = [r for r in self.recent if now - r[0] <= window]
-        qps = len(rec) / window
-        lat = [r[1] for r in rec]
-        p99_ms = float(np.percentile(lat, 99) * 1000) if lat else 0.0
-        err = (sum(1 for r in rec if not r[2]) / len(rec)) if rec else 0.0
-        return {"id": self.cid, "pid": self.pid, "uid": self.uid, "name": self.name,
-                "connected_s": round(time.time() - self.connected, 1), "ops": self.ops,
-                "errors": self.errors, "qps": round(qps, 2), "p99_ms": round(p99_ms, 3),
-                "error_rate": round(err, 4),
-                "load_weight": round(qps * (1 + 0.1 * p99_ms) / (1 + err), 3)}
 
 
 class Server:
@@ -272,7 +238,7 @@ class Server:
         them all when that must wait for the engine lock. An unknown one is counted, not fatal:
         the request itself must still be answered."""
         ids = P.array_arg(req, "release_first", "<u8").tolist()
-        self._unpin(client, ids)
+        client.pins.end(ids)
         done, bad = self._fast(self.engine.release_many, ids, client.cid)
         if not done:
             return ids
@@ -335,24 +301,24 @@ class Server:
     async def op_reserve(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         name, keys, tier = P.arg(req, "ns", str), P.arg(req, "keys", bytes), _slot_tier(req)
         if tier is Tier.HOST:
-            self._check_share(client, name, keys)
+            client.pins.check(self.engine.namespace(name), keys, self.settings.max_client_share)
         res = await self._run(on_device, P.arg(req, "device", int, None), self.engine.reserve,
                               name, keys, P.arg(req, "parents", bytes, None), tier, client.cid)
         if tier is Tier.HOST:
-            client.pinned[res.rid] = (name, int(res.slots.size))
+            client.pins.add(res.rid, name, int(res.slots.size))
         return {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
 
     async def op_commit(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         sums = P.array_arg(req, "checksums", "<u8", None)
         rid = P.arg(req, "rid", int)
-        self._unpin(client, [rid])          # committed or refused, the reservation has ended
+        client.pins.end([rid])              # committed or refused, the reservation has ended
         versions = await self._run(self.engine.commit, rid, client.cid, sums,
                                    P.arg(req, "trusted", bool, False))
         return {"versions": P.arr(versions, "<u8")}
 
     async def op_abort(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         rid = P.arg(req, "rid", int)
-        self._unpin(client, [rid])
+        client.pins.end([rid])
         await self._run(self.engine.abort, rid, client.cid)
         return {}
 
@@ -369,28 +335,6 @@ class Server:
                                    P.arg(req, "parents", bytes, None), Tier.HOST, client.cid)
         return {"versions": P.arr(versions, "<u8")}
 
-    def _check_share(self, client: ClientInfo, name: str, keys: bytes) -> None:
-        """One connection's leases and reservations pin at most max_client_share of a
-        namespace's host slots, so that one peer holding every slot cannot turn every other
-        client's get of durable NVMe blocks into a miss and its puts into errors until
-        lease_timeout (issue 20). Counted here from the ids the engine handed this
-        connection; they end with release, commit, abort or the connection."""
-        ns = self.engine.namespace(name)
-        limit = int(self.settings.max_client_share * ns.slots[Tier.HOST].pool.n_slots)
-        held = sum(n for nsname, n in client.pinned.values() if nsname == name)
-        want = len(keys) // max(ns.key_width, 1)
-        if held + want > max(limit, 1) and want:
-            raise CapacityError(
-                f"this connection holds {held} slots of {name!r} under lease or reservation and "
-                f"asks for {want} more; one connection may pin {limit} "
-                f"(max_client_share={self.settings.max_client_share} of "
-                f"{ns.slots[Tier.HOST].pool.n_slots}): release leases first, or raise "
-                "max_client_share")
-
-    def _unpin(self, client: ClientInfo, ids: Any) -> None:
-        for i in ids:
-            client.pinned.pop(int(i), None)
-
     def op_get(self, client: ClientInfo, req: dict[str, Any]
                ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         name = P.arg(req, "ns", str)
@@ -398,9 +342,9 @@ class Server:
         inline = P.arg(req, "inline", bool, False)
         tier = _slot_tier(req)
         if inline:
-            self._check_inline_size(name, keys)
+            quota.inline_size(self.engine.namespace(name), keys, self.settings.max_frame)
         elif tier is Tier.HOST:
-            self._check_share(client, name, keys)
+            client.pins.check(self.engine.namespace(name), keys, self.settings.max_client_share)
         if inline and tier is not Tier.HOST:
             raise BadRequest("inline gets are served from the host tier; drop tier or inline")
         if tier is Tier.HOST:
@@ -408,18 +352,6 @@ class Server:
             if done and res is not None:
                 return self._get_reply(client, name, keys, res, inline)
         return self._get_slow(client, name, keys, inline, tier, P.arg(req, "device", int, None))
-
-    def _check_inline_size(self, name: str, keys: bytes) -> None:
-        """An inline reply carries every asked block (zeros for misses): bounded by max_frame,
-        which the client enforces on what it reads too. Before, one get of 64 keys of 1 GiB
-        blocks asked the service for 64 GiB."""
-        ns = self.engine.namespace(name)
-        size = len(keys) // max(ns.key_width, 1) * ns.block_bytes
-        if size > self.settings.max_frame:
-            raise BadRequest(f"an inline get of {len(keys) // max(ns.key_width, 1)} blocks of "
-                             f"{ns.block_bytes} bytes ({size} bytes) exceeds max_frame "
-                             f"({self.settings.max_frame}); ask for fewer keys per request, use "
-                             "the mapped data path, or raise max_frame")
 
     async def _get_slow(self, client: ClientInfo, name: str, keys: bytes, inline: bool,
                         tier: Tier = Tier.HOST, device: int | None = None) -> dict[str, Any]:
@@ -436,7 +368,7 @@ class Server:
             if self.engine.wants_prefetch(name, keys) is not False:
                 self._spawn(self._run(self.engine.prefetch_after, name, keys))
         if not inline and res.tier is Tier.HOST:
-            client.pinned[res.lease_id] = (name, int(res.found.sum()))
+            client.pins.add(res.lease_id, name, int(res.found.sum()))
         out = {"lease": res.lease_id, "found": P.arr(res.found, "u1"),
                "slots": P.arr(res.slots, "<i4"), "versions": P.arr(res.versions, "<u8"),
                "checksums": P.arr(res.checksums, "<u8")}
@@ -456,10 +388,9 @@ class Server:
         lid = P.arg(req, "lease", int)
         slots = P.array_arg(req, "slots", "<i4", None)
         if slots is None:
-            self._unpin(client, [lid])
-        elif lid in client.pinned:
-            name, n = client.pinned[lid]
-            client.pinned[lid] = (name, max(0, n - int(slots.size)))
+            client.pins.end([lid])
+        else:
+            client.pins.shrink(lid, int(slots.size))
         done, _ = self._fast(self.engine.release, lid, client.cid, slots)
         if done:
             return {}
