@@ -18,7 +18,7 @@ import kvtier
 from kvtier.api.server import Server
 from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
-from kvtier.errors import DataDirError, LeaseError
+from kvtier.errors import DataDirError, LeaseError, StorageError
 from kvtier.tiers.nvme import PosixBackend
 from kvtier.types import Tier
 from tests.conftest import blocks, key, keys
@@ -38,20 +38,49 @@ def small_tmpfs(tmp_path: Path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_nvme_full_on_a_real_tmpfs_keeps_puts_in_the_upper_tiers(small_tmpfs: Path):
-    eng = Engine(make_settings({"data_dir": str(small_tmpfs / "data"), "host_capacity": "8MiB",
-                                "nvme_capacity": "64MiB", "segment_bytes": "1MiB"}))
+def _fill(eng: Engine, data: np.ndarray) -> tuple[list[int], int]:
+    """Put 64-block batches; returns (first keys of the acknowledged batches, failures)."""
+    acked, failed = [], 0
+    for lo in range(0, len(data), 64):
+        try:
+            eng.put("m", keys(range(lo, lo + 64)), data[lo:lo + 64])
+            acked.append(lo)
+        except StorageError:
+            failed += 1
+    return acked, failed
+
+
+def test_a_disk_full_write_through_put_fails_instead_of_being_acknowledged(small_tmpfs: Path):
+    settings = make_settings({"data_dir": str(small_tmpfs / "data"), "host_capacity": "8MiB",
+                              "nvme_capacity": "64MiB", "segment_bytes": "1MiB"})
+    eng = Engine(settings)
     eng.create_namespace("m", BB)
     data = blocks(1024, BB)
-    for lo in range(0, 1024, 64):                     # 4 MiB of blocks into a 3 MiB file system
-        eng.put("m", keys(range(lo, lo + 64)), data[lo:lo + 64])
-    s = eng.stats()
-    assert s["nvme_full"] > 0                         # the stats say so
-    assert s["tiers"]["nvme"]["blocks"] < 1024        # not everything reached NVMe
-    found, out = eng.read("m", keys(range(960, 1024)))
-    assert found.all() and (out == data[960:]).all()  # the newest are served from host
-    dirty = sum(eng.entry("m", key(i))["dirty"] for i in range(960, 1024))
+    acked, failed = _fill(eng, data)              # 4 MiB of blocks into a 3 MiB file system
+    assert failed > 0 and acked                   # refused, not acknowledged and dropped
+    assert eng.stats()["nvme_full"] > 0
+    eng.close(flush=False)                        # as a crash would: nothing more is written
+    eng = Engine(settings)
+    for lo in acked:                              # every acknowledged put is on disk
+        found, out = eng.read("m", keys(range(lo, lo + 64)))
+        assert found.all() and (out == data[lo:lo + 64]).all()
+    eng.close(flush=False)
+
+
+def test_a_disk_full_write_back_flush_is_not_answered_ok(small_tmpfs: Path):
+    eng = Engine(make_settings({"data_dir": str(small_tmpfs / "data"), "host_capacity": "8MiB",
+                                "nvme_capacity": "64MiB", "segment_bytes": "1MiB",
+                                "write_policy": "write_back"}))
+    eng.create_namespace("m", BB)
+    data = blocks(1024, BB)
+    acked, failed = _fill(eng, data)
+    assert failed == 0                            # write_back: the host tier takes them
+    with pytest.raises(StorageError, match="free space|full"):
+        eng.flush()                               # not "ok" while blocks stay dirty
+    dirty = sum(eng.entry("m", key(i))["dirty"] for i in range(1024))
     assert dirty > 0
+    found, out = eng.read("m", keys(range(960, 1024)))
+    assert found.all() and (out == data[960:]).all()   # and they are still served
     eng.close(flush=False)
 
 
@@ -66,13 +95,17 @@ def test_immutable_segment_directory_under_a_running_service(tmp_path: Path):
             if subprocess.run(["chattr", "+i", str(nsdir)], capture_output=True).returncode:
                 pytest.skip("chattr +i is not supported here")
             # 1 MiB segments hold 255 records: these puts need a new segment file, which the
-            # immutable directory refuses. The puts still succeed, in the host tier.
+            # immutable directory refuses. Under write_through they fail, saying why; what
+            # they wrote stays dirty in the host tier.
+            failed = 0
             for lo in range(16, 528, 64):
-                ns.put(keys(range(lo, lo + 64)), blocks(64, BB, lo))
+                try:
+                    ns.put(keys(range(lo, lo + 64)), blocks(64, BB, lo))
+                except StorageError as exc:
+                    assert "cannot create segment" in str(exc)
+                    failed += 1
             s = c.stats()
-            assert s["nvme_full"] > 0
-            found, out = ns.get(keys(range(464, 528)))
-            assert found.all() and (out == blocks(64, BB, 464)).all()
+            assert s["nvme_full"] > 0 and failed > 0
             subprocess.run(["chattr", "-i", str(nsdir)], check=True)
             nsdir = None
             assert c.flush() > 0                          # writable again: the backlog drains

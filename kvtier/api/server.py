@@ -141,7 +141,7 @@ class Server:
                 if (self.settings.write_policy == "write_back"
                         and time.monotonic() - last_flush >= self.settings.flush_interval):
                     last_flush = time.monotonic()
-                    await self._run(self.engine.flush)
+                    await self._run(self.engine.flush, None, False)   # the rest next time
             except KvtierError:
                 log.exception("housekeeping failed; retrying")
 

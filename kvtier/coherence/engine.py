@@ -33,20 +33,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, cast
 
 import numpy as np
 
 from kvtier.checksums import block_checksums
-from kvtier.coherence import admission, persist, reserve
+from kvtier.coherence import admission, reserve
 from kvtier.coherence.namespace import (EngineCounters, GetResult, Lease, Namespace,
-                                        Reservation, SlotState, add_one)
+                                        Reservation, SlotState, add_one, to_numpy)
 from kvtier.coherence.eviction import Eviction
 from kvtier.coherence.fastpath import FastPath
 from kvtier.coherence.leases import Holds
 from kvtier.coherence.policies import POLICIES
-from kvtier.coherence.transfers import Transfers, _to_numpy, remote_from_settings
+from kvtier.coherence.persist import NvmeStore, ReadPlan
+from kvtier.coherence.transfers import Transfers, remote_from_settings
 from kvtier.coherence.states import BlockState, Event, HoldState, next_states
 from kvtier.config import Settings
 from kvtier.errors import (BadRequest, CapacityError, LeaseError, NamespaceError,
@@ -54,7 +56,7 @@ from kvtier.errors import (BadRequest, CapacityError, LeaseError, NamespaceError
 from kvtier.pagetable.store import Catalog, NamespaceRecord, check_writable
 from kvtier.pagetable.table import PageTable
 from kvtier.tiers.host import SlotPool
-from kvtier.tiers.nvme import Backend, SegmentLog, make_backend
+from kvtier.tiers.nvme import Backend, make_backend
 from kvtier.types import SERVE_ORDER, Tier
 
 log = logging.getLogger("kvtier.engine")
@@ -101,9 +103,10 @@ class Engine(Eviction, Transfers, FastPath, Holds):
         self.policies = {t: POLICIES[settings.policy_for(t.label)]
                          for t in (Tier.HBM, Tier.HOST, Tier.NVME)}
         self.remote = remote if remote is not None else remote_from_settings(settings)
+        self.nvme = NvmeStore(self, self.catalog, settings, self.counters, self.backend)
         for rec in self.catalog.namespaces():
             ns = self._open_namespace(rec)
-            persist.load_namespace(self, ns)
+            self.nvme.load(ns)
 
     # ------------------------------------------------------------------ namespaces
 
@@ -117,12 +120,8 @@ class Engine(Eviction, Transfers, FastPath, Holds):
             pool = self.hbm_pool_factory(f"{rec.name}/hbm", rec.block_bytes,
                                          self._hbm_slots(rec))
             slots[Tier.HBM] = SlotState.for_pool(pool)
-        log = None
-        if s.nvme_capacity > 0:
-            log = SegmentLog(self.data_dir / "nvme" / f"ns-{rec.ns_id}", rec.ns_id,
-                             rec.block_bytes, s.segment_bytes, s.io_threads, self.backend)
         ns = Namespace(rec.name, rec.ns_id, rec.block_bytes, rec.key_width, rec.layout,
-                       PageTable(rec.key_width), slots, log)
+                       PageTable(rec.key_width), slots, self.nvme.open_log(rec))
         self.namespaces[rec.name] = ns
         return ns
 
@@ -265,6 +264,26 @@ class Engine(Eviction, Transfers, FastPath, Holds):
             cols["slot"][has, tier] = -1
             cols["copy_ver"][has, tier] = 0
 
+    # ------------------------------------------------------------------ for the NVMe store
+    # (coherence.persist.Coherence: all that NvmeStore may call; the caller holds the lock)
+
+    def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier) -> None:
+        self._drop_copies(ns, rows, tier)
+
+    def forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
+        self._forget_empty(ns, rows)
+
+    def rank(self, ns: Namespace, tier: Tier, rows: np.ndarray, n: int) -> np.ndarray:
+        """The eviction policy's n first victims among rows."""
+        return self._choose(ns, tier, rows, n)
+
+    def pin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
+        add_one(ns.slots[tier].leases, slots)
+
+    def unpin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
+        if slots.size:
+            self._unpin(ns, tier, slots)
+
     # ------------------------------------------------------------------ put
 
     def _check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray:
@@ -279,25 +298,48 @@ class Engine(Eviction, Transfers, FastPath, Holds):
                 owner: int = 0) -> Reservation:
         """Phase one of a put: fresh slots for each key, pinned until commit or abort.
 
-        ``parents`` is a packed buffer aligned with keys; an all-zero parent means none.
+        ``parents`` is a packed buffer aligned with keys; an all-zero parent means none. When
+        room needs dirty blocks written down first, they are written with the lock released
+        and the reservation is tried again.
         """
-        with self.lock:
-            ns = self.namespace(namespace)
-            karr = self._check_keys(ns, keys)
-            parr = None
-            if parents is not None:
-                parr = ns.table.keys_array(parents)
-                if parr.size != karr.size:
-                    raise BadRequest(f"{parr.size} parents for {karr.size} keys; send one parent "
-                                     "per key (all-zero for none)")
-            slots = self._alloc(ns, tier, karr.size)
-            st = ns.slots[tier]
-            st.leases[slots] += 1          # a reservation pins its slots like a lease
-            rid = self._new_id()
-            res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
-                              slots, owner, time.monotonic() + self.settings.reserve_timeout)
-            self.reservations[rid] = res
-            return res
+        attempt = 0
+        while True:
+            try:
+                with self.lock:
+                    res = self._reserve(namespace, keys, parents, tier, owner)
+                if self.nvme.wanted():
+                    self.nvme.drain()
+                return res
+            except CapacityError:
+                attempt += 1
+                if attempt > 3 or not self.nvme.wanted():
+                    raise
+            self.nvme.drain()
+
+    def _reserve(self, namespace: str, keys: Any, parents: Any, tier: Tier,
+                 owner: int) -> Reservation:
+        ns = self.namespace(namespace)
+        karr = self._check_keys(ns, keys)
+        parr = None
+        if parents is not None:
+            parr = ns.table.keys_array(parents)
+            if parr.size != karr.size:
+                raise BadRequest(f"{parr.size} parents for {karr.size} keys; send one parent "
+                                 "per key (all-zero for none)")
+        slots = self._alloc(ns, tier, karr.size)
+        st = ns.slots[tier]
+        st.leases[slots] += 1          # a reservation pins its slots like a lease
+        if tier is not Tier.HOST:
+            # commit writes a GPU batch through to host: make that room now, while dirty
+            # blocks can still be written down before the commit.
+            short = karr.size - ns.slots[Tier.HOST].pool.free_count
+            if short > 0:
+                self._evict(ns, Tier.HOST, short)
+        rid = self._new_id()
+        res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
+                          slots, owner, time.monotonic() + self.settings.reserve_timeout)
+        self.reservations[rid] = res
+        return res
 
     def _take_reservation(self, rid: int, owner: int) -> Reservation:
         res = self.reservations.get(rid)
@@ -343,7 +385,7 @@ class Engine(Eviction, Transfers, FastPath, Holds):
                     # A GPU write: written through to host; the checksum is the host copy's.
                     host_slots = self._alloc(ns, Tier.HOST, keep.size)
                     ns.slots[Tier.HOST].pool.write(
-                        host_slots, _to_numpy(ns.slots[tier].pool.read(slots[keep])))
+                        host_slots, to_numpy(ns.slots[tier].pool.read(slots[keep])))
                     sums = (given_sums if trusted
                             else checksums_of(ns.slots[Tier.HOST].pool, host_slots))
                 if checksums is not None:
@@ -375,12 +417,16 @@ class Engine(Eviction, Transfers, FastPath, Holds):
                 versions_by_pos[dup] = ns.table.cols["version"][ns.table.lookup(karr[dup])]
             self.counters.puts += int(karr.size)
             self.counters.tiers[tier].bytes_written += int(karr.size) * ns.block_bytes
-            if self.settings.write_policy == "write_through":
-                if ns.log is not None:
-                    persist.flush_rows(self, ns, rows)
-                if self.remote is not None:
-                    self._push_remote(ns, rows)
-            return versions_by_pos
+            write_through = self.settings.write_policy == "write_through"
+            if write_through and self.remote is not None:
+                self._push_remote(ns, rows)
+        if write_through and ns.log is not None:
+            # Durable before the put is acknowledged, written with the lock released: a full
+            # or failing disk fails the put (StorageError) instead of acknowledging it.
+            self.nvme.flush(ns, rows, strict=True)
+        elif self.nvme.wanted():
+            self.nvme.drain()
+        return versions_by_pos
 
     def _install(self, ns: Namespace, karr: np.ndarray, tier: Tier, slots: np.ndarray,
                  sums: np.ndarray, parents: np.ndarray | None,
@@ -427,31 +473,54 @@ class Engine(Eviction, Transfers, FastPath, Holds):
     def put(self, namespace: str, keys: Any, blocks: Any, parents: Any = None,
             tier: Tier = Tier.HOST, owner: int = 0) -> np.ndarray:
         """reserve + copy + commit, for in-process writers. blocks: n x block_bytes."""
-        with self.lock:
-            res = self.reserve(namespace, keys, parents, tier, owner)
+        res = self.reserve(namespace, keys, parents, tier, owner)
+        try:
             data = _blocks_array(blocks, res.slots.size, res.ns.block_bytes)
-            try:
-                res.ns.slots[tier].pool.write(res.slots, data)
-            except BaseException:
-                self.abort(res.rid, owner)
-                raise
-            return self.commit(res.rid, owner)
+            res.ns.slots[tier].pool.write(res.slots, data)    # reserved slots: no one else's
+        except BaseException:
+            self.abort(res.rid, owner)
+            raise
+        return self.commit(res.rid, owner)
 
     # ------------------------------------------------------------------ get
 
     def get(self, namespace: str, keys: Any, owner: int = 0, tier: Tier = Tier.HOST) -> GetResult:
-        """Lease the current version of each key in ``tier``, bringing it up if needed."""
-        with self.lock:
-            return cast(GetResult, self._get(namespace, keys, owner, tier, io=True))
+        """Lease the current version of each key in ``tier``, bringing it up if needed. NVMe
+        reads run with the lock released (decide and pin, read, install with versions
+        checked), so that other clients' gets of resident blocks do not wait for the disk."""
+        for attempt in range(2):
+            with self.lock:
+                out = self._get(namespace, keys, owner, tier, io=True)
+                if isinstance(out, GetResult):
+                    return out
+                p = cast(_PendingGet, out)
+                if p.plan is None:
+                    res = self._finish_get(p)
+            if p.plan is not None:
+                try:
+                    self.nvme.run_read(p.plan, p.ns.slots[tier].pool)
+                finally:
+                    with self.lock:
+                        res = self._finish_get(p)
+                self.nvme.after_read(p.plan)
+            if not self.nvme.wanted():
+                break
+            self.nvme.drain()
+            if attempt or not p.short:
+                break
+            # Room for the bring-up needed dirty blocks written down first: now they are.
+            self.release(res.lease_id, owner)
+        return res
 
     def try_get(self, namespace: str, keys: Any, owner: int = 0) -> GetResult | None:
         """get() when every found block is already in the host tier; None when it would have
         to move bytes between tiers (the caller then runs get() off the event loop)."""
         with self.lock:
-            return self._get(namespace, keys, owner, Tier.HOST, io=False)
+            out = self._get(namespace, keys, owner, Tier.HOST, io=False)
+            return self._finish_get(out) if isinstance(out, _PendingGet) else out
 
     def _get(self, namespace: str, keys: Any, owner: int, tier: Tier,
-             io: bool) -> GetResult | None:
+             io: bool) -> "GetResult | _PendingGet | None":
         ns = self.namespace(namespace)
         if tier not in ns.slots:
             raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
@@ -476,7 +545,7 @@ class Engine(Eviction, Transfers, FastPath, Holds):
         fr = rows[found]
         found[found] = cols["version"][fr] > 0
         st = ns.slots[tier]
-        slots = np.full(n, -1, dtype=np.int32)
+        slots = np.full(n, -1, dtype=np.int64)
         idx = np.flatnonzero(found)
         r = rows[idx]
         ready = cols["copy_ver"][r, tier] == cols["version"][r]
@@ -485,49 +554,74 @@ class Engine(Eviction, Transfers, FastPath, Holds):
         ri = idx[ready]
         slots[ri] = cols["slot"][rows[ri], tier]
         # Pin what is already here before anything else can evict it.
-        add_one(st.leases, slots[ri].astype(np.int64))
+        add_one(st.leases, slots[ri])
         self.counters.tiers[tier].hits += int(ri.size)
+        safe = np.maximum(rows, 0)
+        p = _PendingGet(ns, karr, rows, found, slots, tier, owner,
+                        np.where(found, cols["version"][safe], 0).astype(np.uint64),
+                        np.where(found, cols["checksum"][safe], 0).astype(np.uint64))
         todo = idx[~ready]
         if todo.size:
             # A key repeated in the batch is brought up once; its repeats share the slot.
             _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
             inv = inv.reshape(-1)
-            self._bring_up(ns, rows, todo[first], tier, slots, found)
+            p.plan, p.plan_pos, p.short = self._bring_up(ns, rows, todo[first], tier, slots,
+                                                         found)
             rep = np.setdiff1d(np.arange(todo.size), first)
             if rep.size:
-                src = todo[first][inv[rep]]
-                slots[todo[rep]] = slots[src]
-                found[todo[rep]] = found[src]
-                ok = todo[rep][found[todo[rep]]]
-                add_one(st.leases, slots[ok].astype(np.int64))
+                p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
+        return p
+
+    def _finish_get(self, p: "_PendingGet") -> GetResult:
+        """The rest of a get, under the lock: NVMe copies installed, repeats share their
+        slot, misses filled from the remote tier, and the lease. Versions and checksums are
+        the ones the copies were pinned at."""
+        ns, tier, rows, found, slots = p.ns, p.tier, p.rows, p.found, p.slots
+        cols = ns.table.cols
+        st = ns.slots[tier]
+        if p.plan is not None:
+            self._install_read(p.plan, tier, p.plan_pos, rows, slots, found)
+        if p.repeats.size:
+            slots[p.repeats] = slots[p.repeat_src]
+            found[p.repeats] = found[p.repeat_src]
+            ok = p.repeats[found[p.repeats]]
+            add_one(st.leases, slots[ok])
         if self.remote is not None and not found.all():
-            self._from_remote(ns, karr, rows, found, slots, tier)
+            before = found.copy()
+            self._from_remote(ns, p.karr, rows, found, slots, tier)
+            got = found & ~before
+            p.versions[got] = cols["version"][rows[got]]
+            p.sums[got] = cols["checksum"][rows[got]]
         served = np.flatnonzero(found)
         srows = rows[served]
-        add_one(cols["leases"], srows)
-        self._touch(ns, srows)        # in batch order: the last key of a prefix is the newest
-        self.counters.gets += n
+        versions = p.versions[served]
+        # Readers count on rows still at the version served (a rewrite resets the count).
+        cur = srows[(cols["version"][srows] == versions)
+                    & (cols["key"][srows] == p.karr[served])]
+        add_one(cols["leases"], cur)
+        self._touch(ns, cur)          # in batch order: the last key of a prefix is the newest
+        self.counters.gets += p.karr.size
         self.counters.get_hits += int(served.size)
         self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
         lid = self._new_id()
         self.leases[lid] = Lease(lid, ns, tier, slots[served].astype(np.int64), srows,
-                                 cols["version"][srows].copy(), owner,
+                                 versions.copy(), p.owner,
                                  time.monotonic() + self.settings.lease_timeout)
-        return GetResult(found, slots, np.where(found, cols["version"][np.maximum(rows, 0)], 0)
-                         .astype(np.uint64),
-                         np.where(found, cols["checksum"][np.maximum(rows, 0)], 0)
-                         .astype(np.uint64), lid, tier)
+        return GetResult(found, slots.astype(np.int32), np.where(found, p.versions, 0)
+                         .astype(np.uint64), np.where(found, p.sums, 0).astype(np.uint64),
+                         lid, tier)
 
     def read(self, namespace: str, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """get + copy + release, for in-process readers: (found mask, n x block_bytes array)."""
-        with self.lock:
-            res = self.get(namespace, keys)
+        res = self.get(namespace, keys)
+        try:
             ns = self.namespace(namespace)
             out = np.zeros((res.found.size, ns.block_bytes), dtype=np.uint8)
             idx = np.flatnonzero(res.found)
-            out[idx] = ns.slots[Tier.HOST].pool.read(res.slots[idx])
+            out[idx] = ns.slots[Tier.HOST].pool.read(res.slots[idx])   # leased: stable
+        finally:
             self.release(res.lease_id)
-            return res.found, out
+        return res.found, out
 
     def match_prefix(self, namespace: str, keys: Any) -> int:
         """How many leading keys have a current copy in some local tier."""
@@ -562,28 +656,28 @@ class Engine(Eviction, Transfers, FastPath, Holds):
                 return 0
             for t in list(ns.slots):
                 self._drop_copies(ns, rows, t)
-            persist.drop_nvme(self, ns, rows)
+            gone = self.nvme.forget(ns, rows)
             next_states(ns.table.cols["state"][rows], Event.DELETE)
             ns.table.remove(rows)
-            return int(rows.size)
+        self.nvme.delete_records(ns, gone)          # LMDB, with the lock released
+        return int(rows.size)
 
-    def flush(self, namespace: str | None = None) -> int:
-        """Write every dirty version to NVMe and LMDB. Returns the blocks flushed."""
+    def flush(self, namespace: str | None = None, strict: bool = True) -> int:
+        """Write every dirty version to NVMe and LMDB. Returns the blocks flushed.
+
+        strict (an explicit flush): StorageError unless every block that was dirty when the
+        flush began is on NVMe, so that an acknowledged flush means what it says. The
+        service's background flush passes strict=False and leaves the rest for next time."""
         with self.lock:
             targets = [self.namespace(namespace)] if namespace else list(self.namespaces.values())
-            done = 0
-            for ns in targets:
-                if self.remote is not None:
+            if self.remote is not None:
+                for ns in targets:
                     c = ns.table.cols
                     n = ns.table.n_rows
                     self._push_remote(ns, np.flatnonzero(
                         (c["version"][:n] > 0) & (c["copy_ver"][:n, Tier.REMOTE]
                                                   < c["version"][:n])))
-                if ns.log is None:
-                    continue
-                st = ns.table.cols["state"][: ns.table.n_rows]
-                done += persist.flush_rows(self, ns, np.flatnonzero(st == BlockState.DIRTY))
-            return done
+        return sum(self.nvme.flush(ns, None, strict) for ns in targets)
 
     def entry(self, namespace: str, key: bytes) -> dict[str, Any] | None:
         with self.lock:
@@ -614,13 +708,12 @@ class Engine(Eviction, Transfers, FastPath, Holds):
 
     def close(self, flush: bool = True) -> None:
         """Flush dirty blocks (unless told not to), then close segments and LMDB."""
+        if flush:
+            self.flush(strict=False)
         with self.lock:
-            if flush:
-                self.flush()
             self._record_hbm_demand()
+            self.nvme.close()
             for ns in self.namespaces.values():
-                if ns.log is not None:
-                    ns.log.close()
                 for st in ns.slots.values():
                     st.pool.close()
             self.namespaces.clear()
@@ -678,3 +771,23 @@ def _blocks_array(blocks: Any, n: int, block_bytes: int) -> np.ndarray:
         raise BadRequest(f"blocks hold {arr.size} bytes; expected {n} x {block_bytes}")
     return arr.reshape(n, block_bytes)
 
+
+
+@dataclass(slots=True)
+class _PendingGet:
+    """A get between its locked decision and its locked finish (an NVMe read in between)."""
+
+    ns: Namespace
+    karr: np.ndarray
+    rows: np.ndarray
+    found: np.ndarray
+    slots: np.ndarray
+    tier: Tier
+    owner: int
+    versions: np.ndarray        # per position, the version pinned (0 where not found)
+    sums: np.ndarray
+    plan: ReadPlan | None = None
+    plan_pos: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    repeats: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    repeat_src: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    short: bool = False         # some bring-ups found no room

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.coherence import persist
 from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.coherence.transfers import _to_numpy
 from kvtier.types import Tier, lower_tiers
@@ -63,7 +62,7 @@ class Eviction:
 
     def _write_down(self, ns: Namespace, tier: Tier, lower: Tier, rows: np.ndarray) -> None:
         if lower is Tier.NVME:
-            persist.flush_rows(self, ns, rows)
+            self.nvme.write_down(ns, rows)     # disk I/O waits until the lock is released
             return
         cols = ns.table.cols
         src = ns.slots[tier]
@@ -130,12 +129,14 @@ class Eviction:
 
     def evict(self, tier: Tier, count: int, namespace: str | None = None) -> int:
         """Admin eviction of up to count copies from a tier (all namespaces, or one)."""
-        with self.lock:
-            targets = [self.namespace(namespace)] if namespace else list(self.namespaces.values())
-            done = 0
+        targets = [self.namespace(namespace)] if namespace else list(self.namespaces.values())
+        done = 0
+        if tier is Tier.NVME:                  # LMDB deletes: not under the engine lock
             for ns in targets:
-                if tier is Tier.NVME:
-                    done += persist.evict_nvme(self, ns, count - done)
-                elif tier in ns.slots:
+                done += self.nvme.evict(ns, count - done)
+            return done
+        with self.lock:
+            for ns in targets:
+                if tier in ns.slots:
                     done += self._evict(ns, tier, count - done)
             return done

@@ -1,4 +1,18 @@
-"""The NVMe side of coherence: flush, copy-on-read, NVMe eviction, compaction and restart.
+"""The NVMe side of coherence: flush, copy-on-read, reclaim, and restart, as one object.
+
+``NvmeStore`` owns every namespace's segment log and its LMDB records. It sees the engine only
+through ``Coherence`` (the engine lock, the namespaces, and five narrow calls), and it never
+does disk I/O under the engine lock. Each operation runs in three steps:
+
+    1. decide, under the engine lock: pick rows, capture (key, version, checksum, location),
+       pin the host slots to be written and the segments to be read;
+    2. the I/O, unlocked: segment appends and reads, fdatasync, the LMDB transaction;
+    3. apply, under the engine lock, with versions checked: a row whose key or version moved
+       while its I/O was in flight is not installed (a rewritten block's old bytes are never
+       made current; a deleted key's record is deleted again).
+
+Writers (flushes, reclaims, record deletes) take ``writer`` first and one at a time, so that the
+LMDB records of a key change in version order; the engine lock is only ever taken inside it.
 
 Flush order, per batch (the crash-safety argument rests on it):
 
@@ -7,41 +21,95 @@ Flush order, per batch (the crash-safety argument rests on it):
     3. commit one LMDB transaction with key -> (segment, offset, size, version, checksum, parent)
     4. only then mark the rows CLEAN and the old NVMe records dead
 
-A crash before 3 leaves unreferenced bytes at the log's tail (dead space, reclaimed by
-compaction); a crash after 3 loses nothing that was acknowledged as flushed. Compaction follows
-the same order: copy live records forward, fsync, commit LMDB, then delete the old segment.
+A crash before 3 leaves unreferenced bytes at the log's tail (dead space, reclaimed later); a
+crash after 3 loses nothing that was acknowledged as flushed.
 
-These functions run under the engine lock; they are the only code besides the engine that
-writes the page table.
+Space (docs/DESIGN-NOTES.md, "NVMe in steady state"): the log is reclaimed by whole segments, as
+CacheLib's BlockCache reclaims regions: the emptiest sealed segment when one is below
+``compact_threshold`` live, else the oldest (FIFO). Of its live blocks, those the NVMe policy
+ranks in the hotter half of the tier are copied forward (re-admission, at most half a segment);
+the rest leave the cache. ``nvme_capacity`` counts the segment files' bytes, headers included,
+and one segment of it is headroom that only reclaim's copies may use, so that reclaiming never
+needs space it does not have.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvtier.checksums import block_checksums
+from kvtier.coherence.namespace import EngineCounters, to_numpy
 from kvtier.coherence.states import BlockState, Event, next_states
+from kvtier.config import Settings
 from kvtier.errors import StorageError
-from kvtier.pagetable.store import FLAG_PARENT, record_dtype
+from kvtier.pagetable.store import FLAG_PARENT, Catalog, NamespaceRecord, record_dtype
 from kvtier.tiers.host import SlotPool
-from kvtier.tiers.nvme import _aligned
+from kvtier.tiers.nvme import Backend, Segment, SegmentLog, _aligned, data_start, round_up
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
-    from kvtier.coherence.engine import Engine
     from kvtier.coherence.namespace import Namespace
 
 log = logging.getLogger("kvtier.persist")
+KEEP_SHARE = 0.5        # a reclaimed segment's records copied forward, at most
 
 
-def _records(ns: "Namespace", rows: np.ndarray, segs: np.ndarray, offs: np.ndarray,
-             versions: np.ndarray, sums: np.ndarray) -> np.ndarray:
+class Coherence(Protocol):
+    """What the NVMe store needs of the engine."""
+
+    lock: threading.RLock
+    namespaces: dict[str, "Namespace"]
+
+    def drop_copies(self, ns: "Namespace", rows: np.ndarray, tier: Tier) -> None: ...
+    def forget_empty(self, ns: "Namespace", rows: np.ndarray) -> None: ...
+    def rank(self, ns: "Namespace", tier: Tier, rows: np.ndarray, n: int) -> np.ndarray: ...
+    def pin_slots(self, ns: "Namespace", tier: Tier, slots: np.ndarray) -> None: ...
+    def unpin_slots(self, ns: "Namespace", tier: Tier, slots: np.ndarray) -> None: ...
+
+
+@dataclass(slots=True)
+class ReadPlan:
+    """NVMe records to copy into pinned slots, decided under the lock, read without it."""
+
+    ns: "Namespace"
+    rows: np.ndarray
+    keys: np.ndarray
+    versions: np.ndarray
+    sums: np.ndarray
+    segs: np.ndarray
+    offs: np.ndarray
+    dst: np.ndarray
+    pins: list[Segment]
+    ok: np.ndarray | None = None
+    drop_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Rows to append, with what was current when they were picked."""
+
+    rows: np.ndarray
+    keys: np.ndarray
+    versions: np.ndarray
+    sums: np.ndarray
+    records: np.ndarray
+    views: list[memoryview]
+    host_slots: np.ndarray      # per row, the host slot pinned for the write (-1: staged)
+    cut: int = 0                # rows left out for want of room
+
+
+def _records(ns: "Namespace", rows: np.ndarray, versions: np.ndarray,
+             sums: np.ndarray) -> np.ndarray:
+    """LMDB records of rows (segment and offset filled in after the append)."""
     cols = ns.table.cols
     rec = np.zeros(rows.size, dtype=record_dtype(ns.key_width))
-    rec["seg"], rec["off"], rec["size"] = segs, offs, ns.block_bytes
+    rec["size"] = ns.block_bytes
     rec["version"], rec["checksum"] = versions, sums
     par = cols["parent"][rows]
     has = par >= 0
@@ -51,246 +119,535 @@ def _records(ns: "Namespace", rows: np.ndarray, segs: np.ndarray, offs: np.ndarr
     return rec
 
 
-def _set_nvme(engine: "Engine", ns: "Namespace", rows: np.ndarray, segs: np.ndarray,
-              offs: np.ndarray, versions: np.ndarray, sums: np.ndarray) -> None:
-    cols = ns.table.cols
-    old = rows[cols["copy_ver"][rows, Tier.NVME] > 0]
-    ns.log.add_live(cols["slot"][old, Tier.NVME], -1)
-    cols["slot"][rows, Tier.NVME] = segs
-    cols["nvme_off"][rows] = offs
-    cols["copy_ver"][rows, Tier.NVME] = versions
-    cols["nvme_checksum"][rows] = sums
-    ns.log.add_live(segs, +1)
+def _same_key(ns: "Namespace", rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Rows that still hold these keys (a removed row may have been reused by another)."""
+    t = ns.table
+    live = rows < t.n_rows
+    out = np.zeros(rows.size, dtype=bool)
+    r = rows[live]
+    out[live] = (t.cols["key"][r] == keys[live]) & (t.cols["version"][r] > 0)
+    return out
 
 
-def flush_rows(engine: "Engine", ns: "Namespace", rows: np.ndarray, strict: bool = False) -> int:
-    """Flush the DIRTY rows among ``rows``. Returns how many reached NVMe.
+class NvmeStore:
+    """Segment logs and LMDB records of every namespace of one engine."""
 
-    NVMe full or failing: with strict=False (puts, eviction) the rows stay dirty in the upper
-    tiers and a counter says so; with strict=True (an explicit flush) StorageError is raised.
-    """
-    if ns.log is None:
-        return 0
-    cols = ns.table.cols
-    rows = np.unique(np.asarray(rows, dtype=np.int64))
-    rows = rows[cols["state"][rows] == BlockState.DIRTY]
-    if rows.size == 0:
-        return 0
-    rows = rows[np.argsort(cols["version"][rows], kind="stable")]
-    room = _make_room(engine, ns, rows.size)
-    if room < rows.size:
-        engine.counters.nvme_full += 1
-        if strict and room == 0:
-            raise StorageError(f"the NVMe tier is full ({engine.settings.nvme_capacity} bytes) "
-                               "and nothing can be evicted; raise nvme_capacity")
-        rows = rows[:room]
-        if rows.size == 0:
+    def __init__(self, owner: Coherence, catalog: Catalog, settings: Settings,
+                 counters: EngineCounters, backend: Backend) -> None:
+        self.owner = owner
+        self.catalog = catalog
+        self.settings = settings
+        self.counters = counters
+        self.backend = backend
+        self.capacity = settings.nvme_capacity
+        self.writer = threading.Lock()
+        self._wanted: dict[str, list[np.ndarray]] = {}
+        self.reclaimed = 0               # segments reclaimed to make room (FIFO or emptiest)
+        self.copied_forward = 0          # blocks re-admitted by a reclaim
+
+    # ------------------------------------------------------------------ logs
+
+    def segment_bytes(self, block_bytes: int) -> int:
+        """A namespace's segment size: segment_bytes, or an eighth of a small capacity, so
+        that the headroom (one segment) stays a small part of the tier."""
+        rec = round_up(block_bytes)
+        small = max(self.capacity // 8 // rec * rec, data_start(rec) + rec)
+        return min(self.settings.segment_bytes, small)
+
+    def open_log(self, rec: NamespaceRecord) -> SegmentLog | None:
+        if self.capacity <= 0:
+            return None
+        s = self.settings
+        return SegmentLog(Path(s.data_dir) / "nvme" / f"ns-{rec.ns_id}", rec.ns_id,
+                          rec.block_bytes, self.segment_bytes(rec.block_bytes), s.io_threads,
+                          self.backend)
+
+    def _logs(self) -> list[SegmentLog]:
+        return [ns.log for ns in self.owner.namespaces.values() if ns.log is not None]
+
+    def used_bytes(self) -> int:
+        """Bytes of segment files on disk, all namespaces."""
+        return sum(lg.total_bytes() for lg in self._logs())
+
+    def headroom(self) -> int:
+        return max((lg.segment_bytes for lg in self._logs()), default=0)
+
+    # ------------------------------------------------------------------ flush
+
+    def write_down(self, ns: "Namespace", rows: np.ndarray) -> None:
+        """Eviction asks for rows to be written to NVMe; the caller holds the engine lock, so
+        the write waits for drain(), which the engine runs once the lock is released."""
+        if ns.log is not None and rows.size:
+            self._wanted.setdefault(ns.name, []).append(np.asarray(rows, dtype=np.int64))
+
+    def wanted(self) -> bool:
+        return bool(self._wanted)
+
+    def drain(self) -> int:
+        """Run the write-downs eviction asked for. Unlocked."""
+        done = 0
+        while self._wanted:
+            name, parts = self._wanted.popitem()
+            ns = self.owner.namespaces.get(name)
+            if ns is not None:
+                done += self.flush(ns, np.concatenate(parts))
+        return done
+
+    def flush(self, ns: "Namespace", rows: np.ndarray | None = None,
+              strict: bool = False) -> int:
+        """Write the DIRTY rows among ``rows`` (all of ns's when None). Returns how many
+        reached NVMe. Called without the engine lock.
+
+        NVMe full or failing: with strict=False (background flushes, write-downs) the rows stay
+        dirty in the upper tiers and ``nvme_full`` counts it; with strict=True (a write_through
+        put, an explicit flush) StorageError is raised unless every row picked was written.
+        """
+        if ns.log is None:
             return 0
-    versions = cols["version"][rows].copy()
-    sums = cols["checksum"][rows].copy()
-    host = ns.slots[Tier.HOST]
-    on_host = cols["copy_ver"][rows, Tier.HOST] == versions
-    views: list[memoryview] = []
-    staging = None
-    if not on_host.all():
-        # Only an HBM copy is current (its host copy was evicted after a write-back): stage it.
-        from kvtier.coherence.engine import _to_numpy
-        miss = np.flatnonzero(~on_host)
-        hbm = ns.slots[Tier.HBM].pool
-        staging = _to_numpy(hbm.read(cols["slot"][rows[miss], Tier.HBM]))
-    k = 0
-    for i, r in enumerate(rows.tolist()):
-        if on_host[i]:
-            views.append(host.pool.slot_view(int(cols["slot"][r, Tier.HOST])))
+        with self.writer:
+            with self.owner.lock:
+                batch = self._pick(ns, rows)
+            if batch is None:
+                return 0
+            room = self._make_room(ns, batch.rows.size)
+            if room < batch.rows.size:
+                self.counters.nvme_full += 1
+                self._cut(ns, batch, room)
+            try:
+                if room == 0:
+                    raise StorageError(
+                        f"the NVMe tier is full ({self.capacity} bytes, "
+                        f"{self.used_bytes()} used) and nothing can be reclaimed; raise "
+                        "nvme_capacity")
+                segs, offs = ns.log.append(batch.views)
+                batch.records["seg"], batch.records["off"] = segs, offs
+                self.catalog.put_records(ns.ns_id, batch.keys, batch.records)
+            except StorageError as exc:
+                with self.owner.lock:
+                    self._unpin(ns, batch)
+                self.counters.nvme_full += 1
+                if strict:
+                    raise
+                log.warning("flush of %d blocks of %s failed (%s); they stay dirty",
+                            batch.rows.size, ns.name, exc)
+                return 0
+            with self.owner.lock:
+                self._unpin(ns, batch)
+                orphans = self._apply_flush(ns, batch, segs, offs)
+            self._delete_now(ns, orphans)
+            self.counters.flushes += 1
+            self.counters.flushed_blocks += int(batch.rows.size)
+            self.counters.tiers[Tier.NVME].bytes_written += int(batch.rows.size) * ns.block_bytes
+            self._compact(ns)
+        if strict and batch.cut:
+            raise StorageError(f"{batch.cut} blocks of {ns.name!r} stay dirty: the NVMe tier "
+                               f"is full ({self.capacity} bytes); raise nvme_capacity")
+        return int(batch.rows.size)
+
+    def _pick(self, ns: "Namespace", rows: np.ndarray | None) -> _Batch | None:
+        """Under the lock: the DIRTY rows to write, oldest version first, their host slots
+        pinned (an HBM-only copy is staged: that is a memory copy, not disk I/O)."""
+        cols = ns.table.cols
+        n = ns.table.n_rows
+        if rows is None:
+            rows = np.flatnonzero(cols["state"][:n] == BlockState.DIRTY)
         else:
-            views.append(memoryview(staging[k]))
-            k += 1
-    try:
-        segs, offs = ns.log.append(views)
-        engine.catalog.put_records(ns.ns_id, cols["key"][rows],
-                                   _records(ns, rows, segs, offs, versions, sums))
-    except StorageError:
-        engine.counters.nvme_full += 1
-        if strict:
-            raise
-        log.warning("flush of %d blocks of %s failed; they stay dirty", rows.size, ns.name,
-                    exc_info=True)
-        return 0
-    _set_nvme(engine, ns, rows, segs, offs, versions, sums)
-    cols["state"][rows] = next_states(cols["state"][rows], Event.FLUSHED)
-    engine.counters.flushes += 1
-    engine.counters.flushed_blocks += int(rows.size)
-    engine.counters.tiers[Tier.NVME].bytes_written += int(rows.size) * ns.block_bytes
-    if ns.log.compaction_candidates(engine.settings.compact_threshold):
-        compact(engine, ns)
-    return int(rows.size)
+            rows = np.unique(np.asarray(rows, dtype=np.int64))
+            rows = rows[(rows < n)]
+            rows = rows[cols["state"][rows] == BlockState.DIRTY]
+        if rows.size == 0:
+            return None
+        rows = rows[np.argsort(cols["version"][rows], kind="stable")]
+        versions = cols["version"][rows].copy()
+        on_host = cols["copy_ver"][rows, Tier.HOST] == versions
+        on_hbm = ~on_host & (cols["copy_ver"][rows, Tier.HBM] == versions)
+        keep = on_host | on_hbm            # a DIRTY row always has one; never trust it blindly
+        rows, versions, on_host, on_hbm = rows[keep], versions[keep], on_host[keep], on_hbm[keep]
+        if rows.size == 0:
+            return None
+        pool = ns.slots[Tier.HOST].pool
+        host_slots = np.where(on_host, cols["slot"][rows, Tier.HOST], -1).astype(np.int64)
+        self.owner.pin_slots(ns, Tier.HOST, host_slots[on_host])
+        staging = None
+        if on_hbm.any():
+            hbm = ns.slots[Tier.HBM].pool
+            staging = to_numpy(hbm.read(cols["slot"][rows[on_hbm], Tier.HBM]))
+        views: list[memoryview] = []
+        k = 0
+        for i, r in enumerate(rows.tolist()):
+            if on_host[i]:
+                views.append(pool.slot_view(int(cols["slot"][r, Tier.HOST])))
+            else:
+                views.append(memoryview(staging[k]))
+                k += 1
+        sums = cols["checksum"][rows].copy()
+        return _Batch(rows, cols["key"][rows].copy(), versions, sums,
+                      _records(ns, rows, versions, sums), views, host_slots)
 
+    def _cut(self, ns: "Namespace", batch: _Batch, room: int) -> None:
+        """Keep the first ``room`` rows of a batch (the oldest versions)."""
+        gone = batch.host_slots[room:]
+        with self.owner.lock:
+            self.owner.unpin_slots(ns, Tier.HOST, gone[gone >= 0])
+        batch.cut = int(batch.rows.size - room)
+        batch.host_slots = batch.host_slots[:room]
+        batch.rows, batch.keys = batch.rows[:room], batch.keys[:room]
+        batch.versions, batch.sums = batch.versions[:room], batch.sums[:room]
+        batch.records, batch.views = batch.records[:room], batch.views[:room]
 
-def _nvme_used(engine: "Engine") -> int:
-    return sum(n.log.total_bytes() for n in engine.namespaces.values() if n.log is not None)
+    def _unpin(self, ns: "Namespace", batch: _Batch) -> None:
+        held = batch.host_slots
+        self.owner.unpin_slots(ns, Tier.HOST, held[held >= 0])
 
+    def _apply_flush(self, ns: "Namespace", batch: _Batch, segs: np.ndarray,
+                     offs: np.ndarray) -> list[bytes]:
+        """Under the lock, after the records are durable: install them where the row still
+        holds that key at that version or a newer one (then the record is the stale fallback
+        it would be after a restart). Returns the keys whose records no row wants."""
+        cols = ns.table.cols
+        rows = batch.rows
+        same = _same_key(ns, rows, batch.keys)
+        same[same] = cols["version"][rows[same]] >= batch.versions[same]
+        m = np.flatnonzero(same)
+        r = rows[m]
+        self._set_nvme(ns, r, segs[m], offs[m], batch.versions[m], batch.sums[m])
+        cur = r[cols["version"][r] == batch.versions[m]]
+        cols["state"][cur] = next_states(cols["state"][cur], Event.FLUSHED)
+        return [bytes(k) for k in batch.keys[~same]]
 
-def _make_room(engine: "Engine", ns: "Namespace", n: int) -> int:
-    """How many of n records fit under nvme_capacity, after compaction and eviction."""
-    cap = engine.settings.nvme_capacity
-    rec = ns.log.record_bytes
+    def _set_nvme(self, ns: "Namespace", rows: np.ndarray, segs: np.ndarray,
+                  offs: np.ndarray, versions: np.ndarray, sums: np.ndarray) -> None:
+        cols = ns.table.cols
+        old = rows[cols["copy_ver"][rows, Tier.NVME] > 0]
+        ns.log.add_live(cols["slot"][old, Tier.NVME], -1)
+        cols["slot"][rows, Tier.NVME] = segs
+        cols["nvme_off"][rows] = offs
+        cols["copy_ver"][rows, Tier.NVME] = versions
+        cols["nvme_checksum"][rows] = sums
+        ns.log.add_live(segs, +1)
 
-    def fits() -> int:
-        free = cap - _nvme_used(engine) - ns.log.data_start   # a new segment's head
-        return max(0, min(n, free // rec))
+    def forget(self, ns: "Namespace", rows: np.ndarray) -> list[bytes]:
+        """Under the lock: forget rows' NVMe copies (dead bytes in their segments). Returns
+        their keys, whose LMDB records the caller deletes with delete_records() once the
+        lock is released."""
+        if ns.log is None:
+            return []
+        cols = ns.table.cols
+        rows = rows[cols["copy_ver"][rows, Tier.NVME] > 0]
+        if rows.size == 0:
+            return []
+        ns.log.add_live(cols["slot"][rows, Tier.NVME], -1)
+        cols["copy_ver"][rows, Tier.NVME] = 0
+        cols["slot"][rows, Tier.NVME] = -1
+        cols["nvme_checksum"][rows] = 0
+        return [bytes(k) for k in cols["key"][rows]]
 
-    if fits() == n:
-        return n
-    compact(engine, ns)
-    if fits() < n:
-        evict_nvme(engine, ns, n - fits() + max(1, n // 8))
-        compact(engine, ns, threshold=1.0)
-    return fits()
+    def delete_records(self, ns: "Namespace", keys: list[bytes]) -> None:
+        """Delete the LMDB records of keys that no row holds an NVMe copy of. Unlocked."""
+        if keys and ns.log is not None:
+            with self.writer:
+                self._delete_now(ns, keys)
 
+    def _delete_now(self, ns: "Namespace", keys: list[bytes]) -> None:
+        """delete_records with the writer held: no record can be written in between."""
+        if not keys:
+            return
+        with self.owner.lock:
+            karr = ns.table.keys_array(b"".join(keys))
+            rows = ns.table.lookup(karr)
+            gone = rows < 0
+            gone[~gone] = ns.table.cols["copy_ver"][rows[~gone], Tier.NVME] == 0
+        self.catalog.delete_records(ns.ns_id, [k for k, g in zip(keys, gone.tolist()) if g])
 
-def read_nvme(engine: "Engine", ns: "Namespace", rows: np.ndarray, pool: SlotPool,
-              dst: np.ndarray) -> np.ndarray:
-    """Copy-on-read of rows' NVMe copies into pool slots dst, checksums verified.
+    # ------------------------------------------------------------------ space
 
-    Returns a bool mask of the rows served. A record that is unreadable (truncated segment) or
-    fails its checksum is dropped from NVMe and LMDB and counted; its row falls back or goes.
-    """
-    cols = ns.table.cols
-    outs = [pool.slot_view(int(s)) for s in dst.tolist()]
-    ok = ns.log.read(cols["slot"][rows, Tier.NVME], cols["nvme_off"][rows], outs)
-    sums = np.zeros(rows.size, dtype=np.uint64)
-    sums[ok] = block_checksums(pool.array, dst[ok].tolist())
-    ok &= sums == cols["nvme_checksum"][rows]
-    bad = rows[~ok]
-    if bad.size:
-        engine.counters.checksum_failures += int(bad.size)
+    def _fits(self, ns: "Namespace", n: int, reserve: int) -> int:
+        """How many of n records fit under the capacity less ``reserve`` bytes (lock held)."""
+        free = self.capacity - reserve - self.used_bytes()
+        if ns.log.bytes_for(n) <= free:
+            return n
+        lo, hi = 0, n                      # the largest m with bytes_for(m) <= free
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ns.log.bytes_for(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _make_room(self, ns: "Namespace", n: int) -> int:
+        """Reclaim segments until n records fit beside the headroom (writer held). Returns
+        how many fit."""
+        tries = 0
+        while True:
+            with self.owner.lock:
+                fit = self._fits(ns, n, self.headroom())
+                if fit == n:
+                    return n
+                victim = self._next_victim(ns)
+            if victim is None or tries > 4 * len(victim[0].log.segments) + 8:
+                return fit
+            before = self.used_bytes()
+            self._reclaim(*victim, keep_all=False)
+            tries += 1
+            if self.used_bytes() >= before:
+                tries += 4                 # reclaim freed nothing (all copied forward)
+
+    def _next_victim(self, ns: "Namespace") -> tuple["Namespace", Segment] | None:
+        """The segment to reclaim: the emptiest sealed one below compact_threshold live,
+        else the oldest sealed one of any namespace (lock held)."""
+        best = None
+        oldest = None
+        limit = self.settings.compact_threshold
+        for other in self.owner.namespaces.values():
+            if other.log is None:
+                continue
+            for seg in other.log.sealed():
+                body = max(seg.size - seg.start, 1)
+                if seg.live < limit * body and (best is None or seg.live / body < best[0]):
+                    best = (seg.live / body, other, seg)
+                if oldest is None or seg.born < oldest[1].born:
+                    oldest = (other, seg)
+        if best is not None:
+            return best[1], best[2]
+        return oldest
+
+    def _compact(self, ns: "Namespace") -> None:
+        """After a flush: reclaim the sealed segments below compact_threshold (writer held);
+        their live blocks are all copied forward while the headroom allows."""
+        for sid in ns.log.compaction_candidates(self.settings.compact_threshold):
+            seg = ns.log.segments.get(sid)
+            if seg is not None:
+                self._reclaim(ns, seg, keep_all=True)
+
+    def _reclaim(self, ns: "Namespace", seg: Segment, keep_all: bool) -> None:
+        """Empty one sealed segment and delete it (writer held). Its live blocks are copied
+        forward when they earn it (all of them with keep_all, while they fit), else they
+        leave the cache; stale fallback copies are forgotten."""
+        cols = ns.table.cols
+        log_ = ns.log
+        with self.owner.lock:
+            n = ns.table.n_rows
+            rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
+                                  & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
+            cur = cols["copy_ver"][rows, Tier.NVME] == cols["version"][rows]
+            # A stale copy under a DIRTY row is the last flushed version, which a crash must
+            # find: it always moves. Current copies move when they earn it.
+            stale, live = rows[~cur], rows[cur]
+            if self._fits(ns, stale.size, 0) < stale.size:
+                log.warning("segment %d of %s not reclaimed: no room to move the %d flushed "
+                            "versions of dirty blocks in it", seg.seg_id, ns.name, stale.size)
+                return
+            keep = self._keepers(ns, live, stale.size, keep_all)
+            victims = np.setdiff1d(live, keep)
+            drop_keys = self._evict_rows(ns, victims)
+            keep = np.concatenate([stale, keep])
+            keys = cols["key"][keep].copy()
+            versions = cols["copy_ver"][keep, Tier.NVME].copy()
+            sums = cols["nvme_checksum"][keep].copy()
+            segs = cols["slot"][keep, Tier.NVME].copy()
+            offs = cols["nvme_off"][keep].copy()
+            recs = _records(ns, keep, versions, sums)
+        bb = ns.block_bytes
+        buf = _aligned(max(keep.size, 1) * bb)
+        outs = [memoryview(buf)[i * bb:(i + 1) * bb] for i in range(keep.size)]
+        ok = log_.read(segs, offs, outs) if keep.size else np.zeros(0, dtype=bool)
+        if keep.size:
+            got = block_checksums(np.frombuffer(buf, dtype=np.uint8)[: keep.size * bb]
+                                  .reshape(keep.size, bb))
+            ok &= got == sums
+        good = np.flatnonzero(ok)
+        new_segs = new_offs = np.empty(0)
+        try:
+            if good.size:
+                new_segs, new_offs = log_.append([outs[i] for i in good.tolist()])
+                recs = recs[good]
+                recs["seg"], recs["off"] = new_segs, new_offs
+                self.catalog.put_records(ns.ns_id, keys[good], recs)
+            self.catalog.delete_records(ns.ns_id, drop_keys)
+        except StorageError as exc:
+            log.warning("reclaiming segment %d of %s failed (%s); it stays", seg.seg_id,
+                        ns.name, exc)
+            return
+        with self.owner.lock:
+            orphans = self._drop_bad(ns, keep[~ok], keys[~ok], versions[~ok])
+            k = keep[good]
+            still = _same_key(ns, k, keys[good])
+            still[still] = ((cols["copy_ver"][k[still], Tier.NVME] == versions[good][still])
+                            & (cols["slot"][k[still], Tier.NVME] == seg.seg_id))
+            m = np.flatnonzero(still)
+            self._set_nvme(ns, k[m], new_segs[m], new_offs[m], versions[good][m],
+                           sums[good][m])
+            orphans += [bytes(x) for x in keys[good][~still]]
+            # Whatever still points here (a record that failed to read) is gone with the file.
+            n = ns.table.n_rows
+            left = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
+                                  & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
+            orphans += self.forget(ns, left)
+            self.owner.forget_empty(ns, left)
+            log_.remove(seg.seg_id)
+            self.counters.compactions += 1
+            self.reclaimed += 1
+            self.copied_forward += int(m.size)
+        self._delete_now(ns, orphans)
+
+    def _keepers(self, ns: "Namespace", live: np.ndarray, moving: int,
+                 keep_all: bool) -> np.ndarray:
+        """The live rows of a reclaimed segment that are copied forward (lock held): with
+        keep_all every one, else those the NVMe policy ranks in the hotter half of the tier,
+        at most KEEP_SHARE of a segment; both within what the capacity has left."""
+        if live.size == 0:
+            return live
+        cols = ns.table.cols
+        cap_rows = self._fits(ns, live.size + moving, 0) - moving
+        if keep_all and cap_rows >= live.size:
+            return live
+        if not keep_all:
+            per = (ns.log.segment_bytes - ns.log.data_start) // ns.log.record_bytes
+            cap_rows = min(cap_rows, int(per * KEEP_SHARE) - moving)
+            n = ns.table.n_rows
+            tier_rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
+                                       & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
+            cold = self.owner.rank(ns, Tier.NVME, tier_rows, tier_rows.size // 2)
+            live = np.setdiff1d(live, cold)
+        if cap_rows <= 0 or live.size == 0:
+            return live[:0]
+        if live.size <= cap_rows:
+            return live
+        # Too many: the policy keeps the hottest of them.
+        coldest = self.owner.rank(ns, Tier.NVME, live, live.size - cap_rows)
+        return np.setdiff1d(live, coldest)
+
+    def _evict_rows(self, ns: "Namespace", rows: np.ndarray) -> list[bytes]:
+        """Under the lock: blocks that leave the cache from NVMe leave every local tier (a
+        reader's slots are retired, never reused under it). Returns the keys to delete."""
+        if rows.size == 0:
+            return []
+        cols = ns.table.cols
+        for t in list(ns.slots):
+            self.owner.drop_copies(ns, rows, t)
+        keys = self.forget(ns, rows)
+        next_states(cols["state"][rows], Event.DELETE)
+        ns.table.remove(rows)
+        self.counters.tiers[Tier.NVME].evictions += int(rows.size)
+        return keys
+
+    def evict(self, ns: "Namespace", count: int) -> int:
+        """Admin eviction: drop up to count clean, unleased blocks whose NVMe copy is current,
+        by the NVMe policy. Unlocked."""
+        if count <= 0 or ns.log is None:
+            return 0
+        cols = ns.table.cols
+        with self.writer:
+            with self.owner.lock:
+                n = ns.table.n_rows
+                cand = np.flatnonzero((cols["state"][:n] == BlockState.CLEAN)
+                                      & (cols["leases"][:n] == 0)
+                                      & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
+                victims = self.owner.rank(ns, Tier.NVME, cand, count) if cand.size else cand
+                keys = self._evict_rows(ns, victims)
+            self.catalog.delete_records(ns.ns_id, keys)
+        return int(victims.size)
+
+    def _drop_bad(self, ns: "Namespace", rows: np.ndarray, keys: np.ndarray,
+                  versions: np.ndarray) -> list[bytes]:
+        """Under the lock: records that could not be read or failed their checksum are
+        dropped from NVMe (their rows fall back or go) and counted. Returns their keys, for
+        delete_records()."""
+        if rows.size == 0:
+            return []
+        cols = ns.table.cols
+        same = _same_key(ns, rows, keys)
+        same[same] = cols["copy_ver"][rows[same], Tier.NVME] == versions[same]
+        bad = rows[same]
+        if bad.size == 0:
+            return []
+        self.counters.checksum_failures += int(bad.size)
         log.error("%d NVMe records of %s failed their checksum or could not be read; dropped",
                   bad.size, ns.name)
-        drop_nvme(engine, ns, bad)
-        engine._forget_empty(ns, bad)
-    return ok
+        out = self.forget(ns, bad)
+        self.owner.forget_empty(ns, bad)
+        return out
 
+    # ------------------------------------------------------------------ reads
 
-def drop_nvme(engine: "Engine", ns: "Namespace", rows: np.ndarray) -> None:
-    """Forget rows' NVMe copies: dead bytes in their segments, LMDB records deleted."""
-    if ns.log is None:
-        return
-    cols = ns.table.cols
-    rows = rows[cols["copy_ver"][rows, Tier.NVME] > 0]
-    if rows.size == 0:
-        return
-    ns.log.add_live(cols["slot"][rows, Tier.NVME], -1)
-    engine.catalog.delete_records(ns.ns_id, [bytes(k) for k in cols["key"][rows]])
-    cols["copy_ver"][rows, Tier.NVME] = 0
-    cols["slot"][rows, Tier.NVME] = -1
-    cols["nvme_checksum"][rows] = 0
+    def plan_read(self, ns: "Namespace", rows: np.ndarray, dst: np.ndarray) -> ReadPlan:
+        """Under the lock: copy-on-read of rows' NVMe copies into the (pinned) slots dst,
+        their segments pinned until run_read() is done."""
+        cols = ns.table.cols
+        segs = cols["slot"][rows, Tier.NVME].copy()
+        return ReadPlan(ns, rows.copy(), cols["key"][rows].copy(),
+                        cols["copy_ver"][rows, Tier.NVME].copy(),
+                        cols["nvme_checksum"][rows].copy(), segs, cols["nvme_off"][rows].copy(),
+                        dst.copy(), ns.log.pin(segs))
 
+    def run_read(self, plan: ReadPlan, pool: SlotPool) -> None:
+        """The read, unlocked: records into their slots, checksums verified (plan.ok)."""
+        try:
+            outs = [pool.slot_view(int(s)) for s in plan.dst.tolist()]
+            ok = plan.ns.log.read(plan.segs, plan.offs, outs)
+            sums = np.zeros(plan.rows.size, dtype=np.uint64)
+            sums[ok] = block_checksums(pool.array, plan.dst[ok].tolist())
+            plan.ok = ok & (sums == plan.sums)
+        finally:
+            plan.ns.log.unpin(plan.pins)
+            plan.pins = []
 
-def evict_nvme(engine: "Engine", ns: "Namespace", count: int) -> int:
-    """Drop up to count whole blocks whose NVMe copy is current and that no reader holds.
+    def finish_read(self, plan: ReadPlan) -> np.ndarray:
+        """Under the lock: which of plan's copies may be installed: read and verified, and
+        their row still at the version that was read (a block rewritten or deleted while its
+        read was in flight is not installed). Bad records are dropped (plan.drop_keys)."""
+        if plan.ok is None:                 # the read itself raised: nothing learnt, nothing kept
+            return np.zeros(plan.rows.size, dtype=bool)
+        ok = plan.ok
+        plan.drop_keys = self._drop_bad(plan.ns, plan.rows[~ok], plan.keys[~ok],
+                                        plan.versions[~ok])
+        valid = ok & _same_key(plan.ns, plan.rows, plan.keys)
+        cols = plan.ns.table.cols
+        valid[valid] = cols["version"][plan.rows[valid]] == plan.versions[valid]
+        return valid
 
-    NVMe is the capacity tier, so a block evicted from it leaves every local tier. Dirty
-    blocks and blocks under lease are never chosen.
-    """
-    if count <= 0 or ns.log is None:
-        return 0
-    cols = ns.table.cols
-    n = ns.table.n_rows
-    cand = np.flatnonzero((cols["state"][:n] == BlockState.CLEAN) & (cols["leases"][:n] == 0)
-                          & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
-    if cand.size == 0:
-        return 0
-    victims = engine._choose(ns, Tier.NVME, cand, count)
-    for t in list(ns.slots):
-        st = ns.slots[t]
-        held = victims[cols["copy_ver"][victims, t] > 0]
-        if (st.leases[cols["slot"][held, t]] > 0).any():
-            # A copy under lease: keep those blocks, evict the rest.
-            leased = held[st.leases[cols["slot"][held, t]] > 0]
-            victims = np.setdiff1d(victims, leased)
-    for t in list(ns.slots):
-        engine._drop_copies(ns, victims, t)
-    drop_nvme(engine, ns, victims)
-    next_states(cols["state"][victims], Event.DELETE)
-    ns.table.remove(victims)
-    engine.counters.tiers[Tier.NVME].evictions += int(victims.size)
-    return int(victims.size)
+    def after_read(self, plan: ReadPlan) -> None:
+        """Unlocked, after finish_read: delete the records of blocks that failed."""
+        self.delete_records(plan.ns, plan.drop_keys)
 
+    # ------------------------------------------------------------------ restart
 
-def compact(engine: "Engine", ns: "Namespace", threshold: float | None = None) -> int:
-    """Rewrite live records out of sealed segments below the live threshold; delete those.
+    def load(self, ns: "Namespace") -> int:
+        """Restart: rebuild ns's rows from LMDB and the segments. Returns the rows loaded.
 
-    Returns the segments reclaimed. Records that fail their checksum on the way are dropped
-    and counted, never copied forward.
-    """
-    if ns.log is None:
-        return 0
-    threshold = engine.settings.compact_threshold if threshold is None else threshold
-    cols = ns.table.cols
-    done = 0
-    for sid in ns.log.compaction_candidates(threshold):
-        n = ns.table.n_rows
-        rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
-                              & (cols["slot"][:n, Tier.NVME] == sid))
-        if rows.size:
-            buf = _aligned(rows.size * ns.block_bytes)
-            arr = np.frombuffer(buf, dtype=np.uint8).reshape(rows.size, ns.block_bytes)
-            outs = [memoryview(buf)[i * ns.block_bytes:(i + 1) * ns.block_bytes]
-                    for i in range(rows.size)]
-            ok = ns.log.read(cols["slot"][rows, Tier.NVME], cols["nvme_off"][rows], outs)
-            sums = block_checksums(arr)
-            ok &= sums == cols["nvme_checksum"][rows]
-            if (~ok).any():
-                engine.counters.checksum_failures += int((~ok).sum())
-                bad = rows[~ok]
-                drop_nvme(engine, ns, bad)
-                engine._forget_empty(ns, bad)
-            good = np.flatnonzero(ok)
-            if good.size:
-                grow = rows[good]
-                segs, offs = ns.log.append([outs[i] for i in good.tolist()])
-                versions = cols["copy_ver"][grow, Tier.NVME].copy()
-                sums_g = cols["nvme_checksum"][grow].copy()
-                engine.catalog.put_records(ns.ns_id, cols["key"][grow],
-                                           _records(ns, grow, segs, offs, versions, sums_g))
-                _set_nvme(engine, ns, grow, segs, offs, versions, sums_g)
-            del arr
-        ns.log.remove(sid)
-        engine.counters.compactions += 1
-        done += 1
-    return done
+        Records pointing outside their segment (a truncated or missing file) are dropped from
+        LMDB and counted; checksums are verified on first read, so restart costs no data reads.
+        """
+        if ns.log is None:
+            return 0
+        keys, recs, malformed = self.catalog.load(ns.ns_id, ns.key_width)
+        self.counters.records_dropped += malformed
+        if keys.size == 0:
+            return 0
+        valid = (ns.log.in_bounds(recs["seg"], recs["off"])
+                 & (recs["size"] == ns.block_bytes) & (recs["version"] > 0))
+        if not valid.all():
+            self.counters.records_dropped += int((~valid).sum())
+            self.catalog.delete_records(ns.ns_id, [bytes(k) for k in keys[~valid]])
+            keys, recs = keys[valid], recs[valid]
+        table = ns.table
+        rows, _ = table.insert(keys)
+        cols = table.cols
+        cols["version"][rows] = recs["version"]
+        cols["size"][rows] = recs["size"]
+        cols["checksum"][rows] = recs["checksum"]
+        cols["state"][rows] = BlockState.CLEAN
+        self._set_nvme(ns, rows, recs["seg"].astype(np.int32), recs["off"], recs["version"],
+                       recs["checksum"])
+        has = (recs["flags"] & FLAG_PARENT) != 0
+        if has.any():
+            prow = np.full(rows.size, -1, dtype=np.int64)
+            prow[has] = table.lookup(recs["parent"][has])
+            table.link(rows[has], prow[has])
+        return int(rows.size)
 
-
-def load_namespace(engine: "Engine", ns: "Namespace") -> int:
-    """Restart: rebuild ns's rows from LMDB and the segments. Returns the rows loaded.
-
-    Records pointing outside their segment (a truncated or missing file) are dropped from LMDB
-    and counted; checksums are verified on first read, so restart costs no data reads.
-    """
-    if ns.log is None:
-        return 0
-    keys, recs, malformed = engine.catalog.load(ns.ns_id, ns.key_width)
-    engine.counters.records_dropped += malformed
-    if keys.size == 0:
-        return 0
-    valid = (ns.log.in_bounds(recs["seg"], recs["off"])
-             & (recs["size"] == ns.block_bytes) & (recs["version"] > 0))
-    if not valid.all():
-        engine.counters.records_dropped += int((~valid).sum())
-        engine.catalog.delete_records(ns.ns_id, [bytes(k) for k in keys[~valid]])
-        keys, recs = keys[valid], recs[valid]
-    table = ns.table
-    rows, _ = table.insert(keys)
-    cols = table.cols
-    cols["version"][rows] = recs["version"]
-    cols["size"][rows] = recs["size"]
-    cols["checksum"][rows] = recs["checksum"]
-    cols["state"][rows] = BlockState.CLEAN
-    _set_nvme(engine, ns, rows, recs["seg"].astype(np.int32), recs["off"], recs["version"],
-              recs["checksum"])
-    has = (recs["flags"] & FLAG_PARENT) != 0
-    if has.any():
-        prow = np.full(rows.size, -1, dtype=np.int64)
-        prow[has] = table.lookup(recs["parent"][has])
-        table.link(rows[has], prow[has])
-    return int(rows.size)
+    def close(self) -> None:
+        with self.writer:
+            for lg in self._logs():
+                lg.close()

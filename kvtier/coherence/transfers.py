@@ -1,4 +1,5 @@
-"""Moving copies between tiers, as a part of the Engine (a mixin; the caller holds the lock).
+"""Moving copies between tiers, as a part of the Engine (a mixin; the caller holds the lock,
+except where a method says it takes it itself).
 
 - bring-up: the current version into the tier a get wants it in, from the highest tier that
   holds it (HBM or host copy, or NVMe copy-on-read with the checksum verified);
@@ -12,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.coherence import persist
+from kvtier.coherence.namespace import add_one, to_numpy as _to_numpy
+from kvtier.coherence.persist import ReadPlan
 from kvtier.coherence.states import Event, next_states
 from kvtier.config import Settings
 from kvtier.types import SERVE_ORDER, Tier
@@ -23,9 +25,15 @@ if TYPE_CHECKING:
 
 class Transfers:
     def _bring_up(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray, tier: Tier,
-                  slots: np.ndarray, found: np.ndarray) -> None:
-        """Copy the current version of rows[todo] into tier, pinned; misses clear found."""
+                  slots: np.ndarray, found: np.ndarray
+                  ) -> tuple[ReadPlan | None, np.ndarray, bool]:
+        """Copy the current version of rows[todo] into tier, pinned; misses clear found.
+
+        Copies from HBM or host are made here. NVMe copies are only planned: the returned
+        plan (and the batch positions it serves) is read by the caller without the lock and
+        installed by _install_read. The flag says some found no room in tier."""
         cols = ns.table.cols
+        none = np.empty(0, dtype=np.int64)
         r = rows[todo]
         ver = cols["version"][r]
         sources = [t for t in SERVE_ORDER if t is not tier]
@@ -36,7 +44,7 @@ class Transfers:
         found[todo[~hit]] = False
         self.counters.tiers[tier].misses += int((~hit).sum())
         if not hit.any():
-            return
+            return None, none, False
         todo, r, src_of = todo[hit], r[hit], src_of[hit]
         dst = self._alloc(ns, tier, todo.size, partial=True)
         if dst.size < todo.size:
@@ -46,16 +54,16 @@ class Transfers:
             self.counters.tiers[tier].misses += short
             todo, r, src_of = todo[:dst.size], r[:dst.size], src_of[:dst.size]
             if dst.size == 0:
-                return
+                return None, none, True
         st = ns.slots[tier]
         st.leases[dst] += 1
-        ok = np.ones(todo.size, dtype=bool)
+        plan = None
         for src in (Tier.HBM, Tier.HOST, Tier.NVME):
             m = src_of == src
             if not m.any():
                 continue
             if src is Tier.NVME:
-                ok[m] = persist.read_nvme(self, ns, r[m], st.pool, dst[m])
+                plan = self.nvme.plan_read(ns, r[m], dst[m])
             else:
                 st.pool.write(dst[m], _to_numpy(ns.slots[src].pool.read(cols["slot"][r[m], src])))
             moved = int(m.sum())
@@ -64,14 +72,33 @@ class Transfers:
             c.bytes_read += moved * ns.block_bytes
             if SERVE_ORDER.index(src) > SERVE_ORDER.index(tier):
                 self.counters.tiers[tier].promotions += moved
-        bad = ~ok
-        if bad.any():
-            st.leases[dst[bad]] -= 1
-            self._free_slots(ns, tier, dst[bad])
-            found[todo[bad]] = False
-        good = ok
-        self._set_copy(ns, r[good], tier, dst[good], cols["version"][r[good]])
-        slots[todo[good]] = dst[good]
+        mem = src_of != Tier.NVME
+        self._set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
+        slots[todo[mem]] = dst[mem]
+        return plan, todo[~mem], dst.size < hit.sum()
+
+    def _install_read(self, plan: ReadPlan, tier: Tier, pos: np.ndarray, rows: np.ndarray,
+                      slots: np.ndarray, found: np.ndarray) -> None:
+        """Under the lock, after plan was read: install the copies that are still wanted into
+        batch positions pos, pinned. A copy that another get installed meanwhile is shared
+        (ours goes back); one whose block moved on is a miss."""
+        ns = plan.ns
+        cols = ns.table.cols
+        st = ns.slots[tier]
+        valid = self.nvme.finish_read(plan)
+        r, dst = plan.rows, plan.dst.astype(np.int64)
+        have = valid & (cols["copy_ver"][r, tier] == cols["version"][r])
+        fresh = valid & ~have
+        self._set_copy(ns, r[fresh], tier, dst[fresh], cols["version"][r[fresh]])
+        slots[pos[fresh]] = dst[fresh]
+        theirs = cols["slot"][r[have], tier].astype(np.int64)
+        add_one(st.leases, theirs)
+        slots[pos[have]] = theirs
+        back = dst[~fresh]
+        st.leases[back] -= 1
+        self._free_slots(ns, tier, back)
+        found[pos[~valid]] = False
+        self.counters.tiers[tier].misses += int((~valid).sum())
 
     def _prefetch_rows(self, namespace: str, keys: Any) -> tuple[Any, np.ndarray]:
         """What prefetch_after would move: the chain's next blocks below the host tier, in
@@ -121,23 +148,31 @@ class Transfers:
 
     def prefetch_after(self, namespace: str, keys: Any) -> int:
         """After a prefix hit, bring the chain's next blocks one tier up (NVMe -> host), as
-        _prefetch_rows picks them. Only free host slots are used: a guess never evicts.
-        Returns the blocks moved."""
+        _prefetch_rows picks them. Only free host slots are used: a guess never evicts. The
+        read runs without the engine lock. Returns the blocks moved."""
         with self.lock:
             ns, rows = self._prefetch_rows(namespace, keys)
             if rows.size == 0:
                 return 0
             st = ns.slots[Tier.HOST]
-            cols = ns.table.cols
             dst = self._alloc(ns, Tier.HOST, rows.size, partial=True)
-            rows = rows[:dst.size]
-            ok = persist.read_nvme(self, ns, rows, st.pool, dst)
-            self._free_slots(ns, Tier.HOST, dst[~ok])
-            self._set_copy(ns, rows[ok], Tier.HOST, dst[ok], cols["version"][rows[ok]])
-            moved = int(ok.sum())
+            if dst.size == 0:
+                return 0
+            st.leases[dst] += 1
+            plan = self.nvme.plan_read(ns, rows[:dst.size], dst)
+        self.nvme.run_read(plan, st.pool)
+        with self.lock:
+            pos = np.arange(dst.size)
+            slots = np.full(dst.size, -1, dtype=np.int64)
+            found = np.ones(dst.size, dtype=bool)
+            self._install_read(plan, Tier.HOST, pos, plan.rows, slots, found)
+            self._unpin(ns, Tier.HOST, slots[found])       # a prefetched copy is not leased
+            moved = int(found.sum())
+            self.counters.tiers[Tier.HOST].misses -= int((~found).sum())
             self.counters.tiers[Tier.HOST].prefetched += moved
             self.counters.tiers[Tier.HOST].promotions += moved
-            return moved
+        self.nvme.after_read(plan)
+        return moved
 
     # ------------------------------------------------------------------ remote tier
 
@@ -195,7 +230,7 @@ class Transfers:
         self.counters.tiers[Tier.REMOTE].hits += int(pos.size)
         self.counters.tiers[Tier.HOST].promotions += int(pos.size)
         if self.settings.write_policy == "write_through" and ns.log is not None:
-            persist.flush_rows(self, ns, new_rows)
+            self.nvme.write_down(ns, new_rows)      # written once the lock is released
 
 
 def remote_from_settings(settings: Settings) -> Any:
@@ -212,8 +247,3 @@ def remote_from_settings(settings: Settings) -> Any:
                                       ttl=settings.redis_ttl, timeout=settings.redis_timeout))
     except (RedisError, OSError, TimeoutError) as exc:
         raise ConfigError(f"redis: cannot reach {settings.redis}: {exc}") from None
-
-
-def _to_numpy(x: Any) -> np.ndarray:
-    """Device arrays (cupy) come back to the host; numpy passes through."""
-    return x if isinstance(x, np.ndarray) else x.get()

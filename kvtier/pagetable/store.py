@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -154,6 +155,7 @@ class Catalog:
             self._meta_db = self.env.open_db(b"meta")
             self._quarantine_db = self.env.open_db(b"quarantine")
         self._dbs: dict[int, Any] = {}
+        self._write_lock = threading.RLock()
         self.map_grows = 0
         self.damaged: dict[bytes, str] = {}   # namespace record name -> why it was skipped
 
@@ -178,17 +180,21 @@ class Catalog:
 
     def _write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run fn in a write transaction; on MapFull double the map and run it again."""
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    return fn(txn)
-            except lmdb.MapFullError:
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
-                self.map_grows += 1
-            except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
-                raise self._damaged(exc) from None
-            except lmdb.Error as exc:
-                raise StorageError(f"LMDB write under {self.path} failed: {exc}") from None
+        # One writer at a time in this process: LMDB serialises write transactions anyway, and
+        # growing the map needs no other transaction open (the engine's NVMe writer commits
+        # records beside the engine's own namespace and meta writes).
+        with self._write_lock:
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                    self.map_grows += 1
+                except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
+                    raise self._damaged(exc) from None
+                except lmdb.Error as exc:
+                    raise StorageError(f"LMDB write under {self.path} failed: {exc}") from None
 
     def _db(self, ns_id: int) -> Any:
         db = self._dbs.get(ns_id)

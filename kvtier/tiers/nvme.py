@@ -34,6 +34,7 @@ compat mode) when CUDA and kvikio are present; ``make_backend`` chooses.
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import struct
@@ -56,10 +57,16 @@ DATA_ALIGN_MAX = 1 << 20           # records align to their own size, up to this
 IOV_MAX = 1024
 _HEADER = struct.Struct("<8sIIIII")
 _HEADER_V1 = struct.Struct("<8sIIII")
+_BORN = itertools.count(1)         # creation order of segments, all namespaces (oldest first)
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
+
+
+def data_start(record_bytes: int) -> int:
+    """Where a new segment puts record 0 (see the module docstring)."""
+    return round_up(HEADER_BYTES, min(record_bytes, DATA_ALIGN_MAX))
 
 
 class Backend(Protocol):
@@ -124,6 +131,9 @@ class Segment:
     live: int = 0      # bytes of records that a page-table row points to
     direct: bool = False   # opened with O_DIRECT (the file system allowed it)
     start: int = HEADER_BYTES   # file offset of record 0
+    born: int = 0      # creation order among all segments of this process (FIFO reclaim)
+    readers: int = 0   # reads in flight (pinned by coherence); the file outlives them
+    doomed: bool = False   # reclaimed: deleted when its last reader is done
 
     def holds(self, offset: int, record_bytes: int) -> bool:
         """True when a whole record at file offset ``offset`` lies inside what was written."""
@@ -144,11 +154,13 @@ class SegmentLog:
         self.block_bytes = block_bytes
         self.record_bytes = round_up(block_bytes)
         # Where new segments put record 0 (see the module docstring).
-        self.data_start = round_up(HEADER_BYTES, min(self.record_bytes, DATA_ALIGN_MAX))
+        self.data_start = data_start(self.record_bytes)
         self.segment_bytes = max(segment_bytes, self.data_start + self.record_bytes)
         self.direct = block_bytes % ALIGN == 0
         self.backend = backend or PosixBackend()
         self.segments: dict[int, Segment] = {}
+        self.doomed: dict[int, Segment] = {}     # reclaimed, waiting for their readers
+        self._last_id = 0
         self.bytes_written = 0       # device bytes, padding and compaction included
         self.bytes_read = 0
         self._lock = threading.Lock()
@@ -204,22 +216,25 @@ class SegmentLog:
             size = os.fstat(fd).st_size
             size = start + max(0, size - start) // self.record_bytes * self.record_bytes
             self.segments[seg_id] = Segment(seg_id, path, fd, size, direct=_is_direct(fd),
-                                            start=start)
+                                            start=start, born=next(_BORN))
 
     def _new_segment(self) -> Segment:
-        seg_id = max(self.segments, default=0) + 1
+        # Never an id used before in this run: a reclaimed segment's file may still be open
+        # for its readers (doomed), and LMDB may still name it until the next commit.
+        seg_id = max(max(self.segments, default=0), max(self.doomed, default=0),
+                     self._last_id) + 1
+        self._last_id = seg_id
         path = self.dir / f"seg-{seg_id:08d}.kvt"
         try:
             fd = self.backend.open(path, create=True, direct=self.direct)
         except OSError as exc:
             raise StorageError(f"cannot create segment {path}: {exc.strerror}") from None
-        _preallocate(fd, self.segment_bytes)
         header = _aligned(HEADER_BYTES)
         header[: _HEADER.size] = _HEADER.pack(MAGIC, self.block_bytes, self.record_bytes,
                                               self.ns_id, seg_id, self.data_start)
         self._write_all(fd, [memoryview(header)], 0, path)
         seg = Segment(seg_id, path, fd, self.data_start, direct=_is_direct(fd),
-                      start=self.data_start)
+                      start=self.data_start, born=next(_BORN))
         self.segments[seg_id] = seg
         return seg
 
@@ -235,7 +250,29 @@ class SegmentLog:
         return max(self.segments, default=0)
 
     def total_bytes(self) -> int:
-        return sum(s.size for s in self.segments.values())
+        """Bytes of the segment files, as on disk (no space is allocated beyond their size),
+        reclaimed segments that readers still hold included."""
+        return (sum(s.size for s in self.segments.values())
+                + sum(s.size for s in self.doomed.values()))
+
+    def bytes_for(self, n: int) -> int:
+        """Disk bytes that appending n records would add: the records, and the header of
+        every segment they open."""
+        if n <= 0:
+            return 0
+        per = (self.segment_bytes - self.data_start) // self.record_bytes
+        seg = self.segments.get(self.active_id)
+        room = (self.segment_bytes - seg.size) // self.record_bytes if seg else 0
+        rest = max(0, n - room)
+        return n * self.record_bytes + -(-rest // per) * self.data_start
+
+    def sealed(self) -> list[Segment]:
+        """Segments no append goes to any more (every one but the newest, unless it is full)."""
+        active = self.active_id
+        last = self.segments.get(active)
+        if last is not None and last.size + self.record_bytes > self.segment_bytes:
+            active = -1
+        return [s for sid, s in self.segments.items() if sid != active]
 
     def live_bytes(self) -> int:
         return sum(s.live for s in self.segments.values())
@@ -261,10 +298,14 @@ class SegmentLog:
                 chunk = blocks[i: i + take]
                 direct_ok = self.record_bytes == self.block_bytes and all(map(_is_aligned, chunk))
                 bufs = chunk if direct_ok else self._stage(chunk)
-                if self._aio is not None and seg.direct and len(bufs) > 1:
-                    self._write_aio(seg, bufs)
-                else:
-                    self._write_all(seg.fd, bufs, seg.size, seg.path)
+                try:
+                    if self._aio is not None and seg.direct and len(bufs) > 1:
+                        self._write_aio(seg, bufs)
+                    else:
+                        self._write_all(seg.fd, bufs, seg.size, seg.path)
+                except StorageError:
+                    _truncate(seg)     # give a full disk back what the failed write took
+                    raise
                 segs[i: i + take] = seg.seg_id
                 offs[i: i + take] = (seg.size + np.arange(take) * self.record_bytes) // ALIGN
                 seg.size += take * self.record_bytes
@@ -337,7 +378,7 @@ class SegmentLog:
         prev_seg, prev_off = -1, -1
         for k in order.tolist():
             sid, off = int(segs[k]), int(offs[k]) * ALIGN
-            seg = self.segments.get(sid)
+            seg = self.segments.get(sid) or self.doomed.get(sid)   # doomed: pinned readers
             if seg is None or not seg.holds(off, self.record_bytes):
                 ok[k] = False
                 continue
@@ -450,27 +491,59 @@ class SegmentLog:
                 out.append((seg.live / body, seg.seg_id))
         return [sid for _, sid in sorted(out)]
 
+    def pin(self, segs: np.ndarray) -> list[Segment]:
+        """Hold segments open for reads that run without the engine lock (one per record)."""
+        out = []
+        with self._lock:
+            for sid in np.asarray(segs).tolist():
+                seg = self.segments.get(sid)
+                if seg is not None:
+                    seg.readers += 1
+                    out.append(seg)
+        return out
+
+    def unpin(self, held: list[Segment]) -> None:
+        """End pin()'s holds; a reclaimed segment whose last reader this was is deleted."""
+        gone = []
+        with self._lock:
+            for seg in held:
+                seg.readers -= 1
+                if seg.doomed and seg.readers == 0 and self.doomed.pop(seg.seg_id, None):
+                    gone.append(seg)
+        for seg in gone:
+            self._delete(seg)
+
     def remove(self, seg_id: int) -> int:
-        """Delete a segment file; returns the bytes freed."""
+        """Delete a segment file, or once its pinned readers are done. Returns its bytes."""
         with self._lock:
             seg = self.segments.pop(seg_id, None)
             if seg is None:
                 return 0
-            self.backend.close(seg.fd)
-            try:
-                seg.path.unlink()
-            except FileNotFoundError:
-                pass
-            return seg.size
+            if seg.readers:
+                seg.doomed = True
+                self.doomed[seg_id] = seg
+                return seg.size
+        self._delete(seg)
+        return seg.size
+
+    def _delete(self, seg: Segment) -> None:
+        self.backend.close(seg.fd)
+        try:
+            seg.path.unlink()
+        except FileNotFoundError:
+            pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self._aio is not None:
             release_shared(self._aio)
         with self._lock:
-            for seg in self.segments.values():
+            for seg in [*self.segments.values(), *self.doomed.values()]:
                 self.backend.close(seg.fd)
+            for seg in self.doomed.values():
+                seg.path.unlink(missing_ok=True)
             self.segments.clear()
+            self.doomed.clear()
 
 
 def _unpack_header(raw: bytes) -> tuple:
@@ -487,13 +560,11 @@ def _unpack_header(raw: bytes) -> tuple:
     return (None, 0, 0, 0, 0, HEADER_BYTES)
 
 
-def _preallocate(fd: int, nbytes: int) -> None:
-    """Reserve the segment's blocks up front (fallocate with FALLOC_FL_KEEP_SIZE), so appends
-    do not allocate extents one batch at a time. The file size still grows only with appends,
-    which is what restart relies on. Best effort: file systems without fallocate skip it."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate(ctypes.c_int(fd), ctypes.c_int(1), ctypes.c_long(0), ctypes.c_long(nbytes))
+def _truncate(seg: Segment) -> None:
+    try:
+        os.ftruncate(seg.fd, seg.size)
+    except OSError:
+        pass
 
 
 def _is_direct(fd: int) -> bool:

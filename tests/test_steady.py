@@ -1,0 +1,150 @@
+"""The NVMe tier in steady state: a full log keeps taking writes by reclaiming whole segments,
+its capacity is what the disk holds, and disk reads run outside the engine lock (a block
+rewritten while its read was in flight is not installed; a resident get does not wait)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.coherence.engine import Engine
+from kvtier.config import make_settings
+from kvtier.tiers.nvme import PosixBackend
+from kvtier.types import Tier
+from tests.conftest import blocks, key, keys
+
+BB = 64 << 10
+
+
+def disk_bytes(root: Path) -> int:
+    """Bytes allocated on disk under root/nvme (st_blocks), what `du` counts."""
+    return sum(p.stat().st_blocks * 512 for p in (root / "nvme").rglob("*.kvt"))
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_full_nvme_tier_keeps_taking_puts(tmp_path: Path, policy: str):
+    # The report's case: 8 MiB host, 32 MiB NVMe, 4 MiB segments, 200 puts of 16 new keys.
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "8MiB",
+                                "nvme_capacity": "32MiB", "segment_bytes": "4MiB",
+                                "write_policy": policy}))
+    eng.create_namespace("t", BB)
+    worst = 0
+    for i in range(200):
+        eng.put("t", keys(range(i * 16, i * 16 + 16)), blocks(16, BB, i))   # never raises
+        worst = max(worst, disk_bytes(tmp_path))
+    s = eng.stats()["tiers"]["nvme"]
+    assert worst <= 32 << 20                           # the disk never held more than capacity
+    assert s["used_bytes"] <= 32 << 20 and s["evictions"] > 0
+    assert s["blocks"] <= (32 << 20) // BB
+    found, out = eng.read("t", keys(range(199 * 16, 200 * 16)))
+    assert found.all() and (out == blocks(16, BB, 199)).all()
+    eng.close(flush=False)
+
+
+def test_capacity_counts_what_the_disk_holds(tmp_path: Path):
+    # Four one-block namespaces: no segment is preallocated beyond what it holds.
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "nvme_capacity": "1GiB",
+                                "segment_bytes": "256MiB"}))
+    for n in range(4):
+        eng.create_namespace(f"n{n}", 4096)
+        eng.put(f"n{n}", key(1), blocks(1, 4096))
+    used = eng.stats()["tiers"]["nvme"]["used_bytes"]
+    assert disk_bytes(tmp_path) <= used <= 4 * 3 * 4096      # header + record, each
+    eng.close(flush=False)
+
+
+def test_reclaim_keeps_what_the_policy_ranks_hot(tmp_path: Path):
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "2MiB",
+                                "nvme_capacity": "16MiB", "segment_bytes": "2MiB",
+                                "eviction": "lru"}))
+    eng.create_namespace("t", BB)
+    eng.put("t", keys(range(16)), blocks(16, BB))             # the first segment's blocks
+    for i in range(1, 40):
+        eng.read("t", keys(range(8)))                         # half of them stay hot
+        eng.put("t", keys(range(i * 16, i * 16 + 16)), blocks(16, BB, i))
+    found, _ = eng.read("t", keys(range(8)))
+    assert found.all()                                        # copied forward, not dropped
+    found, _ = eng.read("t", keys(range(8, 16)))
+    assert not found.any()                                    # the cold half left
+    s = eng.stats()
+    assert s["tiers"]["nvme"]["used_bytes"] <= 16 << 20 and s["compactions"] > 0
+    eng.close(flush=False)
+
+
+def test_restart_after_reclaiming_serves_every_block_it_kept(tmp_path: Path):
+    settings = make_settings({"data_dir": str(tmp_path), "host_capacity": "2MiB",
+                              "nvme_capacity": "16MiB", "segment_bytes": "2MiB"})
+    eng = Engine(settings)
+    eng.create_namespace("t", BB)
+    for i in range(40):
+        eng.put("t", keys(range(i * 16, i * 16 + 16)), blocks(16, BB, i))
+    kept = [i for i in range(640) if eng.entry("t", key(i)) is not None]
+    eng.close(flush=False)
+    eng = Engine(settings)
+    for i in kept:
+        found, out = eng.read("t", key(i))
+        assert found[0] and (out[0] == blocks(16, BB, i // 16)[i % 16]).all()
+    eng.close(flush=False)
+
+
+class GatedDisk(PosixBackend):
+    """Reads wait at a gate: the test decides when a disk read completes (a real read, held
+    back so that a rewrite or another get can happen while it is in flight)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.reading = threading.Event()
+
+    def preadv(self, fd, bufs, offset):
+        self.reading.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().preadv(fd, bufs, offset)
+
+
+def gated_engine(tmp_path: Path) -> tuple[Engine, GatedDisk]:
+    disk = GatedDisk()
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
+                                "nvme_capacity": "16MiB", "io_threads": 1}), nvme_backend=disk)
+    eng.create_namespace("m", 4096)
+    eng.put("m", keys(range(4)), blocks(4, 4096))
+    eng.put("m", keys(range(4, 6)), blocks(2, 4096, 5))
+    eng.evict(Tier.HOST, 4)
+    return eng, disk
+
+
+def test_a_resident_get_does_not_wait_for_another_clients_disk_read(tmp_path: Path):
+    eng, disk = gated_engine(tmp_path)
+    resident = [i for i in range(6) if eng.entry("m", key(i))["copies"].get("host")]
+    cold = [i for i in range(6) if i not in resident]
+    reader = threading.Thread(target=eng.read, args=("m", keys(cold)))
+    reader.start()
+    assert disk.reading.wait(10)                  # the cold get is inside its disk read
+    found, out = eng.read("m", keys(resident))    # answered while that read is held
+    assert found.all()
+    eng.flush()                                   # and so is a flush
+    disk.gate.set()
+    reader.join(10)
+    eng.close(flush=False)
+
+
+def test_a_block_rewritten_while_its_read_is_in_flight_is_not_installed(tmp_path: Path):
+    eng, disk = gated_engine(tmp_path)
+    cold = [i for i in range(6) if not eng.entry("m", key(i))["copies"].get("host")][:1]
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(eng.read("m", keys(cold))))
+    reader.start()
+    assert disk.reading.wait(10)
+    new = blocks(1, 4096, 99)
+    eng.put("m", keys(cold), new)                 # the rewrite lands mid-read
+    disk.gate.set()
+    reader.join(10)
+    found, out = got[0]
+    assert not found[0] or (out[0] == blocks(4, 4096)[cold[0]]).all()   # old bytes or a miss
+    found, out = eng.read("m", keys(cold))
+    assert found[0] and (out[0] == new[0]).all()   # never the old bytes as the new version
+    e = eng.entry("m", key(cold[0]))
+    assert e["version"] == 2 and e["copies"]["host"]["version"] == 2
+    eng.close(flush=False)
