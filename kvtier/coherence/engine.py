@@ -311,10 +311,12 @@ class Engine(Eviction, Transfers, FastPath, Holds):
                     self.nvme.drain()
                 return res
             except CapacityError:
+                # Room may come from dirty blocks written down, or from slots that a flush in
+                # flight has pinned: both with the lock released, then try again.
                 attempt += 1
-                if attempt > 3 or not self.nvme.wanted():
+                if attempt > 8 or not (self.nvme.wanted() or self.nvme.busy()):
                     raise
-            self.nvme.drain()
+            self.nvme.drain() if self.nvme.wanted() else self.nvme.wait()
 
     def _reserve(self, namespace: str, keys: Any, parents: Any, tier: Tier,
                  owner: int) -> Reservation:

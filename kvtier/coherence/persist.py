@@ -183,14 +183,25 @@ class NvmeStore:
     def wanted(self) -> bool:
         return bool(self._wanted)
 
+    def busy(self) -> bool:
+        """A flush or reclaim is in flight (its host slots may be pinned)."""
+        return self.writer.locked()
+
+    def wait(self) -> None:
+        """Until the write in flight is done. Unlocked."""
+        with self.writer:
+            pass
+
     def drain(self) -> int:
-        """Run the write-downs eviction asked for. Unlocked."""
+        """Run the write-downs eviction asked for, unlocked: every dirty block of those
+        namespaces goes (one batch, as a background flush would write them, so that the next
+        reservations of other clients find clean blocks to evict too)."""
         done = 0
         while self._wanted:
-            name, parts = self._wanted.popitem()
+            name, _rows = self._wanted.popitem()
             ns = self.owner.namespaces.get(name)
             if ns is not None:
-                done += self.flush(ns, np.concatenate(parts))
+                done += self.flush(ns, None)
         return done
 
     def flush(self, ns: "Namespace", rows: np.ndarray | None = None,
