@@ -46,13 +46,15 @@ class Result:
     blocks: int
     tier_hits: dict[str, int]
     leaf_first: bool = False
+    nvme_blocks_max: int = 0      # most blocks the NVMe tier held (sampled per request)
 
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy + ("+leaf_first" if self.leaf_first else ""),
                 "capacity_tokens": self.capacity_tokens,
                 "hit_ratio": round(self.hit_ratio, 4), "hits": self.hits, "blocks": self.blocks,
                 "tier_hit_ratio": {t: round(h / self.blocks, 4) if self.blocks else 0.0
-                                   for t, h in self.tier_hits.items()}}
+                                   for t, h in self.tier_hits.items()},
+                "nvme_blocks_max": self.nvme_blocks_max}
 
 
 def load_trace(path: str | Path) -> list[list[int]]:
@@ -156,19 +158,25 @@ def replay_engine(trace: Sequence[Sequence[int]], policy: str, capacity_blocks: 
     from kvtier.coherence.engine import Engine
     from kvtier.types import Tier
 
+    from kvtier.coherence.persist import capacity_for
+
     tmp = tempfile.mkdtemp(prefix="kvtier-replay-")
     try:
+        # The NVMe tier holds at most nvme_blocks blocks (segment headers and the reclaim
+        # headroom are on top, as they are on disk).
+        nvme_bytes, segment = capacity_for(nvme_blocks, block_bytes) if nvme_blocks else (0, 0)
         settings = make_settings({
             "data_dir": tmp, "host_capacity": max(1, capacity_blocks) * block_bytes,
-            "nvme_capacity": nvme_blocks * 4096 * 2 if nvme_blocks else 0,
-            "write_policy": "write_back", "eviction": policy, "segment_bytes": "64MiB",
-            "leaf_first": leaf_first})
+            "nvme_capacity": nvme_bytes, "write_policy": "write_back", "eviction": policy,
+            "segment_bytes": max(segment, 1 << 20), "leaf_first": leaf_first})
         eng = Engine(settings)
         eng.create_namespace("trace", block_bytes)
         hits = total = 0
         cap = max(1, capacity_blocks)
         before = {t: eng.counters.tiers[t].hits for t in Tier}
         payload = np.zeros((cap, block_bytes), dtype=np.uint8)
+        log = eng.namespace("trace").log
+        nvme_max = 0
         for ids in trace:
             keys = b"".join(_key(i) for i in ids)
             n = eng.match_prefix("trace", keys) if ids else 0
@@ -183,13 +191,15 @@ def replay_engine(trace: Sequence[Sequence[int]], policy: str, capacity_blocks: 
                 hi = min(len(ids), lo + cap)
                 parents = (_key(ids[lo - 1]) if lo else bytes(16)) + keys[lo * 16:(hi - 1) * 16]
                 eng.put("trace", keys[lo * 16: hi * 16], payload[: hi - lo], parents=parents)
+            if log is not None:
+                nvme_max = max(nvme_max, log.live_bytes() // log.record_bytes)
             if progress is not None:
                 progress()
         tier_hits = {t.label: eng.counters.tiers[t].hits - before[t]
                      for t in (Tier.HOST, Tier.NVME)}
         eng.close(flush=False)
         return Result(policy, capacity_blocks * TOKENS_PER_BLOCK, hits / total if total else 0,
-                      hits, total, tier_hits, leaf_first)
+                      hits, total, tier_hits, leaf_first, nvme_max)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -58,6 +58,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.persist")
 KEEP_SHARE = 0.5        # a reclaimed segment's records copied forward, at most
+SMALL_SEGMENTS = 9      # a capacity under this many segments gets smaller ones
+
+
+def capacity_for(blocks: int, block_bytes: int) -> tuple[int, int]:
+    """(nvme_capacity, segment_bytes) under which one namespace's NVMe tier holds at most
+    ``blocks`` blocks of block_bytes and close to that many: eight segments of blocks // 8
+    records, one more of headroom. For `kvtier replay`, whose capacities are in blocks."""
+    rec = round_up(block_bytes)
+    seg = data_start(rec) + max(1, blocks // (SMALL_SEGMENTS - 1)) * rec
+    return SMALL_SEGMENTS * seg, seg
 
 
 class Coherence(Protocol):
@@ -148,10 +158,10 @@ class NvmeStore:
     # ------------------------------------------------------------------ logs
 
     def segment_bytes(self, block_bytes: int) -> int:
-        """A namespace's segment size: segment_bytes, or an eighth of a small capacity, so
-        that the headroom (one segment) stays a small part of the tier."""
+        """A namespace's segment size: segment_bytes, or a ninth of a small capacity, so that
+        the headroom (one segment) stays a small part of the tier."""
         rec = round_up(block_bytes)
-        small = max(self.capacity // 8 // rec * rec, data_start(rec) + rec)
+        small = max(self.capacity // SMALL_SEGMENTS // 4096 * 4096, data_start(rec) + rec)
         return min(self.settings.segment_bytes, small)
 
     def open_log(self, rec: NamespaceRecord) -> SegmentLog | None:
