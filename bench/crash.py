@@ -2,6 +2,7 @@
 
     python bench/crash.py --iterations 200 --json [--clients 4] [--write-policy write_through]
     python bench/crash.py --recovery-entries 1000000 --json      # restart time at 1M entries
+    python bench/crash.py --disk-full --iterations 50 --json     # data directory on a full disk
 
 Each iteration: clients (threads, each its own kvtier.Client) run puts of new bytes to a small
 key space (so most puts are rewrites), gets, and flushes. Every put's bytes are derived from a
@@ -14,6 +15,11 @@ is SIGKILLed, restarted on the same data directory, and every key is read back:
 - wrong_served: any get, during the load or after the restart, that returned bytes which were
   not some attempted put of that key (torn, stale from another key, garbage) — also counted
   when the served version contradicts the bytes.
+
+With --disk-full the data directory is a small tmpfs (--tmpfs-size, 8 MiB; mounting needs
+root) under an nvme_capacity far above it, so appends meet ENOSPC: a put or flush may then be
+refused (StorageError, counted as refused_puts / refused_flushes, never as acks), and what was
+acknowledged must still be there after the kill.
 
 recovery_s is from the restart's exec to the first answered get. Both must-be-zero figures are
 checked by the harness itself (a mutation that acknowledges without flushing makes it report
@@ -38,6 +44,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -72,6 +79,12 @@ class Model:
         self.seq = 0
         self.wrong = 0
         self.by_bytes: dict[int, dict[bytes, int]] = {}  # key -> {block digest: seed}
+        self.refusals = {"puts": 0, "flushes": 0}         # StorageError answers (disk full)
+        self.missing = self.older = 0                     # acked_lost: not served / older
+
+    def refused(self, what: str) -> None:
+        with self.lock:
+            self.refusals[what] += 1
 
     def attempt(self, k: int, seed: int, data: np.ndarray) -> None:
         import xxhash
@@ -112,7 +125,7 @@ class Model:
 def load(sock: str, model: Model, stop: threading.Event, keyspace: int, cid: int,
          write_back: bool) -> None:
     import kvtier
-    from kvtier.errors import KvtierError
+    from kvtier.errors import KvtierError, StorageError
     rng = random.Random(cid * 7919 + int(time.time() * 1e6))
     try:
         c = kvtier.Client(sock, timeout=10, name=f"crash-{cid}")
@@ -128,7 +141,11 @@ def load(sock: str, model: Model, stop: threading.Event, keyspace: int, cid: int
                 data = np.stack([block_of(k, s) for k, s in zip(ks, seeds)])
                 for k, s, d in zip(ks, seeds, data):
                     model.attempt(k, s, d)
-                versions = ns.put(b"".join(key(k) for k in ks), data)
+                try:
+                    versions = ns.put(b"".join(key(k) for k in ks), data)
+                except StorageError:
+                    model.refused("puts")      # refused, not acknowledged: no promise made
+                    continue
                 for k, s, v in zip(ks, seeds, versions.tolist()):
                     model.ack(k, v, s, durable=not write_back)
             elif op < 0.95:
@@ -139,7 +156,11 @@ def load(sock: str, model: Model, stop: threading.Event, keyspace: int, cid: int
                         model.served(k, d)
             else:
                 upto = model.flush_sent()
-                c.flush()
+                try:
+                    c.flush()
+                except StorageError:
+                    model.refused("flushes")
+                    continue
                 model.flush_acked(upto)
     except KvtierError:
         pass          # the service was killed under us: expected
@@ -163,10 +184,12 @@ def verify(sock: str, model: Model, keyspace: int) -> list[int]:
                     if not f:
                         if want is not None:
                             lost.append(k)
+                            model.missing += 1
                         continue
                     seed = model.served(k, np.array(view))
                     if want is not None and (v < want[0] or (v == want[0] and seed != want[1])):
                         lost.append(k)
+                        model.older += 1
     return lost
 
 
@@ -304,6 +327,18 @@ def iteration(svc, model: Model, args: argparse.Namespace, rng: random.Random,
     return lost, recovery
 
 
+def mount_tmpfs(base: str, size: str) -> str:
+    """A tmpfs of `size` under base, for --disk-full (a real file system that fills up)."""
+    mnt = os.path.join(base, "tmpfs")
+    os.makedirs(mnt)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt],
+                       capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"--disk-full: cannot mount a tmpfs at {mnt} ({r.stderr.strip()}); run as "
+                 "root")
+    return mnt
+
+
 def recovery_at(entries: int, base: str) -> dict:
     """Fill a service with `entries` NVMe blocks, SIGKILL it, time the restart."""
     import kvtier
@@ -338,7 +373,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--keys", type=int, default=512)
+    ap.add_argument("--keys", type=int, default=None,
+                    help="key space (512: 2 MiB of blocks)")
     ap.add_argument("--max-run", type=float, default=1.0, help="longest load before the kill, s")
     ap.add_argument("--write-policy", default="write_through",
                     choices=("write_through", "write_back"))
@@ -349,9 +385,14 @@ def main() -> None:
                          "ack is durable; the harness must then report losses")
     ap.add_argument("--damage", action="store_true",
                     help="damage segments and LMDB between the kill and the restart")
+    ap.add_argument("--disk-full", action="store_true",
+                    help="the data directory on a small tmpfs far below nvme_capacity (root)")
+    ap.add_argument("--tmpfs-size", default="8m", help="with --disk-full: the tmpfs's size")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.keys is None:
+        args.keys = 512
     m = header("bench/crash.py")
     from tests.service import Service
     base = tempfile.mkdtemp(prefix="kvtier-crash-", dir=os.getcwd())
@@ -365,9 +406,17 @@ def main() -> None:
     try:
         if args.iterations:
             policy = "write_back" if args.mutant else args.write_policy
-            svc = Service(os.path.join(base, "svc"), admin=False, host_capacity="2MiB",
-                          nvme_capacity="256MiB", segment_bytes="4MiB", write_policy=policy,
-                          flush_interval=3600 if args.mutant else 0.2).start()
+            data_dir, extra = os.path.join(base, "svc"), {"segment_bytes": "4MiB"}
+            if args.disk_full:
+                # The data directory is the tmpfs (the service's log stays beside it, off the
+                # full disk); dead records pile up (no compaction threshold) until
+                # the disk is full.
+                data_dir = mount_tmpfs(base, args.tmpfs_size)
+                extra = {"segment_bytes": "1MiB", "compact_threshold": 0.0}
+                out.update(disk_full=True, tmpfs_size=args.tmpfs_size)
+            svc = Service(data_dir, admin=False, host_capacity="2MiB",
+                          nvme_capacity="256MiB", write_policy=policy,
+                          flush_interval=3600 if args.mutant else 0.2, **extra).start()
             for _ in range(args.iterations):
                 lost, rec = iteration(svc, model, args, rng, stats)
                 out["iterations"] += 1
@@ -377,14 +426,21 @@ def main() -> None:
             if args.damage:
                 out["damage"] = stats
                 del out["acked_lost"]           # damage loses blocks: see lost_to_damage
+            # Runs that found the disk smaller than nvme_capacity (each logs it once).
+            out["disk_full_events"] = svc.output().count("the NVMe tier holds what the disk does")
             svc.stop(signal.SIGTERM)
             out["wrong_served"] = model.wrong
+            out["refused_puts"] = model.refusals["puts"]
+            out["refused_flushes"] = model.refusals["flushes"]
+            out["acked_missing"], out["acked_older"] = model.missing, model.older
             out["max_recovery_s"] = round(max(recoveries), 3)
             out["median_recovery_s"] = round(float(np.median(recoveries)), 3)
             out["acked_puts_checked"] = len(model.durable)
         if args.recovery_entries:
             out.update(recovery_at(args.recovery_entries, base))
     finally:
+        if args.disk_full:
+            subprocess.run(["umount", "-l", os.path.join(base, "tmpfs")], check=False)
         shutil.rmtree(base, ignore_errors=True)
     out["machine"] = m
     emit(out, args.json)

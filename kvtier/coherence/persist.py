@@ -36,6 +36,7 @@ needs space it does not have.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.persist")
 KEEP_SHARE = 0.5        # a reclaimed segment's records copied forward, at most
 SMALL_SEGMENTS = 9      # a capacity under this many segments gets smaller ones
+DISK_MARGIN = 256 << 10  # free disk space left to LMDB and the rest when the disk is small
 
 
 def capacity_for(blocks: int, block_bytes: int) -> tuple[int, int]:
@@ -150,6 +152,8 @@ class NvmeStore:
         self.counters = counters
         self.backend = backend
         self.capacity = settings.nvme_capacity
+        self.root = Path(settings.data_dir)
+        self._disk_limited = False       # warned that the disk holds less than the capacity
         self.writer = threading.Lock()
         self._wanted: dict[str, list[np.ndarray]] = {}
         self.reclaimed = 0               # segments reclaimed to make room (FIFO or emptiest)
@@ -230,28 +234,32 @@ class NvmeStore:
                 batch = self._pick(ns, rows)
             if batch is None:
                 return 0
-            room = self._make_room(ns, batch.rows.size)
-            if room < batch.rows.size:
-                self.counters.nvme_full += 1
-                self._cut(ns, batch, room)
-            try:
-                if room == 0:
-                    raise StorageError(
-                        f"the NVMe tier is full ({self.capacity} bytes, "
-                        f"{self.used_bytes()} used) and nothing can be reclaimed; raise "
-                        "nvme_capacity")
-                segs, offs = ns.log.append(batch.views)
-                batch.records["seg"], batch.records["off"] = segs, offs
-                self.catalog.put_records(ns.ns_id, batch.keys, batch.records)
-            except StorageError as exc:
-                with self.owner.lock:
-                    self._unpin(ns, batch)
-                self.counters.nvme_full += 1
-                if strict:
-                    raise
-                log.warning("flush of %d blocks of %s failed (%s); they stay dirty",
-                            batch.rows.size, ns.name, exc)
-                return 0
+            for attempt in range(2):
+                room = self._make_room(ns, batch.rows.size)
+                if room < batch.rows.size:
+                    self.counters.nvme_full += 1
+                    self._cut(ns, batch, room)
+                try:
+                    if room == 0:
+                        raise StorageError(
+                            f"the NVMe tier is full ({self.capacity_now()} bytes, "
+                            f"{self.used_bytes()} used) and nothing can be reclaimed; raise "
+                            "nvme_capacity")
+                    segs, offs = ns.log.append(batch.views)
+                    batch.records["seg"], batch.records["off"] = segs, offs
+                    self.catalog.put_records(ns.ns_id, batch.keys, batch.records)
+                    break
+                except StorageError as exc:
+                    if attempt == 0 and room and self._disk_full(ns, room):
+                        continue            # the capacity is now what the disk holds: reclaim
+                    with self.owner.lock:
+                        self._unpin(ns, batch)
+                    self.counters.nvme_full += 1
+                    if strict:
+                        raise
+                    log.warning("flush of %d blocks of %s failed (%s); they stay dirty",
+                                batch.rows.size, ns.name, exc)
+                    return 0
             with self.owner.lock:
                 self._unpin(ns, batch)
                 orphans = self._apply_flush(ns, batch, segs, offs)
@@ -262,8 +270,35 @@ class NvmeStore:
             self._compact(ns)
         if strict and batch.cut:
             raise StorageError(f"{batch.cut} blocks of {ns.name!r} stay dirty: the NVMe tier "
-                               f"is full ({self.capacity} bytes); raise nvme_capacity")
+                               f"is full ({self.capacity_now()} bytes); raise nvme_capacity "
+                               "or free disk space")
         return int(batch.rows.size)
+
+    def _disk_full(self, ns: "Namespace", n: int) -> bool:
+        """After a failed append: True when the file system has no room for n more records
+        (the next attempt then sees a capacity lowered to what the disk holds, and reclaims)."""
+        try:
+            return shutil.disk_usage(ns.log.dir).free < ns.log.bytes_for(n) + DISK_MARGIN
+        except OSError:
+            return False
+
+    def capacity_now(self) -> int:
+        """nvme_capacity, or less when the file system under the data directory has less
+        room than that (other files, a small disk): what the segments hold plus what the disk
+        has free, less a margin for LMDB. The headroom is taken from this, so that it is
+        always space the disk really has."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return self.capacity
+        real = self.used_bytes() + max(free - DISK_MARGIN, 0)
+        if real < self.capacity and not self._disk_limited:
+            self._disk_limited = True
+            self.counters.nvme_full += 1
+            log.warning("the disk under %s has room for %d bytes of segments, less than "
+                        "nvme_capacity (%d): the NVMe tier holds what the disk does", self.root,
+                        real, self.capacity)
+        return min(self.capacity, real)
 
     def _pick(self, ns: "Namespace", rows: np.ndarray | None) -> _Batch | None:
         """Under the lock: the DIRTY rows to write, oldest version first, their host slots
@@ -382,9 +417,11 @@ class NvmeStore:
 
     # ------------------------------------------------------------------ space
 
-    def _fits(self, ns: "Namespace", n: int, reserve: int) -> int:
-        """How many of n records fit under the capacity less ``reserve`` bytes (lock held)."""
-        free = self.capacity - reserve - self.used_bytes()
+    def _fits(self, ns: "Namespace", n: int, reserve: int, cap: int | None = None) -> int:
+        """How many of n records fit under the capacity (capacity_now() unless given) less
+        ``reserve`` bytes (lock held)."""
+        cap = self.capacity_now() if cap is None else cap
+        free = cap - reserve - self.used_bytes()
         if ns.log.bytes_for(n) <= free:
             return n
         lo, hi = 0, n                      # the largest m with bytes_for(m) <= free
@@ -409,29 +446,32 @@ class NvmeStore:
             if victim is None or tries > 4 * len(victim[0].log.segments) + 8:
                 return fit
             before = self.used_bytes()
-            self._reclaim(*victim, keep_all=False)
+            self._reclaim(*victim)
             tries += 1
             if self.used_bytes() >= before:
                 tries += 4                 # reclaim freed nothing (all copied forward)
 
-    def _next_victim(self, ns: "Namespace") -> tuple["Namespace", Segment] | None:
-        """The segment to reclaim: the emptiest sealed one below compact_threshold live,
-        else the oldest sealed one of any namespace (lock held)."""
-        best = None
-        oldest = None
-        limit = self.settings.compact_threshold
+    def _next_victim(self, ns: "Namespace") -> tuple["Namespace", Segment, bool] | None:
+        """The segment to reclaim, and whether all its live blocks move (lock held): the
+        emptiest sealed one when at most KEEP_SHARE of it is live and its live blocks fit in
+        what is left (moving them frees the rest), else the oldest sealed one of any
+        namespace, whose blocks move only when the policy ranks them hot (FIFO with
+        re-admission)."""
+        free = self.capacity_now() - self.used_bytes()
+        emptiest = oldest = None
         for other in self.owner.namespaces.values():
             if other.log is None:
                 continue
             for seg in other.log.sealed():
-                body = max(seg.size - seg.start, 1)
-                if seg.live < limit * body and (best is None or seg.live / body < best[0]):
-                    best = (seg.live / body, other, seg)
+                frac = seg.live / max(seg.size - seg.start, 1)
+                fits = seg.live + other.log.data_start <= free
+                if fits and (emptiest is None or frac < emptiest[0]):
+                    emptiest = (frac, other, seg)
                 if oldest is None or seg.born < oldest[1].born:
                     oldest = (other, seg)
-        if best is not None:
-            return best[1], best[2]
-        return oldest
+        if emptiest is not None and emptiest[0] <= KEEP_SHARE:
+            return emptiest[1], emptiest[2], True
+        return None if oldest is None else (*oldest, False)
 
     def _compact(self, ns: "Namespace") -> None:
         """After a flush: reclaim the sealed segments below compact_threshold (writer held);
@@ -460,6 +500,8 @@ class NvmeStore:
                             "versions of dirty blocks in it", seg.seg_id, ns.name, stale.size)
                 return
             keep = self._keepers(ns, live, stale.size, keep_all)
+            if keep is None:
+                return                     # they do not all fit now: the segment stays
             victims = np.setdiff1d(live, keep)
             drop_keys = self._evict_rows(ns, victims)
             keep = np.concatenate([stale, keep])
@@ -513,16 +555,17 @@ class NvmeStore:
         self._delete_now(ns, orphans)
 
     def _keepers(self, ns: "Namespace", live: np.ndarray, moving: int,
-                 keep_all: bool) -> np.ndarray:
+                 keep_all: bool) -> np.ndarray | None:
         """The live rows of a reclaimed segment that are copied forward (lock held): with
-        keep_all every one, else those the NVMe policy ranks in the hotter half of the tier,
-        at most KEEP_SHARE of a segment; both within what the capacity has left."""
+        keep_all every one (None when they do not fit: the segment is left alone), else those
+        the NVMe policy ranks in the hotter half of the tier, at most KEEP_SHARE of a segment
+        and within what the capacity has left."""
         if live.size == 0:
             return live
         cols = ns.table.cols
         cap_rows = self._fits(ns, live.size + moving, 0) - moving
-        if keep_all and cap_rows >= live.size:
-            return live
+        if keep_all:                       # compaction moves every block, or none
+            return live if cap_rows >= live.size else None
         if not keep_all:
             per = (ns.log.segment_bytes - ns.log.data_start) // ns.log.record_bytes
             cap_rows = min(cap_rows, int(per * KEEP_SHARE) - moving)
