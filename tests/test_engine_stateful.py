@@ -9,11 +9,17 @@ deletes, evictions, flushes and restarts, on capacities of a few blocks so that 
 - bytes under a lease never change, even when the key is rewritten or deleted meanwhile;
 - after a restart every key whose version was known flushed is served, with a version at least
   that one and bytes that were committed under that version.
+
+The concurrent variants add two threads that get (every block's bytes checked against what was
+ever put under its key, and against the checksum served with it) and flush while the rules
+run, so that disk reads and flushes outside the engine lock meet rewrites, deletes and
+evictions.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 from hypothesis import HealthCheck, settings, strategies as st
@@ -70,16 +76,25 @@ class EngineModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
+    def _pinned_elsewhere(self) -> bool:
+        """Readers other than the rules may hold slots (the concurrent variants' threads)."""
+        return False
+
+    def _attempt(self, ks: list[bytes], blocks: list[bytes]) -> None:
+        """A put is about to be sent (the concurrent variants record what may be served)."""
+
     @rule(ks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3), seed=st.integers(0, 2**32),
           gpu=st.booleans())
     def put(self, ks: list[bytes], seed: int, gpu: bool) -> None:
         blocks = [self._bytes(k, seed + i) for i, k in enumerate(ks)]
         tier = Tier.HBM if gpu else Tier.HOST
+        self._attempt(ks, blocks)
         try:
             versions = self.engine.put("m", b"".join(ks), blocks, tier=tier)
         except CapacityError:
             # Allowed only while readers pin slots; the put then changed nothing.
-            assert self.held, "a put was refused with no slot under lease"
+            assert self.held or self._pinned_elsewhere(), \
+                "a put was refused with no slot under lease"
             return
         for k, b, v in zip(ks, blocks, versions.tolist()):
             self.latest[k] = (v, b)
@@ -96,7 +111,8 @@ class EngineModel(RuleBasedStateMachine):
             if f:
                 assert k in self.latest, "served a key that was never committed or was deleted"
                 assert row.tobytes() == self.latest[k][1], "stale or torn bytes served"
-            elif self.nvme and k in self.latest and not self.held:
+            elif self.nvme and k in self.latest and not self.held \
+                    and not self._pinned_elsewhere():
                 # With no reader pinning slots, a block on a lower tier always comes back.
                 raise AssertionError(f"key {k[:1].hex()} missing although a lower tier holds it")
 
@@ -171,6 +187,90 @@ class EngineModel(RuleBasedStateMachine):
         assert not self.engine.reservations
 
 
+class ConcurrentModel(EngineModel):
+    """EngineModel with two threads getting and flushing beside the rules."""
+
+    write_policy = "write_back"
+
+    @initialize()
+    def start(self) -> None:
+        EngineModel.start(self)
+        self.attempted: dict[bytes, set[bytes]] = {}
+        self.attempt_lock = threading.Lock()
+        self.pause = threading.Lock()      # held while the rules close or inspect the engine
+        self.busy = 0
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._background, args=(i,), daemon=True)
+                        for i in range(2)]
+        for t in self.threads:
+            t.start()
+
+    def _attempt(self, ks: list[bytes], blocks: list[bytes]) -> None:
+        with self.attempt_lock:
+            for k, b in zip(ks, blocks):
+                self.attempted.setdefault(k, set()).add(b)
+
+    def _pinned_elsewhere(self) -> bool:
+        return self.busy > 0
+
+    def _background(self, i: int) -> None:
+        from kvtier.checksums import block_checksums
+        rng = np.random.default_rng(i)
+        while not self.stop.is_set():
+            with self.pause:
+                self.busy += 1
+                try:
+                    if i == 1 and rng.random() < 0.3:
+                        self.engine.flush(strict=False)
+                        continue
+                    ks = [KEYS[j] for j in rng.choice(len(KEYS), 3, replace=False)]
+                    res = self.engine.get("m", b"".join(ks))
+                    pool = self.engine.namespace("m").slots[Tier.HOST].pool
+                    for k, f, slot, c in zip(ks, res.found.tolist(), res.slots.tolist(),
+                                             res.checksums.tolist()):
+                        if not f:
+                            continue
+                        b = pool.array[slot].tobytes()
+                        with self.attempt_lock:
+                            known = b in self.attempted.get(k, ())
+                        if not known:
+                            self.errors.append(f"thread get of {k[:1].hex()}: bytes never put")
+                        if int(block_checksums(pool.array, [slot])[0]) != c:
+                            self.errors.append(f"thread get of {k[:1].hex()}: checksum differs")
+                    self.engine.release(res.lease_id)
+                except Exception as exc:           # noqa: BLE001 (reported by the invariant)
+                    if not isinstance(exc, CapacityError):
+                        self.errors.append(f"thread {i}: {exc!r}")
+                finally:
+                    self.busy -= 1
+
+    @precondition(lambda self: not self.held)
+    @rule()
+    def restart(self) -> None:
+        with self.pause:
+            EngineModel.restart(self)
+
+    @invariant()
+    def no_leak(self) -> None:
+        if self.engine is None:
+            return
+        with self.pause:
+            assert not self.errors, self.errors[:3]
+            EngineModel.no_leak(self)
+
+    def teardown(self) -> None:
+        if hasattr(self, "stop"):
+            self.stop.set()
+            for t in self.threads:
+                t.join(30)
+        EngineModel.teardown(self)
+
+
+class ConcurrentWriteThroughModel(ConcurrentModel):
+    write_policy = "write_through"
+
+
 # CI runs 60 examples per variant; KVTIER_STATEFUL_EXAMPLES=600 for a soak by hand.
 SETTINGS = settings(max_examples=int(os.environ.get("KVTIER_STATEFUL_EXAMPLES", "60")), stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -206,3 +306,7 @@ TestUnaligned = UnalignedModel.TestCase
 TestUnaligned.settings = SETTINGS
 TestS3FifoWriteBack = S3FifoWriteBackModel.TestCase
 TestS3FifoWriteBack.settings = SETTINGS
+TestConcurrentWriteBack = ConcurrentModel.TestCase
+TestConcurrentWriteBack.settings = SETTINGS
+TestConcurrentWriteThrough = ConcurrentWriteThroughModel.TestCase
+TestConcurrentWriteThrough.settings = SETTINGS
