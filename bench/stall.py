@@ -1,0 +1,142 @@
+"""Stall: does one worker's disk read hold up another worker's get of a resident block?
+
+    python bench/stall.py --json
+    python bench/stall.py --cold-blocks 512 --samples 100 --json      # the CI smoke run
+
+Against a real `kvtier serve`: one probe client times single-block gets of a key that stays in
+the host tier, first alone, then beside 1, 4 and 8 reader processes whose gets of --batch
+random blocks read the NVMe tier (the cold set is --cold-blocks blocks, several times the host
+tier). Each condition is measured right after an alone phase, in the same run, and reported as
+the ratio of its p99 to that alone phase's p99 (target <= 2). The readers' own get latency and
+the share of their blocks served from NVMe are reported beside it, so that the readers are
+seen to have been reading the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import emit, header, percentiles  # noqa: E402
+
+HOT = (1).to_bytes(16, "big")
+
+
+def key(i: int) -> bytes:
+    return (i + 2).to_bytes(16, "big")
+
+
+def reader(sock: str, cold: int, batch: int, stop: "mp.Event", ready: "mp.Event",
+           out: "mp.Queue") -> None:
+    import kvtier
+    rng = np.random.default_rng(os.getpid())
+    lat: list[float] = []
+    with kvtier.Client(sock, timeout=120, name="stall-reader") as c:
+        ns = c.namespace("stall")
+        ready.set()
+        while not stop.is_set():
+            ks = rng.choice(cold, batch, replace=False)
+            t0 = time.perf_counter()
+            with ns.get_leased(b"".join(key(int(k)) for k in ks)):
+                pass
+            lat.append(time.perf_counter() - t0)
+    out.put(lat)
+
+
+def probe(ns, samples: int) -> list[float]:
+    lat = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        with ns.get_leased(HOT) as lease:
+            ok = bool(lease.found[0])
+        lat.append(time.perf_counter() - t0)
+        if not ok:
+            raise SystemExit("the hot key left the host tier; raise --host-capacity")
+        time.sleep(0.0005)
+    return lat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--readers", default="1,4,8")
+    ap.add_argument("--batch", type=int, default=64, help="blocks per reader get")
+    ap.add_argument("--block-bytes", type=int, default=64 << 10)
+    ap.add_argument("--cold-blocks", type=int, default=8192)
+    ap.add_argument("--host-capacity", default="64MiB")
+    ap.add_argument("--samples", type=int, default=2000, help="probe gets per phase")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    m = header("bench/stall.py")
+    import kvtier
+    from tests.service import Service
+    base = tempfile.mkdtemp(prefix="kvtier-stall-", dir=os.getcwd())
+    svc = Service(Path(base) / "svc", admin=False, host_capacity=args.host_capacity,
+                  nvme_capacity=f"{args.cold_blocks * args.block_bytes * 2 + (64 << 20)}",
+                  segment_bytes="64MiB", write_policy="write_back").start()
+    ctx = mp.get_context("spawn")
+    out: dict = {"block_bytes": args.block_bytes, "batch": args.batch,
+                 "cold_blocks": args.cold_blocks, "host_capacity": args.host_capacity,
+                 "conditions": {}}
+    try:
+        with kvtier.Client(svc.socket, timeout=120, name="stall-probe") as c:
+            ns = c.namespace("stall", block_bytes=args.block_bytes)
+            data = np.random.default_rng(0).integers(0, 256, (256, args.block_bytes),
+                                                     dtype=np.uint8)
+            for lo in range(0, args.cold_blocks, 256):
+                n = min(256, args.cold_blocks - lo)
+                ns.put(b"".join(key(i) for i in range(lo, lo + n)), data[:n], verify=False)
+            c.flush()
+            ns.put(HOT, data[:1])
+            probe(ns, 200)                                   # warm the probe's path
+            s0 = c.stats()["tiers"]
+            for k in [int(x) for x in args.readers.split(",") if x]:
+                alone = probe(ns, args.samples)
+                stop, q = ctx.Event(), ctx.Queue()
+                readys = [ctx.Event() for _ in range(k)]
+                procs = [ctx.Process(target=reader, args=(str(svc.socket), args.cold_blocks,
+                                                          args.batch, stop, r, q))
+                         for r in readys]
+                for p in procs:
+                    p.start()
+                for r in readys:
+                    r.wait(120)
+                time.sleep(0.5)                              # the readers are in their loops
+                beside = probe(ns, args.samples)
+                stop.set()
+                rl = [x for _ in procs for x in q.get(timeout=300)]
+                for p in procs:
+                    p.join(60)
+                pa, pb = percentiles(alone), percentiles(beside)
+                out["conditions"][str(k)] = {
+                    "alone_p50_us": round(pa["p50"] * 1e6, 1),
+                    "alone_p99_us": round(pa["p99"] * 1e6, 1),
+                    "beside_p50_us": round(pb["p50"] * 1e6, 1),
+                    "beside_p99_us": round(pb["p99"] * 1e6, 1),
+                    "p99_ratio": round(pb["p99"] / pa["p99"], 3),
+                    "reader_gets": len(rl),
+                    "reader_p50_ms": round(percentiles(rl)["p50"] * 1e3, 2) if rl else None}
+            s1 = c.stats()["tiers"]
+            read = s1["nvme"]["bytes_read"] - s0["nvme"]["bytes_read"]
+            out["reader_nvme_share"] = round(read / max(
+                1, (s1["host"]["bytes_read"] - s0["host"]["bytes_read"])), 3)
+    finally:
+        svc.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    out["worst_p99_ratio"] = max(v["p99_ratio"] for v in out["conditions"].values())
+    out["machine"] = m
+    emit(out, args.json)
+
+
+if __name__ == "__main__":
+    main()
