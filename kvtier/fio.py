@@ -7,7 +7,8 @@
 How fio's options map onto kvtier. A job owns ``size`` bytes of blocks of ``bs`` bytes each (one
 namespace, block_bytes = bs). ``iodepth`` is the batch: each call moves iodepth blocks, which is
 how a worker keeps the tier busy. ``numjobs`` threads each run the job. ``rw`` picks sequential
-or random block order and reads (gets), writes (puts) or both (randrw, 50/50);
+or random block order and reads (gets), writes (puts) or both (randrw: ``rwmixread`` percent
+reads, 50 by default, or ``rwmixwrite``);
 ``random_distribution=zipf:THETA`` skews random picks. ``direct`` is passed to fio for --compare;
 kvtier's NVMe tier always uses O_DIRECT where the block size allows.
 
@@ -61,6 +62,7 @@ class Job:
     ramp_time: float = 0.0
     direct: bool = False
     zipf: float | None = None
+    rwmixread: int = 50
     tier: str = "host"
     directory: str = ""
     socket: str = ""
@@ -78,6 +80,11 @@ class Job:
             raise ConfigError("runtime must be positive and ramp_time not negative")
         if self.zipf is not None and not 0 < self.zipf < 10:
             raise ConfigError("random_distribution=zipf:THETA needs 0 < THETA < 10")
+        if not 0 <= self.rwmixread <= 100:
+            raise ConfigError(f"rwmixread={self.rwmixread}: a percentage, 0..100")
+        if self.directory and not os.path.isdir(self.directory):
+            raise ConfigError(f"directory={self.directory!r} does not exist or is not a "
+                              "directory; create it or point --directory elsewhere")
         return self
 
 
@@ -114,8 +121,10 @@ def apply_option(job: Job, key: str, value: str | None) -> Job:
                 return replace(job, bs=_fio_size(v, "bs"))
             case "size":
                 return replace(job, size=_fio_size(v, "size"))
-            case "iodepth" | "numjobs":
+            case "iodepth" | "numjobs" | "rwmixread":
                 return replace(job, **{key: int(v)})
+            case "rwmixwrite":
+                return replace(job, rwmixread=100 - int(v))
             case "runtime" | "ramp_time":
                 return replace(job, **{key: _time(v, key)})
             case "direct":
@@ -245,9 +254,17 @@ class _Target:
             self.engine.close(flush=False)
 
 
+def _workdir(prefix: str, job: Job) -> str:
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=job.directory or None)
+    except OSError as exc:
+        raise ConfigError(f"cannot create a work directory in {job.directory or 'TMPDIR'}: "
+                          f"{exc.strerror}; point --directory at a writable directory") from None
+
+
 def run_job(job: Job, progress: Any = None) -> dict[str, Any]:
     job.validate()
-    workdir = tempfile.mkdtemp(prefix="kvtier-fio-", dir=job.directory or None)
+    workdir = _workdir("kvtier-fio-", job)
     target = _Target(job, workdir)
     try:
         if job.rw in ("read", "randread", "randrw"):
@@ -269,8 +286,8 @@ def run_job(job: Job, progress: Any = None) -> dict[str, Any]:
                     return
                 idx = order[(pos + np.arange(job.iodepth)) % order.size]
                 pos += job.iodepth
-                write = job.rw in ("write", "randwrite") or (job.rw == "randrw"
-                                                             and rng.random() < 0.5)
+                write = job.rw in ("write", "randwrite") or (
+                    job.rw == "randrw" and rng.random() * 100 >= job.rwmixread)
                 t0 = time.perf_counter()
                 try:
                     if write:
@@ -336,7 +353,8 @@ def report(job: Job, per_job: list[Samples], before: dict, after: dict) -> dict[
     timeline = sorted(t for s in per_job for t in s.timeline)
     return {
         "jobname": job.name, "groupid": 0, "error": errors,
-        "job options": {"rw": job.rw, "bs": str(job.bs), "iodepth": str(job.iodepth),
+        "job options": {"rw": job.rw, "rwmixread": str(job.rwmixread),
+                        "bs": str(job.bs), "iodepth": str(job.iodepth),
                         "numjobs": str(job.numjobs), "size": str(job.size),
                         "runtime": str(job.runtime), "tier": job.tier},
         "read": _dir(reads, job.bs, job.runtime), "write": _dir(writes, job.bs, job.runtime),
@@ -353,7 +371,7 @@ def fio_baseline(job: Job) -> dict[str, Any] | None:
     fio = shutil.which("fio")
     if fio is None:
         return None
-    workdir = tempfile.mkdtemp(prefix="kvtier-fio-base-", dir=job.directory or None)
+    workdir = _workdir("kvtier-fio-base-", job)
     try:
         args = [fio, "--name", job.name, "--filename", os.path.join(workdir, "fio.dat"),
                 "--rw", job.rw, "--bs", str(job.bs), "--iodepth", str(job.iodepth),
@@ -363,6 +381,8 @@ def fio_baseline(job: Job) -> dict[str, Any] | None:
                 "--ioengine", "libaio", "--group_reporting", "--output-format", "json"]
         if job.zipf is not None:
             args += ["--random_distribution", f"zipf:{job.zipf}"]
+        if job.rw == "randrw":
+            args += ["--rwmixread", str(job.rwmixread)]
         if job.rw in ("write", "randwrite", "randrw"):
             args += ["--fdatasync", str(job.iodepth)]
         out = subprocess.run(args, capture_output=True, text=True, timeout=job.runtime + 600)
@@ -516,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         if f.name != "zipf":
             ap.add_argument(f"--{f.name}", default=None)
     ap.add_argument("--random_distribution", default=None)
+    ap.add_argument("--rwmixwrite", default=None)
     ap.add_argument("--output-format", "--output_format", dest="fmt", default="normal",
                     choices=("normal", "json"))
     ap.add_argument("--compare", action="store_true", help="measure the baseline in this run")
@@ -533,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
            if f.name != "zipf" and getattr(args, f.name) is not None}
     if args.random_distribution:
         cli["random_distribution"] = args.random_distribution
+    if args.rwmixwrite is not None:
+        cli["rwmixwrite"] = args.rwmixwrite
     jobs = [_apply_all(j, cli).validate() for j in jobs]
     from rich.progress import Progress
     results, bases = [], []

@@ -109,3 +109,30 @@ def test_zipf_and_mixed_run_through_the_engine(tmp_path: Path):
               directory=str(tmp_path), numjobs=2)
     res = run_job(job)
     assert res["read"]["total_ios"] > 0 and res["write"]["total_ios"] > 0 and res["error"] == 0
+
+
+def test_rwmixread_sets_the_mix(tmp_path: Path):
+    j = apply_option(apply_option(Job(), "rw", "randrw"), "rwmixread", "70")
+    assert j.rwmixread == 70
+    assert apply_option(Job(), "rwmixwrite", "30").rwmixread == 70
+    r = run_job(Job(rw="randrw", rwmixread=80, bs=4096, size=1 << 20, iodepth=4, runtime=0.5,
+                    tier="host", directory=str(tmp_path)))
+    reads, writes = r["read"]["total_ios"], r["write"]["total_ios"]
+    assert reads > 2 * writes > 0                     # 80/20, not fio-less 50/50
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--directory", "/nonexistent/kvtier"], "does not exist"),
+    (["--rw", "randrw", "--rwmixread", "170"], "rwmixread"),
+    (["--rwmixread", "lots"], "rwmixread"),
+    (["/nonexistent/jobs.fio"], "cannot read job file"),
+    (["--bs", "0"], "bs="),
+])
+def test_bad_options_and_paths_are_one_line_errors(args, match):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", *args, "--runtime", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0] and "Traceback" not in out.stderr
