@@ -158,7 +158,7 @@ def replay_engine(trace: Sequence[Sequence[int]], policy: str, capacity_blocks: 
     from kvtier.coherence.engine import Engine
     from kvtier.types import Tier
 
-    from kvtier.coherence.persist import capacity_for
+    from kvtier.coherence.space import capacity_for
 
     tmp = tempfile.mkdtemp(prefix="kvtier-replay-")
     try:

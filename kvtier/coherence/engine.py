@@ -20,12 +20,15 @@ Lifecycle of a get:
     3. return slots, versions and checksums; the slots stay pinned until release() or the
        owner's disconnect (release_owner)
 
-Only the engine (this module and its parts: coherence.eviction, coherence.transfers,
-coherence.fastpath for resident gets, coherence.leases for ending holds, and
-coherence.persist for the NVMe side) writes to the page table. Every public method takes the
-engine lock, so the server may call them from worker threads; disk I/O never runs on the asyncio
-loop. The lock is held during NVMe I/O (a get that reads NVMe, a flush): simple and safe, and
-named in docs/DESIGN-NOTES.md as the next thing to split.
+Only the engine (this module and its parts: coherence.gets, coherence.eviction,
+coherence.transfers, coherence.fastpath for resident gets, coherence.leases for ending holds)
+and the NVMe store it owns (coherence.persist, with coherence.space; an object that sees the
+engine only through persist.Coherence) write to the page table. Every public method takes the
+engine lock itself, so the server may call them from worker threads; disk I/O never runs on the
+asyncio loop, and never under the engine lock: an NVMe read, a flush, a reclaim and an LMDB
+commit are decided and pinned under it, run without it, and applied under it with versions
+checked (docs/DESIGN-NOTES.md, "NVMe in steady state"). A write_through put returns once its
+flush is durable, and raises StorageError when it cannot be.
 """
 
 from __future__ import annotations
@@ -33,21 +36,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import numpy as np
 
 from kvtier.checksums import block_checksums
 from kvtier.coherence import admission, reserve
-from kvtier.coherence.namespace import (EngineCounters, GetResult, Lease, Namespace,
+from kvtier.coherence.namespace import (EngineCounters, Lease, Namespace,
                                         Reservation, SlotState, add_one, to_numpy)
 from kvtier.coherence.eviction import Eviction
 from kvtier.coherence.fastpath import FastPath
+from kvtier.coherence.gets import Gets, _refuse_zero_key
 from kvtier.coherence.leases import Holds
 from kvtier.coherence.policies import POLICIES
-from kvtier.coherence.persist import NvmeStore, ReadPlan
+from kvtier.coherence.persist import NvmeStore
 from kvtier.coherence.transfers import Transfers, remote_from_settings
 from kvtier.coherence.states import BlockState, Event, HoldState, next_states
 from kvtier.config import Settings
@@ -79,7 +82,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return block_checksums(pool.array, slots.tolist())
 
 
-class Engine(Eviction, Transfers, FastPath, Holds):
+class Engine(Gets, Eviction, Transfers, FastPath, Holds):
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -486,145 +489,6 @@ class Engine(Eviction, Transfers, FastPath, Holds):
 
     # ------------------------------------------------------------------ get
 
-    def get(self, namespace: str, keys: Any, owner: int = 0, tier: Tier = Tier.HOST) -> GetResult:
-        """Lease the current version of each key in ``tier``, bringing it up if needed. NVMe
-        reads run with the lock released (decide and pin, read, install with versions
-        checked), so that other clients' gets of resident blocks do not wait for the disk."""
-        for attempt in range(2):
-            with self.lock:
-                out = self._get(namespace, keys, owner, tier, io=True)
-                if isinstance(out, GetResult):
-                    return out
-                p = cast(_PendingGet, out)
-                if p.plan is None:
-                    res = self._finish_get(p)
-            if p.plan is not None:
-                try:
-                    self.nvme.run_read(p.plan, p.ns.slots[tier].pool)
-                finally:
-                    with self.lock:
-                        res = self._finish_get(p)
-                self.nvme.after_read(p.plan)
-            if not self.nvme.wanted():
-                break
-            self.nvme.drain()
-            if attempt or not p.short:
-                break
-            # Room for the bring-up needed dirty blocks written down first: now they are.
-            self.release(res.lease_id, owner)
-        return res
-
-    def try_get(self, namespace: str, keys: Any, owner: int = 0) -> GetResult | None:
-        """get() when every found block is already in the host tier; None when it would have
-        to move bytes between tiers (the caller then runs get() off the event loop)."""
-        with self.lock:
-            out = self._get(namespace, keys, owner, Tier.HOST, io=False)
-            return self._finish_get(out) if isinstance(out, _PendingGet) else out
-
-    def _get(self, namespace: str, keys: Any, owner: int, tier: Tier,
-             io: bool) -> "GetResult | _PendingGet | None":
-        ns = self.namespace(namespace)
-        if tier not in ns.slots:
-            raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
-        karr = self._check_keys(ns, keys, zero_check=False)
-        if karr.size == 1:
-            res = self._get_one(ns, karr, owner, tier)
-            if res is not None:
-                return res
-        cols = ns.table.cols
-        n = karr.size
-        rows = ns.table.lookup(karr)
-        res = self._lease_native(ns, rows, owner, tier)
-        if res is not None:
-            return res
-        found = rows >= 0
-        if found.all():
-            ver = cols["version"][rows]
-            if ver.all() and (cols["copy_ver"][rows, tier] == ver).all():
-                return self._lease_resident(ns, rows, ver, owner, tier)
-        else:
-            _refuse_zero_key(karr[~found])      # never stored, so only a missing key can be it
-        fr = rows[found]
-        found[found] = cols["version"][fr] > 0
-        st = ns.slots[tier]
-        slots = np.full(n, -1, dtype=np.int64)
-        idx = np.flatnonzero(found)
-        r = rows[idx]
-        ready = cols["copy_ver"][r, tier] == cols["version"][r]
-        if not io and (not ready.all() or (self.remote is not None and not found.all())):
-            return None
-        ri = idx[ready]
-        slots[ri] = cols["slot"][rows[ri], tier]
-        # Pin what is already here before anything else can evict it.
-        add_one(st.leases, slots[ri])
-        self.counters.tiers[tier].hits += int(ri.size)
-        safe = np.maximum(rows, 0)
-        p = _PendingGet(ns, karr, rows, found, slots, tier, owner,
-                        np.where(found, cols["version"][safe], 0).astype(np.uint64),
-                        np.where(found, cols["checksum"][safe], 0).astype(np.uint64))
-        todo = idx[~ready]
-        if todo.size:
-            # A key repeated in the batch is brought up once; its repeats share the slot.
-            _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
-            inv = inv.reshape(-1)
-            p.plan, p.plan_pos, p.short = self._bring_up(ns, rows, todo[first], tier, slots,
-                                                         found)
-            rep = np.setdiff1d(np.arange(todo.size), first)
-            if rep.size:
-                p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
-        return p
-
-    def _finish_get(self, p: "_PendingGet") -> GetResult:
-        """The rest of a get, under the lock: NVMe copies installed, repeats share their
-        slot, misses filled from the remote tier, and the lease. Versions and checksums are
-        the ones the copies were pinned at."""
-        ns, tier, rows, found, slots = p.ns, p.tier, p.rows, p.found, p.slots
-        cols = ns.table.cols
-        st = ns.slots[tier]
-        if p.plan is not None:
-            self._install_read(p.plan, tier, p.plan_pos, rows, slots, found)
-        if p.repeats.size:
-            slots[p.repeats] = slots[p.repeat_src]
-            found[p.repeats] = found[p.repeat_src]
-            ok = p.repeats[found[p.repeats]]
-            add_one(st.leases, slots[ok])
-        if self.remote is not None and not found.all():
-            before = found.copy()
-            self._from_remote(ns, p.karr, rows, found, slots, tier)
-            got = found & ~before
-            p.versions[got] = cols["version"][rows[got]]
-            p.sums[got] = cols["checksum"][rows[got]]
-        served = np.flatnonzero(found)
-        srows = rows[served]
-        versions = p.versions[served]
-        # Readers count on rows still at the version served (a rewrite resets the count).
-        cur = srows[(cols["version"][srows] == versions)
-                    & (cols["key"][srows] == p.karr[served])]
-        add_one(cols["leases"], cur)
-        self._touch(ns, cur)          # in batch order: the last key of a prefix is the newest
-        self.counters.gets += p.karr.size
-        self.counters.get_hits += int(served.size)
-        self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
-        lid = self._new_id()
-        self.leases[lid] = Lease(lid, ns, tier, slots[served].astype(np.int64), srows,
-                                 versions.copy(), p.owner,
-                                 time.monotonic() + self.settings.lease_timeout)
-        return GetResult(found, slots.astype(np.int32), np.where(found, p.versions, 0)
-                         .astype(np.uint64), np.where(found, p.sums, 0).astype(np.uint64),
-                         lid, tier)
-
-    def read(self, namespace: str, keys: Any) -> tuple[np.ndarray, np.ndarray]:
-        """get + copy + release, for in-process readers: (found mask, n x block_bytes array)."""
-        res = self.get(namespace, keys)
-        try:
-            ns = self.namespace(namespace)
-            out = np.zeros((res.found.size, ns.block_bytes), dtype=np.uint8)
-            idx = np.flatnonzero(res.found)
-            out[idx] = ns.slots[Tier.HOST].pool.read(res.slots[idx])   # leased: stable
-        finally:
-            self.release(res.lease_id)
-        return res.found, out
-
     def match_prefix(self, namespace: str, keys: Any) -> int:
         """How many leading keys have a current copy in some local tier."""
         with self.lock:
@@ -739,12 +603,6 @@ def _refuse_links(data_dir: Path) -> None:
                                "its data directory: replace it with a real directory")
 
 
-def _refuse_zero_key(karr: np.ndarray) -> None:
-    if not karr.view(np.uint8).reshape(karr.size, -1).any(axis=1).all():
-        raise BadRequest("the all-zero key is reserved (it means 'no parent'); hash your "
-                         "keys so that none is all zeros")
-
-
 def _last_occurrences(table: PageTable, karr: np.ndarray) -> np.ndarray:
     """Positions of the last occurrence of each distinct key, ascending. The common case (no
     repeats) is settled on the 64-bit hashes alone, which is several times cheaper than sorting
@@ -772,24 +630,3 @@ def _blocks_array(blocks: Any, n: int, block_bytes: int) -> np.ndarray:
     if arr.size != n * block_bytes:
         raise BadRequest(f"blocks hold {arr.size} bytes; expected {n} x {block_bytes}")
     return arr.reshape(n, block_bytes)
-
-
-
-@dataclass(slots=True)
-class _PendingGet:
-    """A get between its locked decision and its locked finish (an NVMe read in between)."""
-
-    ns: Namespace
-    karr: np.ndarray
-    rows: np.ndarray
-    found: np.ndarray
-    slots: np.ndarray
-    tier: Tier
-    owner: int
-    versions: np.ndarray        # per position, the version pinned (0 where not found)
-    sums: np.ndarray
-    plan: ReadPlan | None = None
-    plan_pos: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    repeats: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    repeat_src: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    short: bool = False         # some bring-ups found no room

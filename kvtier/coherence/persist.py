@@ -1,4 +1,4 @@
-"""The NVMe side of coherence: flush, copy-on-read, reclaim, and restart, as one object.
+"""The NVMe side of coherence: flush, copy-on-read and restart, as one object.
 
 ``NvmeStore`` owns every namespace's segment log and its LMDB records. It sees the engine only
 through ``Coherence`` (the engine lock, the namespaces, and five narrow calls), and it never
@@ -22,15 +22,8 @@ Flush order, per batch (the crash-safety argument rests on it):
     4. only then mark the rows CLEAN and the old NVMe records dead
 
 A crash before 3 leaves unreferenced bytes at the log's tail (dead space, reclaimed later); a
-crash after 3 loses nothing that was acknowledged as flushed.
-
-Space (docs/DESIGN-NOTES.md, "NVMe in steady state"): the log is reclaimed by whole segments, as
-CacheLib's BlockCache reclaims regions: the emptiest sealed segment when one is below
-``compact_threshold`` live, else the oldest (FIFO). Of its live blocks, those the NVMe policy
-ranks in the hotter half of the tier are copied forward (re-admission, at most half a segment);
-the rest leave the cache. ``nvme_capacity`` counts the segment files' bytes, headers included,
-and one segment of it is headroom that only reclaim's copies may use, so that reclaiming never
-needs space it does not have.
+crash after 3 loses nothing that was acknowledged as flushed. Room for a batch comes from
+coherence.space (whole-segment reclaim, headroom, the disk's real size).
 """
 
 from __future__ import annotations
@@ -49,27 +42,17 @@ from kvtier.coherence.namespace import EngineCounters, to_numpy
 from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.config import Settings
 from kvtier.errors import StorageError
-from kvtier.pagetable.store import FLAG_PARENT, Catalog, NamespaceRecord, record_dtype
+from kvtier.coherence.records import records_of, same_key
+from kvtier.coherence.space import DISK_MARGIN, SMALL_SEGMENTS, Space
+from kvtier.pagetable.store import FLAG_PARENT, Catalog, NamespaceRecord
 from kvtier.tiers.host import SlotPool
-from kvtier.tiers.nvme import Backend, Segment, SegmentLog, _aligned, data_start, round_up
+from kvtier.tiers.nvme import Backend, Segment, SegmentLog, data_start, round_up
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
     from kvtier.coherence.namespace import Namespace
 
 log = logging.getLogger("kvtier.persist")
-KEEP_SHARE = 0.5        # a reclaimed segment's records copied forward, at most
-SMALL_SEGMENTS = 9      # a capacity under this many segments gets smaller ones
-DISK_MARGIN = 256 << 10  # free disk space left to LMDB and the rest when the disk is small
-
-
-def capacity_for(blocks: int, block_bytes: int) -> tuple[int, int]:
-    """(nvme_capacity, segment_bytes) under which one namespace's NVMe tier holds at most
-    ``blocks`` blocks of block_bytes and close to that many: eight segments of blocks // 8
-    records, one more of headroom. For `kvtier replay`, whose capacities are in blocks."""
-    rec = round_up(block_bytes)
-    seg = data_start(rec) + max(1, blocks // (SMALL_SEGMENTS - 1)) * rec
-    return SMALL_SEGMENTS * seg, seg
 
 
 class Coherence(Protocol):
@@ -116,31 +99,6 @@ class _Batch:
     cut: int = 0                # rows left out for want of room
 
 
-def _records(ns: "Namespace", rows: np.ndarray, versions: np.ndarray,
-             sums: np.ndarray) -> np.ndarray:
-    """LMDB records of rows (segment and offset filled in after the append)."""
-    cols = ns.table.cols
-    rec = np.zeros(rows.size, dtype=record_dtype(ns.key_width))
-    rec["size"] = ns.block_bytes
-    rec["version"], rec["checksum"] = versions, sums
-    par = cols["parent"][rows]
-    has = par >= 0
-    rec["flags"] = np.where(has, FLAG_PARENT, 0)
-    if has.any():
-        rec["parent"][has] = cols["key"][par[has]]
-    return rec
-
-
-def _same_key(ns: "Namespace", rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """Rows that still hold these keys (a removed row may have been reused by another)."""
-    t = ns.table
-    live = rows < t.n_rows
-    out = np.zeros(rows.size, dtype=bool)
-    r = rows[live]
-    out[live] = (t.cols["key"][r] == keys[live]) & (t.cols["version"][r] > 0)
-    return out
-
-
 class NvmeStore:
     """Segment logs and LMDB records of every namespace of one engine."""
 
@@ -152,12 +110,9 @@ class NvmeStore:
         self.counters = counters
         self.backend = backend
         self.capacity = settings.nvme_capacity
-        self.root = Path(settings.data_dir)
-        self._disk_limited = False       # warned that the disk holds less than the capacity
         self.writer = threading.Lock()
         self._wanted: dict[str, list[np.ndarray]] = {}
-        self.reclaimed = 0               # segments reclaimed to make room (FIFO or emptiest)
-        self.copied_forward = 0          # blocks re-admitted by a reclaim
+        self.space = Space(self)
 
     # ------------------------------------------------------------------ logs
 
@@ -235,14 +190,14 @@ class NvmeStore:
             if batch is None:
                 return 0
             for attempt in range(2):
-                room = self._make_room(ns, batch.rows.size)
+                room = self.space.make_room(ns, batch.rows.size)
                 if room < batch.rows.size:
                     self.counters.nvme_full += 1
                     self._cut(ns, batch, room)
                 try:
                     if room == 0:
                         raise StorageError(
-                            f"the NVMe tier is full ({self.capacity_now()} bytes, "
+                            f"the NVMe tier is full ({self.space.capacity_now()} bytes, "
                             f"{self.used_bytes()} used) and nothing can be reclaimed; raise "
                             "nvme_capacity")
                     segs, offs = ns.log.append(batch.views)
@@ -263,14 +218,14 @@ class NvmeStore:
             with self.owner.lock:
                 self._unpin(ns, batch)
                 orphans = self._apply_flush(ns, batch, segs, offs)
-            self._delete_now(ns, orphans)
+            self.delete_now(ns, orphans)
             self.counters.flushes += 1
             self.counters.flushed_blocks += int(batch.rows.size)
             self.counters.tiers[Tier.NVME].bytes_written += int(batch.rows.size) * ns.block_bytes
-            self._compact(ns)
+            self.space.compact(ns)
         if strict and batch.cut:
             raise StorageError(f"{batch.cut} blocks of {ns.name!r} stay dirty: the NVMe tier "
-                               f"is full ({self.capacity_now()} bytes); raise nvme_capacity "
+                               f"is full ({self.space.capacity_now()} bytes); raise nvme_capacity "
                                "or free disk space")
         return int(batch.rows.size)
 
@@ -281,24 +236,6 @@ class NvmeStore:
             return shutil.disk_usage(ns.log.dir).free < ns.log.bytes_for(n) + DISK_MARGIN
         except OSError:
             return False
-
-    def capacity_now(self) -> int:
-        """nvme_capacity, or less when the file system under the data directory has less
-        room than that (other files, a small disk): what the segments hold plus what the disk
-        has free, less a margin for LMDB. The headroom is taken from this, so that it is
-        always space the disk really has."""
-        try:
-            free = shutil.disk_usage(self.root).free
-        except OSError:
-            return self.capacity
-        real = self.used_bytes() + max(free - DISK_MARGIN, 0)
-        if real < self.capacity and not self._disk_limited:
-            self._disk_limited = True
-            self.counters.nvme_full += 1
-            log.warning("the disk under %s has room for %d bytes of segments, less than "
-                        "nvme_capacity (%d): the NVMe tier holds what the disk does", self.root,
-                        real, self.capacity)
-        return min(self.capacity, real)
 
     def _pick(self, ns: "Namespace", rows: np.ndarray | None) -> _Batch | None:
         """Under the lock: the DIRTY rows to write, oldest version first, their host slots
@@ -338,7 +275,7 @@ class NvmeStore:
                 k += 1
         sums = cols["checksum"][rows].copy()
         return _Batch(rows, cols["key"][rows].copy(), versions, sums,
-                      _records(ns, rows, versions, sums), views, host_slots)
+                      records_of(ns, rows, versions, sums), views, host_slots)
 
     def _cut(self, ns: "Namespace", batch: _Batch, room: int) -> None:
         """Keep the first ``room`` rows of a batch (the oldest versions)."""
@@ -362,16 +299,16 @@ class NvmeStore:
         it would be after a restart). Returns the keys whose records no row wants."""
         cols = ns.table.cols
         rows = batch.rows
-        same = _same_key(ns, rows, batch.keys)
+        same = same_key(ns, rows, batch.keys)
         same[same] = cols["version"][rows[same]] >= batch.versions[same]
         m = np.flatnonzero(same)
         r = rows[m]
-        self._set_nvme(ns, r, segs[m], offs[m], batch.versions[m], batch.sums[m])
+        self.set_nvme(ns, r, segs[m], offs[m], batch.versions[m], batch.sums[m])
         cur = r[cols["version"][r] == batch.versions[m]]
         cols["state"][cur] = next_states(cols["state"][cur], Event.FLUSHED)
         return [bytes(k) for k in batch.keys[~same]]
 
-    def _set_nvme(self, ns: "Namespace", rows: np.ndarray, segs: np.ndarray,
+    def set_nvme(self, ns: "Namespace", rows: np.ndarray, segs: np.ndarray,
                   offs: np.ndarray, versions: np.ndarray, sums: np.ndarray) -> None:
         cols = ns.table.cols
         old = rows[cols["copy_ver"][rows, Tier.NVME] > 0]
@@ -402,9 +339,9 @@ class NvmeStore:
         """Delete the LMDB records of keys that no row holds an NVMe copy of. Unlocked."""
         if keys and ns.log is not None:
             with self.writer:
-                self._delete_now(ns, keys)
+                self.delete_now(ns, keys)
 
-    def _delete_now(self, ns: "Namespace", keys: list[bytes]) -> None:
+    def delete_now(self, ns: "Namespace", keys: list[bytes]) -> None:
         """delete_records with the writer held: no record can be written in between."""
         if not keys:
             return
@@ -415,205 +352,7 @@ class NvmeStore:
             gone[~gone] = ns.table.cols["copy_ver"][rows[~gone], Tier.NVME] == 0
         self.catalog.delete_records(ns.ns_id, [k for k, g in zip(keys, gone.tolist()) if g])
 
-    # ------------------------------------------------------------------ space
-
-    def _fits(self, ns: "Namespace", n: int, reserve: int, cap: int | None = None) -> int:
-        """How many of n records fit under the capacity (capacity_now() unless given) less
-        ``reserve`` bytes (lock held)."""
-        cap = self.capacity_now() if cap is None else cap
-        free = cap - reserve - self.used_bytes()
-        if ns.log.bytes_for(n) <= free:
-            return n
-        lo, hi = 0, n                      # the largest m with bytes_for(m) <= free
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if ns.log.bytes_for(mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _make_room(self, ns: "Namespace", n: int) -> int:
-        """Reclaim segments until n records fit beside the headroom (writer held). Returns
-        how many fit."""
-        tries = 0
-        while True:
-            with self.owner.lock:
-                fit = self._fits(ns, n, self.headroom())
-                if fit == n:
-                    return n
-                victim = self._next_victim(ns)
-            if victim is None or tries > 4 * len(victim[0].log.segments) + 8:
-                return fit
-            before = self.used_bytes()
-            self._reclaim(*victim)
-            tries += 1
-            if self.used_bytes() >= before:
-                tries += 4                 # reclaim freed nothing (all copied forward)
-
-    def _next_victim(self, ns: "Namespace") -> tuple["Namespace", Segment, bool] | None:
-        """The segment to reclaim, and whether all its live blocks move (lock held): the
-        emptiest sealed one when at most KEEP_SHARE of it is live and its live blocks fit in
-        what is left (moving them frees the rest), else the oldest sealed one of any
-        namespace, whose blocks move only when the policy ranks them hot (FIFO with
-        re-admission)."""
-        free = self.capacity_now() - self.used_bytes()
-        emptiest = oldest = None
-        for other in self.owner.namespaces.values():
-            if other.log is None:
-                continue
-            for seg in other.log.sealed():
-                frac = seg.live / max(seg.size - seg.start, 1)
-                fits = seg.live + other.log.data_start <= free
-                if fits and (emptiest is None or frac < emptiest[0]):
-                    emptiest = (frac, other, seg)
-                if oldest is None or seg.born < oldest[1].born:
-                    oldest = (other, seg)
-        if emptiest is not None and emptiest[0] <= KEEP_SHARE:
-            return emptiest[1], emptiest[2], True
-        return None if oldest is None else (*oldest, False)
-
-    def _compact(self, ns: "Namespace") -> None:
-        """After a flush: reclaim the sealed segments below compact_threshold (writer held);
-        their live blocks are all copied forward while the headroom allows."""
-        for sid in ns.log.compaction_candidates(self.settings.compact_threshold):
-            seg = ns.log.segments.get(sid)
-            if seg is not None:
-                self._reclaim(ns, seg, keep_all=True)
-
-    def _reclaim(self, ns: "Namespace", seg: Segment, keep_all: bool) -> None:
-        """Empty one sealed segment and delete it (writer held). Its live blocks are copied
-        forward when they earn it (all of them with keep_all, while they fit), else they
-        leave the cache; stale fallback copies are forgotten."""
-        cols = ns.table.cols
-        log_ = ns.log
-        with self.owner.lock:
-            n = ns.table.n_rows
-            rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
-                                  & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
-            cur = cols["copy_ver"][rows, Tier.NVME] == cols["version"][rows]
-            # A stale copy under a DIRTY row is the last flushed version, which a crash must
-            # find: it always moves. Current copies move when they earn it.
-            stale, live = rows[~cur], rows[cur]
-            if self._fits(ns, stale.size, 0) < stale.size:
-                log.warning("segment %d of %s not reclaimed: no room to move the %d flushed "
-                            "versions of dirty blocks in it", seg.seg_id, ns.name, stale.size)
-                return
-            keep = self._keepers(ns, live, stale.size, keep_all)
-            if keep is None:
-                return                     # they do not all fit now: the segment stays
-            victims = np.setdiff1d(live, keep)
-            drop_keys = self._evict_rows(ns, victims)
-            keep = np.concatenate([stale, keep])
-            keys = cols["key"][keep].copy()
-            versions = cols["copy_ver"][keep, Tier.NVME].copy()
-            sums = cols["nvme_checksum"][keep].copy()
-            segs = cols["slot"][keep, Tier.NVME].copy()
-            offs = cols["nvme_off"][keep].copy()
-            recs = _records(ns, keep, versions, sums)
-        bb = ns.block_bytes
-        buf = _aligned(max(keep.size, 1) * bb)
-        outs = [memoryview(buf)[i * bb:(i + 1) * bb] for i in range(keep.size)]
-        ok = log_.read(segs, offs, outs) if keep.size else np.zeros(0, dtype=bool)
-        if keep.size:
-            got = block_checksums(np.frombuffer(buf, dtype=np.uint8)[: keep.size * bb]
-                                  .reshape(keep.size, bb))
-            ok &= got == sums
-        good = np.flatnonzero(ok)
-        new_segs = new_offs = np.empty(0)
-        try:
-            if good.size:
-                new_segs, new_offs = log_.append([outs[i] for i in good.tolist()])
-                recs = recs[good]
-                recs["seg"], recs["off"] = new_segs, new_offs
-                self.catalog.put_records(ns.ns_id, keys[good], recs)
-            self.catalog.delete_records(ns.ns_id, drop_keys)
-        except StorageError as exc:
-            log.warning("reclaiming segment %d of %s failed (%s); it stays", seg.seg_id,
-                        ns.name, exc)
-            return
-        with self.owner.lock:
-            orphans = self._drop_bad(ns, keep[~ok], keys[~ok], versions[~ok])
-            k = keep[good]
-            still = _same_key(ns, k, keys[good])
-            still[still] = ((cols["copy_ver"][k[still], Tier.NVME] == versions[good][still])
-                            & (cols["slot"][k[still], Tier.NVME] == seg.seg_id))
-            m = np.flatnonzero(still)
-            self._set_nvme(ns, k[m], new_segs[m], new_offs[m], versions[good][m],
-                           sums[good][m])
-            orphans += [bytes(x) for x in keys[good][~still]]
-            # Whatever still points here (a record that failed to read) is gone with the file.
-            n = ns.table.n_rows
-            left = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
-                                  & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
-            orphans += self.forget(ns, left)
-            self.owner.forget_empty(ns, left)
-            log_.remove(seg.seg_id)
-            self.counters.compactions += 1
-            self.reclaimed += 1
-            self.copied_forward += int(m.size)
-        self._delete_now(ns, orphans)
-
-    def _keepers(self, ns: "Namespace", live: np.ndarray, moving: int,
-                 keep_all: bool) -> np.ndarray | None:
-        """The live rows of a reclaimed segment that are copied forward (lock held): with
-        keep_all every one (None when they do not fit: the segment is left alone), else those
-        the NVMe policy ranks in the hotter half of the tier, at most KEEP_SHARE of a segment
-        and within what the capacity has left."""
-        if live.size == 0:
-            return live
-        cols = ns.table.cols
-        cap_rows = self._fits(ns, live.size + moving, 0) - moving
-        if keep_all:                       # compaction moves every block, or none
-            return live if cap_rows >= live.size else None
-        if not keep_all:
-            per = (ns.log.segment_bytes - ns.log.data_start) // ns.log.record_bytes
-            cap_rows = min(cap_rows, int(per * KEEP_SHARE) - moving)
-            n = ns.table.n_rows
-            tier_rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
-                                       & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
-            cold = self.owner.rank(ns, Tier.NVME, tier_rows, tier_rows.size // 2)
-            live = np.setdiff1d(live, cold)
-        if cap_rows <= 0 or live.size == 0:
-            return live[:0]
-        if live.size <= cap_rows:
-            return live
-        # Too many: the policy keeps the hottest of them.
-        coldest = self.owner.rank(ns, Tier.NVME, live, live.size - cap_rows)
-        return np.setdiff1d(live, coldest)
-
-    def _evict_rows(self, ns: "Namespace", rows: np.ndarray) -> list[bytes]:
-        """Under the lock: blocks that leave the cache from NVMe leave every local tier (a
-        reader's slots are retired, never reused under it). Returns the keys to delete."""
-        if rows.size == 0:
-            return []
-        cols = ns.table.cols
-        for t in list(ns.slots):
-            self.owner.drop_copies(ns, rows, t)
-        keys = self.forget(ns, rows)
-        next_states(cols["state"][rows], Event.DELETE)
-        ns.table.remove(rows)
-        self.counters.tiers[Tier.NVME].evictions += int(rows.size)
-        return keys
-
-    def evict(self, ns: "Namespace", count: int) -> int:
-        """Admin eviction: drop up to count clean, unleased blocks whose NVMe copy is current,
-        by the NVMe policy. Unlocked."""
-        if count <= 0 or ns.log is None:
-            return 0
-        cols = ns.table.cols
-        with self.writer:
-            with self.owner.lock:
-                n = ns.table.n_rows
-                cand = np.flatnonzero((cols["state"][:n] == BlockState.CLEAN)
-                                      & (cols["leases"][:n] == 0)
-                                      & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
-                victims = self.owner.rank(ns, Tier.NVME, cand, count) if cand.size else cand
-                keys = self._evict_rows(ns, victims)
-            self.catalog.delete_records(ns.ns_id, keys)
-        return int(victims.size)
-
-    def _drop_bad(self, ns: "Namespace", rows: np.ndarray, keys: np.ndarray,
+    def drop_bad(self, ns: "Namespace", rows: np.ndarray, keys: np.ndarray,
                   versions: np.ndarray) -> list[bytes]:
         """Under the lock: records that could not be read or failed their checksum are
         dropped from NVMe (their rows fall back or go) and counted. Returns their keys, for
@@ -621,7 +360,7 @@ class NvmeStore:
         if rows.size == 0:
             return []
         cols = ns.table.cols
-        same = _same_key(ns, rows, keys)
+        same = same_key(ns, rows, keys)
         same[same] = cols["copy_ver"][rows[same], Tier.NVME] == versions[same]
         bad = rows[same]
         if bad.size == 0:
@@ -664,9 +403,9 @@ class NvmeStore:
         if plan.ok is None:                 # the read itself raised: nothing learnt, nothing kept
             return np.zeros(plan.rows.size, dtype=bool)
         ok = plan.ok
-        plan.drop_keys = self._drop_bad(plan.ns, plan.rows[~ok], plan.keys[~ok],
+        plan.drop_keys = self.drop_bad(plan.ns, plan.rows[~ok], plan.keys[~ok],
                                         plan.versions[~ok])
-        valid = ok & _same_key(plan.ns, plan.rows, plan.keys)
+        valid = ok & same_key(plan.ns, plan.rows, plan.keys)
         cols = plan.ns.table.cols
         valid[valid] = cols["version"][plan.rows[valid]] == plan.versions[valid]
         return valid
@@ -702,7 +441,7 @@ class NvmeStore:
         cols["size"][rows] = recs["size"]
         cols["checksum"][rows] = recs["checksum"]
         cols["state"][rows] = BlockState.CLEAN
-        self._set_nvme(ns, rows, recs["seg"].astype(np.int32), recs["off"], recs["version"],
+        self.set_nvme(ns, rows, recs["seg"].astype(np.int32), recs["off"], recs["version"],
                        recs["checksum"])
         has = (recs["flags"] & FLAG_PARENT) != 0
         if has.any():

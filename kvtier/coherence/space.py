@@ -1,0 +1,271 @@
+"""NVMe space, for the NVMe store (coherence.persist): how much fits, which segment to reclaim,
+and which of its blocks move forward.
+
+The log is reclaimed by whole segments, as CacheLib's BlockCache reclaims regions: the emptiest
+sealed segment when at most KEEP_SHARE of it is live and its blocks fit in what is left (they
+all move: compaction), else the oldest sealed one of any namespace (FIFO), whose blocks move
+only when the NVMe policy ranks them in the hotter half of the tier, at most KEEP_SHARE of a
+segment (re-admission); the rest leave the cache. ``nvme_capacity`` counts the segment files'
+bytes, headers included, and never more than the disk has room for (capacity_now); one segment
+of it is headroom that only reclaim's copies may use, so that reclaiming never needs space it
+does not have. Every method here is called with the store's writer held.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.checksums import block_checksums
+from kvtier.coherence.records import records_of, same_key
+from kvtier.coherence.states import BlockState, Event, next_states
+from kvtier.errors import StorageError
+from kvtier.tiers.nvme import Segment, _aligned, data_start, round_up
+from kvtier.types import Tier
+
+if TYPE_CHECKING:
+    from kvtier.coherence.namespace import Namespace
+    from kvtier.coherence.persist import NvmeStore
+
+log = logging.getLogger("kvtier.persist")
+KEEP_SHARE = 0.5        # a reclaimed segment's records copied forward, at most
+SMALL_SEGMENTS = 9      # a capacity under this many segments gets smaller ones
+DISK_MARGIN = 256 << 10  # free disk space left to LMDB and the rest when the disk is small
+
+
+def capacity_for(blocks: int, block_bytes: int) -> tuple[int, int]:
+    """(nvme_capacity, segment_bytes) under which one namespace's NVMe tier holds at most
+    ``blocks`` blocks of block_bytes and close to that many: eight segments of blocks // 8
+    records, one more of headroom. For `kvtier replay`, whose capacities are in blocks."""
+    rec = round_up(block_bytes)
+    seg = data_start(rec) + max(1, blocks // (SMALL_SEGMENTS - 1)) * rec
+    return SMALL_SEGMENTS * seg, seg
+
+
+class Space:
+    """Capacity and reclaim for one NvmeStore (its writer held in every call)."""
+
+    def __init__(self, store: "NvmeStore") -> None:
+        self.store = store
+        self.root = Path(store.settings.data_dir)
+        self._disk_limited = False       # warned that the disk holds less than the capacity
+        self.reclaimed = 0               # segments reclaimed to make room or compact
+        self.copied_forward = 0          # blocks moved forward by a reclaim
+
+    def capacity_now(self) -> int:
+        """nvme_capacity, or less when the file system under the data directory has less
+        room than that (other files, a small disk): what the segments hold plus what the disk
+        has free, less a margin for LMDB. The headroom is taken from this, so that it is
+        always space the disk really has."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return self.store.capacity
+        real = self.store.used_bytes() + max(free - DISK_MARGIN, 0)
+        if real < self.store.capacity and not self._disk_limited:
+            self._disk_limited = True
+            self.store.counters.nvme_full += 1
+            log.warning("the disk under %s has room for %d bytes of segments, less than "
+                        "nvme_capacity (%d): the NVMe tier holds what the disk does", self.root,
+                        real, self.store.capacity)
+        return min(self.store.capacity, real)
+
+    def fits(self, ns: "Namespace", n: int, reserve: int, cap: int | None = None) -> int:
+        """How many of n records fit under the capacity (capacity_now() unless given) less
+        ``reserve`` bytes (lock held)."""
+        cap = self.capacity_now() if cap is None else cap
+        free = cap - reserve - self.store.used_bytes()
+        if ns.log.bytes_for(n) <= free:
+            return n
+        lo, hi = 0, n                      # the largest m with bytes_for(m) <= free
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ns.log.bytes_for(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def make_room(self, ns: "Namespace", n: int) -> int:
+        """Reclaim segments until n records fit beside the headroom (writer held). Returns
+        how many fit."""
+        tries = 0
+        while True:
+            with self.store.owner.lock:
+                fit = self.fits(ns, n, self.store.headroom())
+                if fit == n:
+                    return n
+                victim = self.next_victim(ns)
+            if victim is None or tries > 4 * len(victim[0].log.segments) + 8:
+                return fit
+            before = self.store.used_bytes()
+            self.reclaim(*victim)
+            tries += 1
+            if self.store.used_bytes() >= before:
+                tries += 4                 # reclaim freed nothing (all copied forward)
+
+    def next_victim(self, ns: "Namespace") -> tuple["Namespace", Segment, bool] | None:
+        """The segment to reclaim, and whether all its live blocks move (lock held): the
+        emptiest sealed one when at most KEEP_SHARE of it is live and its live blocks fit in
+        what is left (moving them frees the rest), else the oldest sealed one of any
+        namespace, whose blocks move only when the policy ranks them hot (FIFO with
+        re-admission)."""
+        free = self.capacity_now() - self.store.used_bytes()
+        emptiest = oldest = None
+        for other in self.store.owner.namespaces.values():
+            if other.log is None:
+                continue
+            for seg in other.log.sealed():
+                frac = seg.live / max(seg.size - seg.start, 1)
+                fits = seg.live + other.log.data_start <= free
+                if fits and (emptiest is None or frac < emptiest[0]):
+                    emptiest = (frac, other, seg)
+                if oldest is None or seg.born < oldest[1].born:
+                    oldest = (other, seg)
+        if emptiest is not None and emptiest[0] <= KEEP_SHARE:
+            return emptiest[1], emptiest[2], True
+        return None if oldest is None else (*oldest, False)
+
+    def compact(self, ns: "Namespace") -> None:
+        """After a flush: reclaim the sealed segments below compact_threshold (writer held);
+        their live blocks are all copied forward while the headroom allows."""
+        for sid in ns.log.compaction_candidates(self.store.settings.compact_threshold):
+            seg = ns.log.segments.get(sid)
+            if seg is not None:
+                self.reclaim(ns, seg, keep_all=True)
+
+    def reclaim(self, ns: "Namespace", seg: Segment, keep_all: bool) -> None:
+        """Empty one sealed segment and delete it (writer held). Its live blocks are copied
+        forward when they earn it (all of them with keep_all, while they fit), else they
+        leave the cache; stale fallback copies are forgotten."""
+        cols = ns.table.cols
+        log_ = ns.log
+        with self.store.owner.lock:
+            n = ns.table.n_rows
+            rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
+                                  & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
+            cur = cols["copy_ver"][rows, Tier.NVME] == cols["version"][rows]
+            # A stale copy under a DIRTY row is the last flushed version, which a crash must
+            # find: it always moves. Current copies move when they earn it.
+            stale, live = rows[~cur], rows[cur]
+            if self.fits(ns, stale.size, 0) < stale.size:
+                log.warning("segment %d of %s not reclaimed: no room to move the %d flushed "
+                            "versions of dirty blocks in it", seg.seg_id, ns.name, stale.size)
+                return
+            keep = self._keepers(ns, live, stale.size, keep_all)
+            if keep is None:
+                return                     # they do not all fit now: the segment stays
+            victims = np.setdiff1d(live, keep)
+            drop_keys = self.evict_rows(ns, victims)
+            keep = np.concatenate([stale, keep])
+            keys = cols["key"][keep].copy()
+            versions = cols["copy_ver"][keep, Tier.NVME].copy()
+            sums = cols["nvme_checksum"][keep].copy()
+            segs = cols["slot"][keep, Tier.NVME].copy()
+            offs = cols["nvme_off"][keep].copy()
+            recs = records_of(ns, keep, versions, sums)
+        bb = ns.block_bytes
+        buf = _aligned(max(keep.size, 1) * bb)
+        outs = [memoryview(buf)[i * bb:(i + 1) * bb] for i in range(keep.size)]
+        ok = log_.read(segs, offs, outs) if keep.size else np.zeros(0, dtype=bool)
+        if keep.size:
+            got = block_checksums(np.frombuffer(buf, dtype=np.uint8)[: keep.size * bb]
+                                  .reshape(keep.size, bb))
+            ok &= got == sums
+        good = np.flatnonzero(ok)
+        new_segs = new_offs = np.empty(0)
+        try:
+            if good.size:
+                new_segs, new_offs = log_.append([outs[i] for i in good.tolist()])
+                recs = recs[good]
+                recs["seg"], recs["off"] = new_segs, new_offs
+                self.store.catalog.put_records(ns.ns_id, keys[good], recs)
+            self.store.catalog.delete_records(ns.ns_id, drop_keys)
+        except StorageError as exc:
+            log.warning("reclaiming segment %d of %s failed (%s); it stays", seg.seg_id,
+                        ns.name, exc)
+            return
+        with self.store.owner.lock:
+            orphans = self.store.drop_bad(ns, keep[~ok], keys[~ok], versions[~ok])
+            k = keep[good]
+            still = same_key(ns, k, keys[good])
+            still[still] = ((cols["copy_ver"][k[still], Tier.NVME] == versions[good][still])
+                            & (cols["slot"][k[still], Tier.NVME] == seg.seg_id))
+            m = np.flatnonzero(still)
+            self.store.set_nvme(ns, k[m], new_segs[m], new_offs[m], versions[good][m],
+                           sums[good][m])
+            orphans += [bytes(x) for x in keys[good][~still]]
+            # Whatever still points here (a record that failed to read) is gone with the file.
+            n = ns.table.n_rows
+            left = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
+                                  & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
+            orphans += self.store.forget(ns, left)
+            self.store.owner.forget_empty(ns, left)
+            log_.remove(seg.seg_id)
+            self.store.counters.compactions += 1
+            self.reclaimed += 1
+            self.copied_forward += int(m.size)
+        self.store.delete_now(ns, orphans)
+
+    def _keepers(self, ns: "Namespace", live: np.ndarray, moving: int,
+                 keep_all: bool) -> np.ndarray | None:
+        """The live rows of a reclaimed segment that are copied forward (lock held): with
+        keep_all every one (None when they do not fit: the segment is left alone), else those
+        the NVMe policy ranks in the hotter half of the tier, at most KEEP_SHARE of a segment
+        and within what the capacity has left."""
+        if live.size == 0:
+            return live
+        cols = ns.table.cols
+        cap_rows = self.fits(ns, live.size + moving, 0) - moving
+        if keep_all:                       # compaction moves every block, or none
+            return live if cap_rows >= live.size else None
+        if not keep_all:
+            per = (ns.log.segment_bytes - ns.log.data_start) // ns.log.record_bytes
+            cap_rows = min(cap_rows, int(per * KEEP_SHARE) - moving)
+            n = ns.table.n_rows
+            tier_rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
+                                       & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
+            cold = self.store.owner.rank(ns, Tier.NVME, tier_rows, tier_rows.size // 2)
+            live = np.setdiff1d(live, cold)
+        if cap_rows <= 0 or live.size == 0:
+            return live[:0]
+        if live.size <= cap_rows:
+            return live
+        # Too many: the policy keeps the hottest of them.
+        coldest = self.store.owner.rank(ns, Tier.NVME, live, live.size - cap_rows)
+        return np.setdiff1d(live, coldest)
+
+    def evict_rows(self, ns: "Namespace", rows: np.ndarray) -> list[bytes]:
+        """Under the lock: blocks that leave the cache from NVMe leave every local tier (a
+        reader's slots are retired, never reused under it). Returns the keys to delete."""
+        if rows.size == 0:
+            return []
+        cols = ns.table.cols
+        for t in list(ns.slots):
+            self.store.owner.drop_copies(ns, rows, t)
+        keys = self.store.forget(ns, rows)
+        next_states(cols["state"][rows], Event.DELETE)
+        ns.table.remove(rows)
+        self.store.counters.tiers[Tier.NVME].evictions += int(rows.size)
+        return keys
+
+    def evict(self, ns: "Namespace", count: int) -> int:
+        """Admin eviction: drop up to count clean, unleased blocks whose NVMe copy is current,
+        by the NVMe policy. Unlocked."""
+        if count <= 0 or ns.log is None:
+            return 0
+        cols = ns.table.cols
+        with self.store.writer:
+            with self.store.owner.lock:
+                n = ns.table.n_rows
+                cand = np.flatnonzero((cols["state"][:n] == BlockState.CLEAN)
+                                      & (cols["leases"][:n] == 0)
+                                      & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
+                victims = self.store.owner.rank(ns, Tier.NVME, cand, count) if cand.size else cand
+                keys = self.evict_rows(ns, victims)
+            self.store.catalog.delete_records(ns.ns_id, keys)
+        return int(victims.size)
