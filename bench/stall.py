@@ -90,10 +90,10 @@ def main() -> None:
     try:
         with kvtier.Client(svc.socket, timeout=120, name="stall-probe") as c:
             ns = c.namespace("stall", block_bytes=args.block_bytes)
-            data = np.random.default_rng(0).integers(0, 256, (256, args.block_bytes),
+            data = np.random.default_rng(0).integers(0, 256, (64, args.block_bytes),
                                                      dtype=np.uint8)
-            for lo in range(0, args.cold_blocks, 256):
-                n = min(256, args.cold_blocks - lo)
+            for lo in range(0, args.cold_blocks, 64):
+                n = min(64, args.cold_blocks - lo)
                 ns.put(b"".join(key(i) for i in range(lo, lo + n)), data[:n], verify=False)
             c.flush()
             ns.put(HOT, data[:1])

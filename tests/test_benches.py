@@ -64,3 +64,25 @@ def test_hash_bench_smoke():
     for name in ("xxhash_gbps", "kvtier_gbps", "memcpy_gbps"):
         assert set(r[name]) == {str(t) for t in r["threads"]}
         assert all(v > 0 for v in r[name].values())
+
+
+def test_soak_bench_smoke():
+    # Both write policies for a few seconds: the working set is still 10x the NVMe tier, so
+    # the tier reclaims throughout; the bench exits 1 on a failed put or a wrong byte.
+    r = _bench("bench/soak.py", "--seconds", "4", "--clients", "2", "--nvme-capacity", "8MiB",
+               "--host-capacity", "4MiB", "--segment-bytes", "1MiB")
+    assert r["failed_puts"] == 0 and r["wrong_bytes"] == 0
+    assert [x["write_policy"] for x in r["runs"]] == ["write_through", "write_back"]
+    for x in r["runs"]:
+        assert x["working_set_bytes"] == 10 * x["nvme_capacity"]
+        assert 0 < x["max_disk_bytes"] <= x["nvme_capacity"] + x["segment_bytes"]
+        _positive(x, "puts", "gets", "write_amplification", "rss_mb_start", "rss_mb_end")
+        assert 0 <= x["hit_ratio"] <= 1
+
+
+def test_stall_bench_smoke():
+    r = _bench("bench/stall.py", "--cold-blocks", "256", "--samples", "50", "--readers", "1",
+               "--batch", "16", "--host-capacity", "8MiB")
+    c = r["conditions"]["1"]
+    _positive(c, "alone_p99_us", "beside_p99_us", "p99_ratio", "reader_gets")
+    assert r["reader_nvme_share"] > 0                 # the readers did read the disk
