@@ -38,6 +38,8 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
                          "live_bytes": live,
                          "blocks": sum(lg.live_bytes() // lg.record_bytes for lg in logs),
                          "segments": sum(len(lg.segments) for lg in logs),
+                         "reclaimed_segments": engine.nvme.space.reclaimed,
+                         "copied_forward": engine.nvme.space.copied_forward,
                          "backend": engine.backend.name,
                          "write_amplification": round(written / logical, 4) if logical else None}
     for name, d in tiers.items():
