@@ -148,3 +148,18 @@ def test_a_block_rewritten_while_its_read_is_in_flight_is_not_installed(tmp_path
     e = eng.entry("m", key(cold[0]))
     assert e["version"] == 2 and e["copies"]["host"]["version"] == 2
     eng.close(flush=False)
+
+
+def test_admin_eviction_from_nvme_drops_blocks_for_good(tmp_path: Path):
+    settings = make_settings({"data_dir": str(tmp_path), "nvme_capacity": "16MiB"})
+    eng = Engine(settings)
+    eng.create_namespace("m", 4096)
+    eng.put("m", keys(range(8)), blocks(8, 4096))
+    assert eng.evict(Tier.NVME, 3) == 3
+    found, _ = eng.read("m", keys(range(8)))
+    assert found.sum() == 5
+    eng.close(flush=False)
+    eng = Engine(settings)                        # their LMDB records went too
+    found, _ = eng.read("m", keys(range(8)))
+    assert found.sum() == 5
+    eng.close(flush=False)

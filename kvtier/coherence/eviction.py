@@ -133,7 +133,7 @@ class Eviction:
         done = 0
         if tier is Tier.NVME:                  # LMDB deletes: not under the engine lock
             for ns in targets:
-                done += self.nvme.evict(ns, count - done)
+                done += self.nvme.space.evict(ns, count - done)
             return done
         with self.lock:
             for ns in targets:
