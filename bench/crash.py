@@ -339,6 +339,21 @@ def mount_tmpfs(base: str, size: str) -> str:
     return mnt
 
 
+class _Peak(threading.Event):
+    max_used = 0
+
+
+def watch_disk(path: str) -> _Peak:
+    """Sample the file system's used bytes every 20 ms until the returned event is set."""
+    peak = _Peak()
+
+    def run() -> None:
+        while not peak.wait(0.02):
+            peak.max_used = max(peak.max_used, shutil.disk_usage(path).used)
+    threading.Thread(target=run, daemon=True).start()
+    return peak
+
+
 def recovery_at(entries: int, base: str) -> dict:
     """Fill a service with `entries` NVMe blocks, SIGKILL it, time the restart."""
     import kvtier
@@ -414,6 +429,7 @@ def main() -> None:
                 data_dir = mount_tmpfs(base, args.tmpfs_size)
                 extra = {"segment_bytes": "1MiB", "compact_threshold": 0.0}
                 out.update(disk_full=True, tmpfs_size=args.tmpfs_size)
+            peak = watch_disk(data_dir) if args.disk_full else None
             svc = Service(data_dir, admin=False, host_capacity="2MiB",
                           nvme_capacity="256MiB", write_policy=policy,
                           flush_interval=3600 if args.mutant else 0.2, **extra).start()
@@ -428,6 +444,9 @@ def main() -> None:
                 del out["acked_lost"]           # damage loses blocks: see lost_to_damage
             # Runs that found the disk smaller than nvme_capacity (each logs it once).
             out["disk_full_events"] = svc.output().count("the NVMe tier holds what the disk does")
+            if peak is not None:
+                peak.set()
+                out["max_disk_used_bytes"] = peak.max_used
             svc.stop(signal.SIGTERM)
             out["wrong_served"] = model.wrong
             out["refused_puts"] = model.refusals["puts"]
