@@ -225,7 +225,7 @@ class AsyncClient:
             info = await self._call("ns_create", name=name, block_bytes=block_bytes,
                                     key_width=key_width, layout=layout)
         else:
-            info = await self._call("ns_open", name=name)
+            info = await self._call("ns_open", name=name, layout=layout)
         ns = AsyncNamespace(self, info, inline)
         if not inline:
             await ns._view()

@@ -52,9 +52,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvtier.api import pipeline
+from kvtier.api import hostpages, pipeline
 from kvtier.api import protocol as P
 from kvtier.api.buffers import blocks_view, checksums, pack_keys
+from kvtier.api.layouts import Pages
 from kvtier.api.reconnect import PUT_OPS, connection_lost, hung_up, retry_safe
 from kvtier.api.segment import SegmentMap
 from kvtier.config import Settings
@@ -242,6 +243,8 @@ class Namespace(NamespaceHandle):
             return self._put_cuda(kb, n, blocks, parents, rows, tier)
         if tier != "host":
             raise BadRequest("tier='hbm' takes CUDA tensors; host data goes to the host tier")
+        if rows is not None or isinstance(blocks, Pages):
+            return hostpages.put(self, kb, n, blocks, parents, rows, verify)
         src = blocks_view(blocks, n, self.block_bytes)
         pb = None if parents is None else pack_keys(parents, self.key_width)
         c = self._client
@@ -335,6 +338,10 @@ class Namespace(NamespaceHandle):
         if tier != "host":
             raise BadRequest("tier='hbm' fills CUDA tensors; host outputs come from the host "
                              "tier")
+        if rows is not None or isinstance(out, Pages):
+            if out is None:
+                raise BadRequest("rows= names rows of out: pass out as well")
+            return hostpages.get(self, kb, n, out, rows, verify), out
         dst = (np.empty((n, self.block_bytes), dtype=np.uint8) if out is None
                else blocks_view(out, n, self.block_bytes, writable=True))
         c = self._client
@@ -612,13 +619,14 @@ class Client:
 
     def namespace(self, name: str, block_bytes: int | None = None, key_width: int = 16,
                   layout: dict[str, Any] | None = None, inline: bool = False) -> Namespace:
-        """Open (with block_bytes: create or open) a namespace. inline=True: no shared memory."""
+        """Open (with block_bytes: create or open) a namespace. inline=True: no shared memory.
+        A layout, where given, must equal the stored one (NamespaceError otherwise)."""
         self._ensure()
         if block_bytes is not None:
             info = self._call("ns_create", name=name, block_bytes=block_bytes,
                               key_width=key_width, layout=layout)
         else:
-            info = self._call("ns_open", name=name)
+            info = self._call("ns_open", name=name, layout=layout)
         ns = Namespace(self, info, inline)
         if not inline:
             ns._view()

@@ -29,6 +29,57 @@ _TIER_GAUGES = (("capacity_bytes", "capacity_bytes"), ("used_bytes", "used_bytes
                 ("blocks", "blocks"))
 
 
+# What an engine connector reports (op report; kvtier.integrations.connector.ConnectorStats
+# keeps them on the engine's side): name -> help. Totals since the connector started.
+CONNECTOR_COUNTERS = {
+    "lookups": "prefix lookups by the engine's scheduler",
+    "lookup_errors": "lookups answered as a miss because kvtier was down or slow",
+    "hit_tokens": "prompt tokens found in kvtier at lookup",
+    "loaded_blocks": "blocks loaded into the engine's KV cache",
+    "load_errors": "blocks found at lookup but not loaded (evicted, or kvtier down): recomputed",
+    "stored_blocks": "blocks stored from the engine's KV cache",
+    "store_errors": "blocks not stored because kvtier was down or full",
+    "seconds": "seconds spent inside the connector's calls",
+}
+_MAX_REPORTERS = 1024
+
+
+class ConnectorReports:
+    """The latest totals of each engine connector part (an engine's scheduler, each of its
+    workers), summed per engine for stats["connectors"] and /metrics. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, str], dict[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def update(self, engine: str, part: str, counters: dict[str, Any]) -> None:
+        from kvtier.errors import BadRequest
+        if not 0 < len(engine) <= 100 or not 0 < len(part) <= 100:
+            raise BadRequest("report needs an engine and a part name of 1 to 100 characters")
+        clean: dict[str, float] = {}
+        for name, value in counters.items():
+            if name not in CONNECTOR_COUNTERS:
+                raise BadRequest(f"unknown connector counter {name!r}; known: "
+                                 f"{', '.join(CONNECTOR_COUNTERS)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 <= value < float("inf")):
+                raise BadRequest(f"counter {name} must be a finite number >= 0, got {value!r}")
+            clean[name] = float(value)
+        with self._lock:
+            if (engine, part) not in self._parts and len(self._parts) >= _MAX_REPORTERS:
+                self._parts.pop(next(iter(self._parts)))     # the oldest reporter goes
+            self._parts[(engine, part)] = clean
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        with self._lock:
+            for (engine, _part), counters in self._parts.items():
+                acc = out.setdefault(engine, dict.fromkeys(CONNECTOR_COUNTERS, 0.0))
+                for name, value in counters.items():
+                    acc[name] += value
+        return out
+
+
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
@@ -67,6 +118,12 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily("kvtier_busy_poll_seconds",
                                       "seconds the socket loop spent polling instead of sleeping",
                                       value=busy["spun_s"])
+        connectors = s.get("connectors") or {}
+        for name, doc in CONNECTOR_COUNTERS.items():
+            c = CounterMetricFamily(f"kvtier_connector_{name}", doc, labels=["engine"])
+            for engine, counters in connectors.items():
+                c.add_metric([engine], counters.get(name, 0.0))
+            yield c
         yield GaugeMetricFamily("kvtier_leases", "leases held", value=s["leases"])
         yield GaugeMetricFamily("kvtier_uptime_seconds", "seconds since start",
                                 value=s["uptime_s"])

@@ -13,7 +13,7 @@ Operations (PROTOCOL_VERSION 1):
 
     hello          {version, client?}                  -> {version, server, pid, uid}
     ns_create      {name, block_bytes, key_width?, layout?} -> namespace info
-    ns_open        {name, map?}                        -> info, and with map=True the host
+    ns_open        {name, map?, layout?}               -> info, and with map=True the host
                                                           segment's fd over SCM_RIGHTS and,
                                                           on GPU hosts, hbm: {ipc, slots,
                                                           device} (CUDA IPC of the HBM pool)
@@ -31,6 +31,11 @@ leases: "hbm" slots index the HBM pool a worker opened from ns_open's hbm handle
     delete         {ns, keys}                          -> {deleted}
     flush          {ns?}                               -> {flushed}
     stats          {}                                  -> engine statistics
+    report         {engine, part, counters}            -> {}  an engine connector's totals
+                                                          (kvtier.integrations), shown in
+                                                          stats["connectors"] and /metrics
+
+A layout given to ns_create or ns_open must equal the namespace's stored one (NamespaceError).
 
 Any request may carry ``release_first`` (uint64 lease ids): the service ends those leases before
 the op, which saves the client a round trip per get.
@@ -52,7 +57,7 @@ from kvtier.errors import BY_CODE, BadRequest, KvtierError, ProtocolError
 PROTOCOL_VERSION = 1
 LENGTH = struct.Struct("<I")
 OPS = ("hello", "ns_create", "ns_open", "reserve", "commit", "abort", "put", "get", "release",
-       "match_prefix", "delete", "flush", "stats")
+       "match_prefix", "delete", "flush", "stats", "report")
 
 
 def pack(obj: dict[str, Any]) -> bytes:

@@ -30,9 +30,11 @@ batch back its predecessor's run of slots, so puts are mostly the first case.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+from typing import Iterator
 
 import numpy as np
 
@@ -85,13 +87,19 @@ class SegmentMap:
 
     def write(self, slots: np.ndarray, src: np.ndarray) -> None:
         """segment[slots[i]] = src[i], through windows opened for these slots only."""
-        runs = self._runs(slots)
+        with self.writable(slots) as view:
+            view[slots.astype(np.intp)] = src
+
+    @contextlib.contextmanager
+    def writable(self, slots: np.ndarray) -> Iterator[np.ndarray]:
+        """The writable (n_slots, block_bytes) view, with windows open for slots only, for
+        writers that fill a slot from several places (kvtier.api.hostpages: a block's pages)."""
         opened = []
         try:
-            for a, b in runs:
+            for a, b in self._runs(slots):
                 self._protect(a, b, mmap.PROT_READ | mmap.PROT_WRITE)
                 opened.append((a, b))
-            self._wview[slots.astype(np.intp)] = src
+            yield self._wview
         finally:
             for a, b in opened:
                 self._protect(a, b, mmap.PROT_READ)

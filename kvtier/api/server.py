@@ -37,6 +37,7 @@ from kvtier import __version__
 from kvtier.api import protocol as P
 from kvtier.api import quota
 from kvtier.api.busypoll import BusyPoll
+from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
@@ -67,6 +68,7 @@ class Server:
         self._ops: dict[str, Callable[..., Any]] = {op: getattr(self, f"op_{op}") for op in P.OPS}
         self._threads_busy = 0              # engine calls in flight on the pool
         self.buffered = 0                   # bytes of partly received frames, all connections
+        self.reports = ConnectorReports()
         self.busy = BusyPoll(settings.busy_poll_us * 1e-6, lambda: self._threads_busy == 0)
 
     # ------------------------------------------------------------------ lifecycle
@@ -284,6 +286,7 @@ class Server:
 
     def op_ns_open(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         ns = self.engine.namespace(P.arg(req, "name", str))
+        ns.check_layout(P.arg(req, "layout", dict, None))
         info = ns.info()
         if P.arg(req, "map", bool, False):
             if client.uid not in self.allowed:
@@ -424,10 +427,17 @@ class Server:
     async def op_stats(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
         return await self._run(self.stats)
 
+    def op_report(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:
+        self.reports.update(P.arg(req, "engine", str), P.arg(req, "part", str),
+                            P.arg(req, "counters", dict))
+        return {}
+
     def stats(self) -> dict[str, Any]:
-        """The engine's statistics and the socket loop's busy polling (any thread)."""
+        """The engine's statistics, the socket loop's busy polling and the engine connectors'
+        reports (any thread)."""
         s = self.engine.stats()
         s["busy_poll"] = self.busy.stats()
+        s["connectors"] = self.reports.totals()
         return s
 
 

@@ -70,3 +70,15 @@ def render(stats: dict[str, Any], console: Any = None) -> None:
                   f"puts {stats['puts']}  leases {stats['leases']}")
     console.print(f"checksum failures {stats['checksum_failures']}  "
                   f"uptime {stats['uptime_s']:.0f} s")
+    connectors = stats.get("connectors") or {}
+    if connectors:
+        # Like the tiers: one row per counter, one column per engine (80 columns).
+        from kvtier.api.metrics import CONNECTOR_COUNTERS
+        eng = Table(title="engine connectors")
+        eng.add_column("", no_wrap=True)
+        for engine in connectors:
+            eng.add_column(engine, justify="right", no_wrap=True)
+        for name in CONNECTOR_COUNTERS:
+            eng.add_row(name, *(f"{c.get(name, 0):.3f}" if name == "seconds"
+                                else str(int(c.get(name, 0))) for c in connectors.values()))
+        console.print(eng)

@@ -167,7 +167,8 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         if block_bytes > self.settings.host_capacity:
             raise CapacityError(f"block_bytes {block_bytes} exceeds host_capacity "
                                 f"{self.settings.host_capacity}; raise host_capacity")
-        layout = admission.layout(layout)
+        # None: the caller states no layout (accepted); a given one must match (check_layout).
+        claimed = None if layout is None else admission.layout(layout)
         with self.lock:
             ns = self.namespaces.get(name)
             if ns is not None:
@@ -175,6 +176,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                     raise NamespaceError(
                         f"namespace {name!r} exists with block_bytes={ns.block_bytes}, "
                         f"key_width={ns.key_width}; use another name for another layout")
+                ns.check_layout(claimed)
                 return ns.info()
             admission.namespace_count(len(self.namespaces), self.settings.max_namespaces)
             admission.host_slots(block_bytes, self.settings.host_capacity,
@@ -182,7 +184,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                                  sum(n.slots[Tier.HOST].pool.n_slots
                                      for n in self.namespaces.values()),
                                  self.settings.max_slot_metadata)
-            rec = self.catalog.add_namespace(name, block_bytes, key_width, layout)
+            rec = self.catalog.add_namespace(name, block_bytes, key_width, claimed or {})
             return self._open_namespace(rec).info()
 
     def namespace(self, name: str) -> Namespace:

@@ -12,12 +12,14 @@ so that eviction, lease release and slot reuse are numpy operations over the poo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvtier.coherence.states import HoldState
+from kvtier.errors import NamespaceError
 from kvtier.pagetable.table import PageTable
 from kvtier.tiers.host import SlotPool
 from kvtier.tiers.nvme import SegmentLog
@@ -49,6 +51,16 @@ class Namespace:
     table: PageTable
     slots: dict[Tier, SlotState]
     log: SegmentLog | None
+
+    def check_layout(self, layout: dict[str, Any] | None) -> None:
+        """Refuse a client whose layout differs from the stored one: the bytes are opaque, so
+        two layouts of the same block size would otherwise serve each other's blocks as their
+        own (a wrong KV block, not a miss). None is a client that states no layout."""
+        if layout is not None and _canonical(layout) != _canonical(self.layout):
+            raise NamespaceError(
+                f"namespace {self.name!r} holds layout {_canonical(self.layout)}, not "
+                f"{_canonical(layout)}: its blocks would be misread; use another namespace name "
+                "for another layout (or delete this one's data directory)")
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "ns_id": self.ns_id, "block_bytes": self.block_bytes,
@@ -129,6 +141,11 @@ class GetResult:
     checksums: np.ndarray
     lease_id: int
     tier: Tier
+
+
+def _canonical(layout: dict[str, Any]) -> str:
+    """One spelling of a layout, for comparing (key order and tuple/list do not count)."""
+    return json.dumps(layout, sort_keys=True, default=str)
 
 
 def add_one(counts: np.ndarray, idx: np.ndarray, delta: int = 1) -> None:
