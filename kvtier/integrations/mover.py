@@ -1,0 +1,87 @@
+"""The worker side of an engine connector, with no engine imported: moves the planned blocks
+between kvtier and this rank's KV cache.
+
+The KV cache is described once, at registration, as a ``kvtier.api.layouts.Pages`` (vLLM's
+per-layer tensors: a block is one page per layer, or two with K and V apart) or as one row
+buffer (a block-outermost layout, one contiguous row per block). Loads go straight from the
+leased slots into the engine's block ids, stores straight from them into reserved slots
+(``Namespace.get(out=, rows=)`` / ``put(..., rows=)``): no staging buffer on the host path.
+The one data call is ``_move``, so that the CUDA path (an engine stream, an event back) is a
+change in one place.
+
+Failures: a load that kvtier cannot serve (down, slow, the block evicted since the lookup)
+returns the engine block ids that were not filled; the engine recomputes from the first of
+them. A store that fails is dropped and counted: a later lookup simply misses.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import ConfigError, NamespaceError, ServiceUnavailable
+from kvtier.integrations.connector import Link
+from kvtier.integrations.planner import LoadSpec, TransferPlan
+
+log = logging.getLogger("kvtier.integrations")
+
+
+class Mover:
+    """One rank's mover. blocks: a Pages or a row buffer; layout: the namespace's record."""
+
+    def __init__(self, link: Link, name: str, key_width: int, blocks: Any, block_bytes: int,
+                 layout: dict[str, Any]) -> None:
+        self.link = link
+        self.name = name
+        self.blocks = blocks
+        self._create = {"block_bytes": block_bytes, "key_width": key_width, "layout": layout}
+
+    def open(self) -> None:
+        """Create or open the namespace at start-up. Another layout under the same name is a
+        configuration error (the engine must not start); kvtier not running is not: the
+        engine serves without it and the mover connects once it answers."""
+        try:
+            self.link.namespace(self.link.client(), self.name, self._create)
+        except NamespaceError as exc:
+            raise ConfigError(f"kvtier refused this engine's KV layout: {exc}") from None
+        except ServiceUnavailable as exc:
+            log.warning("kvtier is not reachable yet (%s); serving without it until it is", exc)
+
+    def _move(self, op: str, keys: bytes, rows: list[int],
+              parents: bytes | None = None) -> np.ndarray | None:
+        """The one data call: op "get" returns the found mask, "put" None."""
+        def run(c: Any) -> np.ndarray | bool:
+            ns = self.link.namespace(c, self.name, self._create)
+            if op == "get":
+                found, _ = ns.get(keys, out=self.blocks, rows=rows)
+                return found
+            ns.put(keys, self.blocks, parents=parents, rows=rows)
+            return True
+        counter = "load_errors" if op == "get" else "store_errors"
+        return self.link.call(run, counter, errors=len(rows))
+
+    def load(self, loads: list[LoadSpec]) -> set[int]:
+        """Fill the planned blocks; returns the engine block ids that were not filled."""
+        if not loads:
+            return set()
+        rows = [b for spec in loads for b in spec.block_ids]
+        keys = b"".join(k for spec in loads for k in spec.keys)
+        found = self._move("get", keys, rows)
+        if found is None:
+            return set(rows)             # counted as load errors by the link
+        missing = np.flatnonzero(~found)
+        self.link.stats.add("loaded_blocks", int(found.sum()))
+        if missing.size:
+            self.link.stats.add("load_errors", int(missing.size))
+            log.info("kvtier: %d of %d blocks found at lookup were gone at load (evicted); "
+                     "the engine recomputes them", missing.size, len(rows))
+        return {rows[i] for i in missing.tolist()}
+
+    def save(self, plan: TransferPlan) -> None:
+        if not plan.store_keys:
+            return
+        if self._move("put", b"".join(plan.store_keys), plan.store_block_ids,
+                      b"".join(plan.store_parents)) is not None:
+            self.link.stats.add("stored_blocks", len(plan.store_keys))

