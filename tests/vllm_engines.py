@@ -53,12 +53,15 @@ def kv_config(socket: str, **extra: Any) -> dict[str, Any]:
 
 
 def make_llm(model: str | Path, kv: dict[str, Any] | None, prefix_caching: bool = False,
-             max_len: int = 4096, **kwargs: Any) -> Any:
+             max_len: int = 4096, kv_bytes: int = 64 << 20, **kwargs: Any) -> Any:
+    """An engine on model; kv: the kv_transfer_config (None: no connector). vLLM's own prefix
+    cache is off by default, so that every reused token in a test comes from kvtier."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK, dtype="float32",
                enforce_eager=True, max_model_len=max_len, seed=0,
                enable_prefix_caching=prefix_caching, max_num_seqs=4,
+               kv_cache_memory_bytes=kv_bytes,
                kv_transfer_config=KVTransferConfig(**kv) if kv else None, **kwargs)
 
 
@@ -79,13 +82,45 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[di
     return out
 
 
+def run_engine(job: dict[str, Any], multiprocessing: bool, timeout: float = 300) -> list[dict]:
+    """Run job (see main) in a fresh engine process; multiprocessing=True is vLLM's default
+    (scheduler and worker in separate processes), False keeps them in one. The engine gets a
+    process group of its own, ended when it is done, so no EngineCore outlives it."""
+    import signal
+    import subprocess
+    import tempfile
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engines"],
+                                stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
+                                env=env, start_new_session=True)
+        try:
+            proc.communicate(json.dumps(job), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        for line in out.read().splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        raise RuntimeError(f"engine process exited with {proc.returncode}:\n"
+                           f"{err.read()[-4000:]}")
+
+
 def main() -> None:
     job = json.load(sys.stdin)
     llm = make_llm(job["model"], job.get("kv"), job.get("prefix_caching", False),
                    job.get("max_len", 4096))
     results = generate(llm, job["prompts"], job.get("max_tokens", 8))
     print("RESULT " + json.dumps(results), flush=True)
-    os._exit(0)            # no teardown: vLLM's shutdown adds seconds and nothing to check
+    llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":

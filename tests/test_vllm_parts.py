@@ -1,0 +1,229 @@
+"""The vLLM connector's engine-free parts (kvtier.integrations.connector, planner, mover)
+against a real `kvtier serve`, without vLLM: settings garbage, namespace identity, the
+scheduler's lookups and plans (tensor parallelism included), the worker's moves, and kvtier
+down. The same parts run inside a real vLLM engine in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.api.client import Client
+from kvtier.api.layouts import Pages
+from kvtier.errors import ConfigError
+from kvtier.integrations.connector import (
+    ConnectorSettings,
+    ConnectorStats,
+    EngineIdentity,
+    Link,
+    connector_markdown_table,
+    key_width,
+    weights_digest,
+)
+from kvtier.integrations.mover import Mover
+from kvtier.integrations.planner import LoadSpec, Planner, TransferPlan
+
+BS = 32
+IDENT = EngineIdentity(model="/models/llama", revision="", model_config='{"layers": 2}',
+                       weights="w", dtype="float32", kv_cache_dtype="auto", block_size=BS,
+                       hash_algo="sha256", tp_size=2)
+
+
+def _hashes(n: int, salt: bytes = b"") -> list[bytes]:
+    return [hashlib.sha256(salt + i.to_bytes(4, "little")).digest() for i in range(n)]
+
+
+def _settings(socket: Path | str, **extra) -> ConnectorSettings:
+    return ConnectorSettings.parse({"socket": str(socket), "retry_s": 0.0, "report_s": 0.01,
+                                    **extra})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("socket.sock", "JSON object"),
+    ({"sockett": "/x"}, "unknown key 'sockett'"),
+    ({"timeout_s": "soon"}, "timeout_s: expected a number"),
+    ({"timeout_s": 0}, "timeout_s: must be greater than 0"),
+    ({"retry_s": -1}, "retry_s: must not be negative"),
+    ({"socket": 5}, "socket: expected a string"),
+    ({"namespace_prefix": "a/b"}, "namespace_prefix"),
+    ({"namespace_prefix": ""}, "namespace_prefix"),
+    ({"engine_id": "x" * 101}, "engine_id"),
+])
+def test_garbage_connector_settings_are_refused_at_start(extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ConnectorSettings.parse(extra)
+
+
+def test_settings_defaults_and_the_readme_table():
+    s = ConnectorSettings.parse({})
+    assert s.timeout_s == 2.0 and s.socket.endswith("kvtier.sock") and s.engine_id
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert connector_markdown_table() in readme
+
+
+def test_block_hashes_must_be_stable_across_processes():
+    assert key_width("sha256", {}) == 32 and key_width("sha256_cbor", {}) == 32
+    assert key_width("xxhash", {"PYTHONHASHSEED": "0"}) == 16
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+        key_width("xxhash_cbor", {})
+    with pytest.raises(ConfigError, match="not known"):
+        key_width("md5", {})
+
+
+def test_namespace_names_everything_the_bytes_depend_on(tmp_path):
+    base = IDENT.namespace("vllm", 0)
+    assert base.startswith("vllm/llama/") and base.endswith("/tp0of2")
+    assert IDENT.namespace("vllm", 1) != base
+    for change in ({"model_config": '{"layers": 3}'}, {"weights": "v"}, {"dtype": "bfloat16"},
+                   {"kv_cache_dtype": "fp8"}, {"block_size": 64}, {"hash_algo": "sha256_cbor"},
+                   {"revision": "abc"}, {"tp_size": 4}):
+        assert replace(IDENT, **change).namespace("vllm", 0) != base, change
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, byte in ((a, b"\1"), (b, b"\2")):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(byte * 4096)
+        (d / "config.json").write_text("{}")
+    assert weights_digest(str(a)) != weights_digest(str(b)) and weights_digest(str(a))
+    assert weights_digest("org/hub-model") == ""
+
+
+@pytest.fixture
+def link():
+    """Links to make (socket, part="scheduler", **settings), closed after the test."""
+    made: list[Link] = []
+
+    def make(socket, part: str = "scheduler", **extra) -> Link:
+        made.append(Link(_settings(socket, **extra), part, ConnectorStats()))
+        return made[-1]
+    yield make
+    for lk in made:
+        lk.close()
+
+
+def _planner(lk: Link, names: list[str]) -> Planner:
+    return Planner(lk, names, BS, 32)
+
+
+def test_lookup_takes_the_shortest_rank_and_leaves_a_token_to_compute(service, link):
+    names = [IDENT.namespace("vllm", r) for r in (0, 1)]
+    h = _hashes(8)
+    with Client(service.socket) as c:
+        for r, n in ((0, 8), (1, 5)):              # rank 1 lacks blocks 5..7
+            c.namespace(names[r], block_bytes=64, key_width=32).put(h[:n], np.zeros((n, 64),
+                                                                                    np.uint8))
+    p = _planner(link(service.socket), names)
+    assert p.lookup("r1", h, 8 * BS + 1, 0) == 5 * BS          # a miss on one rank: for all
+    p1 = _planner(link(service.socket), names[:1])
+    assert p1.lookup("r1", h, 8 * BS + 1, 0) == 8 * BS
+    assert p1.lookup("r2", h, 8 * BS, 0) == 7 * BS            # the last token is computed
+    assert p1.lookup("r3", h, 8 * BS + 1, 8 * BS) == 0        # all local already
+    assert p1.lookup("r4", h[:3], 8 * BS + 1, 0) == 3 * BS    # only hashed blocks count
+    assert p1.link.stats.counts["hit_tokens"] == (8 + 7 + 3) * BS
+
+
+def test_plan_loads_the_hit_and_stores_each_block_that_fills_with_its_parent(service, link):
+    names = [IDENT.namespace("vllm", 0)]
+    h = _hashes(6)
+    with Client(service.socket) as c:
+        c.namespace(names[0], block_bytes=64, key_width=32).put(h[:2], np.zeros((2, 64),
+                                                                                np.uint8))
+    p = _planner(link(service.socket), names)
+    hashes = h[:4]                                 # the engine's list grows with the tokens
+    assert p.lookup("r", hashes, 4 * BS + 10, BS) == BS       # block 0 is a local hit
+    p.allocated("r", [10, 11, 12, 13, 14], BS)
+    p.scheduled("r", [10, 11, 12, 13, 14], 4 * BS + 10)       # the prefill computes blocks 2, 3
+    plan = p.take_plan()
+    assert plan.loads == [LoadSpec("r", [h[1]], [11])]
+    assert plan.store_keys == h[2:4] and plan.store_block_ids == [12, 13]
+    assert plan.store_parents == [h[1], h[2]]
+    hashes.extend(h[4:6])                          # decode fills blocks 4 and 5
+    p.scheduled("r", [10, 11, 12, 13, 14, 15], 6 * BS)
+    plan = p.take_plan()
+    assert not plan.loads and plan.store_keys == h[4:6] and plan.store_parents == h[3:5]
+    assert p.take_plan().empty()
+    p.finished("r")
+    p.scheduled("r", [10], 10 * BS)                # unknown now: nothing planned
+    assert p.take_plan().empty()
+
+
+def test_a_block_two_requests_fill_in_one_step_is_stored_once(service, link):
+    p = _planner(link(service.socket), [IDENT.namespace("vllm", 0)])
+    h = _hashes(2)
+    for rid, ids in (("a", [1, 2]), ("b", [3, 4])):
+        p.lookup(rid, h, 2 * BS + 5, 0)
+        p.scheduled(rid, ids, 2 * BS + 5)
+    plan = p.take_plan()
+    assert plan.store_keys == h and plan.store_block_ids == [1, 2]
+    assert plan.store_parents == [bytes(32), h[0]]
+
+
+def _pages(seed: int) -> tuple[list[np.ndarray], Pages]:
+    layers = [np.random.default_rng(seed + i).integers(0, 256, (8, 2, 32, 16), dtype=np.uint8)
+              for i in range(2)]
+    return layers, Pages.from_layers(layers)
+
+
+def test_mover_stores_and_loads_engine_blocks_and_reports_the_missing(service, link):
+    name = IDENT.namespace("vllm", 0)
+    src_layers, src = _pages(1)
+    dst_layers, dst = _pages(2)
+    layout = {"kv_layout": "LBHNC", "pages": [[2, 32, 16]] * 2}
+    w = Mover(link(service.socket, "worker0"), name, 32, src, src.block_bytes, layout)
+    stats = w.link.stats
+    w.open()
+    h = _hashes(3, b"m")
+    w.save(TransferPlan(store_keys=h[:2], store_parents=[bytes(32), h[0]],
+                        store_block_ids=[5, 6]))
+    r = Mover(link(service.socket, "worker0"), name, 32, dst, dst.block_bytes, layout)
+    failed = r.load([LoadSpec("x", h[:1], [0]), LoadSpec("y", [h[1], h[2]], [1, 2])])
+    assert failed == {2}                           # h[2] was never stored
+    for s, d in zip(src_layers, dst_layers):
+        assert (d[0] == s[5]).all() and (d[1] == s[6]).all()
+    assert r.link.stats.counts["loaded_blocks"] == 2 and r.link.stats.counts["load_errors"] == 1
+    assert stats.counts["stored_blocks"] == 2
+    other = Mover(link(service.socket, "worker0"), name, 32, dst, dst.block_bytes,
+                  {**layout, "kv_layout": "BLHNC"})
+    with pytest.raises(ConfigError, match="BLHNC"):
+        other.open()                               # same bytes per block, another layout
+
+
+def test_kvtier_down_is_a_miss_and_a_load_error_never_an_exception(tmp_path, link):
+    dead = tmp_path / "no.sock"
+    p = _planner(link(dead), [IDENT.namespace("vllm", 0)])
+    assert p.lookup("r", _hashes(4), 4 * BS + 1, 0) == 0
+    assert p.link.stats.counts["lookup_errors"] == 1
+    _, pages = _pages(3)
+    w = Mover(link(dead, "worker0"), "ns", 32, pages, pages.block_bytes, {})
+    w.open()                                       # logs, does not raise
+    assert w.load([LoadSpec("r", _hashes(2), [3, 4])]) == {3, 4}
+    w.save(TransferPlan(store_keys=_hashes(1), store_parents=[bytes(32)], store_block_ids=[0]))
+    assert w.link.stats.counts["load_errors"] == 2 and w.link.stats.counts["store_errors"] == 1
+
+
+def test_reports_reach_stats_and_metrics_and_garbage_reports_are_refused(service, link):
+    sched = link(service.socket, engine_id="eng-1")
+    sched.stats.add("hit_tokens", 64)
+    sched.report(0.0, force=True)
+    worker = link(service.socket, "worker0", engine_id="eng-1")
+    worker.stats.add("loaded_blocks", 2)
+    worker.report(0.0, force=True)
+    with Client(service.socket) as c:
+        got = c.stats()["connectors"]["eng-1"]
+        assert got["hit_tokens"] == 64 and got["loaded_blocks"] == 2
+        from kvtier.errors import BadRequest
+        for bad in ({"engine": "e", "part": "p", "counters": {"bogus": 1}},
+                    {"engine": "e", "part": "p", "counters": {"hit_tokens": -1}},
+                    {"engine": "e", "part": "p", "counters": {"hit_tokens": "many"}},
+                    {"engine": "", "part": "p", "counters": {}},
+                    {"engine": "e", "part": "p", "counters": [1]}):
+            with pytest.raises(BadRequest):
+                c._call("report", **bad)
+    with urllib.request.urlopen(service.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'kvtier_connector_hit_tokens_total{engine="eng-1"} 64.0' in text
