@@ -30,7 +30,8 @@ vllm = pytest.importorskip("vllm")
 
 from kvtier.api.client import Client  # noqa: E402
 from tests.service import Service  # noqa: E402
-from tests.vllm_engines import BLOCK, build_model, generate, kv_config, make_llm, run_engine  # noqa: E402,E501
+from tests.vllm_engines import (BLOCK, EngineStartError, build_model, generate,  # noqa: E402
+                                kv_config, make_llm, run_engine)
 
 # vLLM and torch warn at import and engine start about their own deprecations; those are theirs,
 # not kvtier's, so they are let through here and nowhere else.
@@ -197,14 +198,14 @@ def test_tiny_host_tier_load_errors_are_recomputed(models, work, tmp_path):
     svc = Service(tmp_path / "tiny", host_capacity=str(5 * block_bytes),
                   nvme_capacity="64MiB", segment_bytes="1MiB").start()
     try:
-        llm = make_llm(models["a"], kv_config(svc.socket, engine_id="tiny", **FAST),
-                       max_num_batched_tokens=64)       # stores of 2 blocks a step
-        outs = generate(llm, work.turns + work.turns)
-        work.check(work.turns + work.turns, outs)
-        stats = _connector(svc, "tiny", llm)
-        assert stats["load_errors"] > 0
-        assert stats["loaded_blocks"] > 0
-        _release(llm)
+        prompts = work.turns + work.turns
+        outs = run_engine({"model": str(models["a"]), "prompts": prompts,
+                           "kv": kv_config(svc.socket, engine_id="tiny", **FAST),
+                           "llm_args": {"max_num_batched_tokens": 64}}, multiprocessing=False)
+        work.check(prompts, outs)
+        stats = _connector(svc, "tiny")
+        assert stats["load_errors"] > 0, stats
+        assert stats["loaded_blocks"] > 0 and stats["hit_tokens"] > 0
     finally:
         svc.stop()
 
@@ -215,8 +216,28 @@ def test_two_models_never_read_each_others_blocks(models, work, service):
     _release(llm)
     assert [o["tokens"] for o in want] != [work.expected[tuple(p)]["tokens"]
                                            for p in work.turns]      # the models differ
-    llm = make_llm(models["b"], kv_config(service.socket, engine_id="model-b", **FAST))
-    outs = generate(llm, work.turns)
+    outs = run_engine({"model": str(models["b"]), "prompts": work.turns,
+                       "kv": kv_config(service.socket, engine_id="model-b", **FAST)},
+                      multiprocessing=False)
     assert [o["tokens"] for o in outs] == [o["tokens"] for o in want]
-    assert outs[0]["cached"] == 0 and outs[1]["cached"] == 6 * BLOCK  # its own, not model a's
-    _release(llm)
+    # Model a's engines stored every turn; model b finds none of it, only its own turn 1.
+    assert outs[0]["cached"] == 0 and outs[1]["cached"] == 6 * BLOCK
+    assert _connector(service, "model-b")["loaded_blocks"] == 6 + 7
+
+
+@pytest.mark.parametrize("kv_change, message", [
+    ({"kv_connector_extra_config": {"timeout_s": "soon"}}, "timeout_s: expected a number"),
+    ({"kv_load_failure_policy": "fail"}, "kv_load_failure_policy"),
+])
+def test_garbage_connector_config_stops_the_engine_at_start(models, service, kv_change,
+                                                            message):
+    kv = {**kv_config(service.socket), **kv_change}
+    with pytest.raises(EngineStartError, match=message):
+        run_engine({"model": str(models["a"]), "prompts": [[5, 6, 7]], "kv": kv},
+                   multiprocessing=False)
+
+
+def test_a_second_engine_in_one_process_is_refused(engine, models, service):
+    # vLLM keeps one worker connector per process; sharing it would mix two engines' caches.
+    with pytest.raises(Exception, match="its own process"):
+        make_llm(models["a"], kv_config(service.socket, engine_id="second", **FAST))

@@ -82,6 +82,10 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[di
     return out
 
 
+class EngineStartError(Exception):
+    """The engine process refused to start; the message is its exception's."""
+
+
 def run_engine(job: dict[str, Any], multiprocessing: bool, timeout: float = 300) -> list[dict]:
     """Run job (see main) in a fresh engine process; multiprocessing=True is vLLM's default
     (scheduler and worker in separate processes), False keeps them in one. The engine gets a
@@ -110,17 +114,26 @@ def run_engine(job: dict[str, Any], multiprocessing: bool, timeout: float = 300)
         for line in out.read().splitlines():
             if line.startswith("RESULT "):
                 return json.loads(line[len("RESULT "):])
+            if line.startswith("START_ERROR "):
+                raise EngineStartError(line[len("START_ERROR "):])
         raise RuntimeError(f"engine process exited with {proc.returncode}:\n"
                            f"{err.read()[-4000:]}")
 
 
 def main() -> None:
+    """One engine process: job = {model, kv?, prompts, max_tokens?, prefix_caching?, max_len?,
+    llm_args?}. Prints "RESULT [outputs]", or "START_ERROR type: message" when the engine
+    refuses to start."""
     job = json.load(sys.stdin)
-    llm = make_llm(job["model"], job.get("kv"), job.get("prefix_caching", False),
-                   job.get("max_len", 4096))
+    try:
+        llm = make_llm(job["model"], job.get("kv"), job.get("prefix_caching", False),
+                       job.get("max_len", 4096), **job.get("llm_args", {}))
+    except Exception as exc:                  # reported to the test, which asserts on it
+        print(f"START_ERROR {type(exc).__name__}: {exc}", flush=True)
+        return
     results = generate(llm, job["prompts"], job.get("max_tokens", 8))
     print("RESULT " + json.dumps(results), flush=True)
-    llm.llm_engine.engine_core.shutdown()
+    llm.llm_engine.engine_core.shutdown()     # the connectors send their last counters
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ CONNECTOR_SETTINGS: tuple[Setting, ...] = (
     Setting("timeout_s", 2.0, _positive, "longest wait for one kvtier reply; then a miss", "s"),
     Setting("retry_s", 1.0, _float, "after a failure, seconds without calling kvtier", "s"),
     Setting("report_s", 5.0, _positive, "seconds between counter reports to the service", "s"),
-    Setting("engine_id", "", _str, "this engine's name in kvtier stats; empty: vllm-HOST-PID"),
+    Setting("engine_id", "", _str, "this engine's name in kvtier stats; empty: vllm- and 8 characters of "
+            "vLLM's engine_id"),
     Setting("namespace_prefix", "vllm", _str, "first part of the namespace names"),
 )
 _BY_NAME = {s.name: s for s in CONNECTOR_SETTINGS}

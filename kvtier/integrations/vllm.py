@@ -160,6 +160,14 @@ class KvtierConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.mover is not None:
+            # vLLM keeps one worker connector per process: a second engine in the process
+            # would hand this one its KV cache, and the first engine's loads and stores would
+            # then move the second's blocks.
+            raise ConfigError("a second vLLM engine in this process registered its KV cache "
+                              "with the kvtier connector of the first; vLLM keeps one worker "
+                              "connector per process: run each engine with kvtier in its own "
+                              "process")
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
         num_blocks = int(self._kv_cache_config.num_blocks)
