@@ -16,7 +16,6 @@ processes.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import random
@@ -71,6 +70,8 @@ class Workload:
     def __init__(self, llm: Any) -> None:
         rng = random.Random(7)
         self.turns: list[list[int]] = []
+        self.model_b: list[dict[str, Any]] = []
+        self.engines: list[Any] = []
         self.expected: dict[tuple[int, ...], dict[str, Any]] = {}
         prompt = _tokens(rng, 200)
         for _ in range(3):
@@ -99,16 +100,16 @@ class Workload:
         return worst
 
 
-def _release(llm: Any) -> None:
-    del llm
-    gc.collect()
-
-
 @pytest.fixture(scope="module")
 def work(models: dict[str, Path]) -> Workload:
     llm = make_llm(models["a"], None)
     w = Workload(llm)
-    _release(llm)
+    # Model b's outputs too, now: once an engine with kvtier runs in this process, vLLM hands
+    # every later engine's KV cache to its worker connector (which refuses it). The engines
+    # stay alive: deleting one tears down vLLM's process-wide parallel groups under the others.
+    llm_b = make_llm(models["b"], None)
+    w.model_b = generate(llm_b, w.turns)
+    w.engines = [llm, llm_b]
     return w
 
 
@@ -211,9 +212,7 @@ def test_tiny_host_tier_load_errors_are_recomputed(models, work, tmp_path):
 
 
 def test_two_models_never_read_each_others_blocks(models, work, service):
-    llm = make_llm(models["b"], None)
-    want = generate(llm, work.turns)
-    _release(llm)
+    want = work.model_b
     assert [o["tokens"] for o in want] != [work.expected[tuple(p)]["tokens"]
                                            for p in work.turns]      # the models differ
     outs = run_engine({"model": str(models["b"]), "prompts": work.turns,
@@ -238,6 +237,7 @@ def test_garbage_connector_config_stops_the_engine_at_start(models, service, kv_
 
 
 def test_a_second_engine_in_one_process_is_refused(engine, models, service):
-    # vLLM keeps one worker connector per process; sharing it would mix two engines' caches.
+    # vLLM keeps one worker connector per process and registers every later engine's KV cache
+    # with it, even an engine without a connector; sharing it would mix two engines' caches.
     with pytest.raises(Exception, match="its own process"):
         make_llm(models["a"], kv_config(service.socket, engine_id="second", **FAST))
