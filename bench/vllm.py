@@ -4,17 +4,18 @@
     python bench/vllm.py --json                      # 1k, 4k and 16k tokens; the committed run
     python bench/vllm.py --lengths 1024 --reps 1 --turns 10 --json      # the smoke run
 
-Both engines run in this process on the same tiny seeded model (tests.vllm_engines; vLLM's CPU
-backend, float32, VLLM_ENABLE_V1_MULTIPROCESSING=0), with vLLM's own prefix cache off, so the
+Both engines run in this run on the same tiny seeded model (tests.vllm_engines; vLLM's CPU
+backend, float32, VLLM_ENABLE_V1_MULTIPROCESSING=0), one after the other, each in a process of
+its own (vLLM keeps one KV connector per process), with vLLM's own prefix cache off, so the
 "without" engine recomputes every prompt and the "with" engine loads what kvtier holds. For each
 length L: a base prompt of L tokens runs once on each engine (the "with" engine stores it), then
-`reps` prompts made of the base's first L - 512 tokens and 512 new ones are timed on both,
-alternating, each a request of one output token (its latency is the time to first token).
+`reps` prompts made of the base's first L - 512 tokens and 512 new ones are timed, each a
+request of one output token (its latency is the time to first token); medians are reported.
 The sampled tokens and logprobs of every timed prompt are compared between the engines.
 
 Replay: the first `turns` requests of Mooncake's conversation trace (/work/shared/traces), each
 trace block (512 tokens there) scaled to one 32-token vLLM block of token ids derived from its
-id, plus a short unique tail; the "with" engine runs them in order, and the prompt tokens it
+id (at most REPLAY_BLOCKS of them), plus a short unique tail; the "with" engine runs them in order, and the prompt tokens it
 was served from kvtier are counted against the leading-run hits of an infinite cache.
 """
 
@@ -34,9 +35,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# Run as a script, this file's folder comes first on sys.path, and this file would shadow the
+# vllm package: the repository root goes there instead.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 TRACE = Path("/work/shared/traces/mooncake_conversation_first_half.jsonl")
 SUFFIX = 512
+REPLAY_BLOCKS = 120          # replayed prompts are cut to their first 120 blocks (3,840 tokens)
+
+
+def _max_len(lengths: list[int]) -> int:
+    return max(max(lengths), REPLAY_BLOCKS * 32) + 64
 
 
 def _ttft(llm: Any, prompt: list[int]) -> tuple[float, dict[str, Any]]:
@@ -59,7 +68,7 @@ def _trace_prompts(turns: int, block: int) -> tuple[list[list[int]], int]:
         for i, line in enumerate(fh):
             if i >= turns:
                 break
-            ids = json.loads(line)["hash_ids"]
+            ids = json.loads(line)["hash_ids"][:REPLAY_BLOCKS]
             lead = 0
             while lead < len(ids) and ids[lead] in seen:
                 lead += 1
@@ -70,65 +79,95 @@ def _trace_prompts(turns: int, block: int) -> tuple[list[list[int]], int]:
     return prompts, ideal
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _prompts(lengths: list[int], reps: int) -> list[tuple[int, list[int], list[list[int]]]]:
+    """Per length: the base prompt and reps prompts sharing all but their last SUFFIX tokens."""
+    rng = random.Random(0)
+    out = []
+    for n in lengths:
+        base = [rng.randrange(3, 500) for _ in range(n)]
+        out.append((n, base, [base[:n - SUFFIX] + [rng.randrange(3, 500) for _ in range(SUFFIX)]
+                              for _ in range(reps)]))
+    return out
+
+
+def engine_role(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine's side of the run, in its own process (vLLM keeps one KV connector per
+    process, and an engine without one cannot run beside an engine with one)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from tests.vllm_engines import generate, kv_config, make_llm
+    max_len = _max_len(args.lengths)
+    kv = kv_config(args.socket, engine_id="bench", report_s=0.1) if args.role == "with" else None
+    llm = make_llm(args.model, kv, max_len=max_len, kv_bytes=4 * max_len * 1024)
+    out: dict[str, Any] = {"ttft_ms": {}, "outputs": {}}
+    for n, base, timed in _prompts(args.lengths, args.reps):
+        generate(llm, [base], max_tokens=1)           # the earlier prompt (stored "with")
+        samples, outs = [], []
+        for prompt in timed:
+            ms, o = _ttft(llm, prompt)
+            samples.append(round(ms, 2))
+            outs.append(o)
+        out["ttft_ms"][str(n)] = samples
+        out["outputs"][str(n)] = outs
+        print(f"# {args.role} kvtier, {n} tokens: TTFT {samples} ms", file=sys.stderr)
+    prompts, ideal = _trace_prompts(args.turns, 32)
+    replay = generate(llm, prompts, max_tokens=1)
+    out["replay"] = replay
+    out["ideal_hit_tokens"] = ideal
+    out["prompt_tokens"] = sum(len(p) for p in prompts)
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def _role(args: argparse.Namespace, role: str, model: Path, socket: Path) -> dict[str, Any]:
+    import subprocess
+    cmd = [sys.executable, __file__, "--role", role, "--model", str(model), "--socket",
+           str(socket), "--reps", str(args.reps), "--turns", str(args.turns), "--lengths",
+           *map(str, args.lengths)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {role!r} engine process exited with {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both engines, one after the other, on one model and one `kvtier serve`."""
     from tests.service import Service
-    from tests.vllm_engines import BLOCK, build_model, generate, kv_config, make_llm
+    from tests.vllm_engines import BLOCK, build_model
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
-    max_len = max(args.lengths) + 64
-    model = build_model(tmp / "model", seed=0, max_len=max_len)
+    model = build_model(tmp / "model", seed=0, max_len=_max_len(args.lengths))
     svc = Service(tmp / "data", host_capacity="1GiB", nvme_capacity="2GiB").start()
-    kv_bytes = 4 * max_len * 1024            # 32 KiB per 32 tokens: four such prompts at once
     try:
-        without = make_llm(model, None, max_len=max_len, kv_bytes=kv_bytes)
-        with_kv = make_llm(model, kv_config(svc.socket, engine_id="bench", report_s=0.1),
-                           max_len=max_len, kv_bytes=kv_bytes)
-        rng = random.Random(0)
-        ttft_without: dict[str, float] = {}
-        ttft_with: dict[str, float] = {}
-        equal, worst = True, 0.0
-        rounds: dict[str, dict[str, list[float]]] = {}
-        for n in args.lengths:
-            base = [rng.randrange(3, 500) for _ in range(n)]
-            generate(without, [base], max_tokens=1)
-            generate(with_kv, [base], max_tokens=1)
-            a_ms, b_ms = [], []
-            for _ in range(args.reps):
-                prompt = base[:n - SUFFIX] + [rng.randrange(3, 500) for _ in range(SUFFIX)]
-                ta, oa = _ttft(without, prompt)
-                tb, ob = _ttft(with_kv, prompt)
-                same, delta = _diff(oa, ob)
-                equal &= same and ob["cached"] == (n - SUFFIX) // BLOCK * BLOCK
-                worst = max(worst, delta)
-                a_ms.append(ta)
-                b_ms.append(tb)
-            ttft_without[str(n)] = round(statistics.median(a_ms), 2)
-            ttft_with[str(n)] = round(statistics.median(b_ms), 2)
-            rounds[str(n)] = {"without": [round(x, 2) for x in a_ms],
-                              "with": [round(x, 2) for x in b_ms]}
-            print(f"# {n} tokens: TTFT {ttft_without[str(n)]} ms without kvtier, "
-                  f"{ttft_with[str(n)]} ms with", file=sys.stderr)
-        prompts, ideal = _trace_prompts(args.turns, BLOCK)
-        replay = generate(with_kv, prompts, max_tokens=1)
-        hit = sum(o["cached"] for o in replay)
-        check = generate(without, prompts[-3:], max_tokens=1)
-        for a, b in zip(check, replay[-3:]):
-            same, delta = _diff(a, b)
-            equal &= same
-            worst = max(worst, delta)
-        return {
-            "ttft_ms_without": ttft_without, "ttft_ms_with": ttft_with,
-            "ttft_ratio": {k: round(ttft_without[k] / ttft_with[k], 2) for k in ttft_with},
-            "ttft_rounds_ms": rounds, "suffix_tokens": SUFFIX, "reps": args.reps,
-            "outputs_equal": bool(equal), "max_abs_logprob_diff": worst,
-            "hit_tokens": hit, "prompt_tokens": sum(len(p) for p in prompts),
-            "ideal_hit_tokens": ideal, "replay_requests": len(prompts),
-            "model": "Llama 2 layers, hidden 128, 4 heads / 2 KV heads of 32, float32",
-            "block_size": BLOCK,
-        }
+        a = _role(args, "without", model, svc.socket)
+        b = _role(args, "with", model, svc.socket)
     finally:
         svc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    equal, worst = True, 0.0
+    for n in a["outputs"]:
+        for oa, ob in zip(a["outputs"][n], b["outputs"][n]):
+            same, delta = _diff(oa, ob)
+            equal &= same and ob["cached"] == (int(n) - SUFFIX) // BLOCK * BLOCK
+            worst = max(worst, delta)
+    for oa, ob in zip(a["replay"], b["replay"]):
+        same, delta = _diff(oa, ob)
+        equal &= same
+        worst = max(worst, delta)
+    med_a = {n: round(statistics.median(v), 2) for n, v in a["ttft_ms"].items()}
+    med_b = {n: round(statistics.median(v), 2) for n, v in b["ttft_ms"].items()}
+    return {
+        "ttft_ms_without": med_a, "ttft_ms_with": med_b,
+        "ttft_ratio": {n: round(med_a[n] / med_b[n], 2) for n in med_b},
+        "ttft_rounds_ms": {n: {"without": a["ttft_ms"][n], "with": b["ttft_ms"][n]}
+                           for n in med_a},
+        "suffix_tokens": SUFFIX, "reps": args.reps,
+        "outputs_equal": bool(equal), "max_abs_logprob_diff": worst,
+        "hit_tokens": sum(o["cached"] for o in b["replay"]),
+        "hit_tokens_without": sum(o["cached"] for o in a["replay"]),
+        "prompt_tokens": b["prompt_tokens"], "ideal_hit_tokens": b["ideal_hit_tokens"],
+        "replay_requests": len(b["replay"]),
+        "model": "Llama 2 layers, hidden 128, 4 heads / 2 KV heads of 32, float32",
+        "block_size": BLOCK,
+    }
 
 
 def main() -> None:
@@ -137,7 +176,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--turns", type=int, default=60)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--role", choices=("without", "with"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.role:
+        with contextlib.redirect_stdout(sys.stderr):
+            result = engine_role(args)
+        print(json.dumps(result))
+        return
     if min(args.lengths) <= SUFFIX:
         ap.error(f"every length must exceed the {SUFFIX}-token new suffix")
     from bench.common import emit, header
