@@ -2,7 +2,7 @@
 512 tokens with an earlier one, and the prefix-hit tokens of a replayed multi-turn workload.
 
     python bench/vllm.py --json                      # 1k, 4k and 16k tokens; the committed run
-    python bench/vllm.py --lengths 1024 --reps 1 --turns 10 --json      # the smoke run
+    python bench/vllm.py --lengths 1024 --reps 1 --rounds 1 --turns 10 --json  # the smoke run
 
 Both engines run in this run on the same tiny seeded model (tests.vllm_engines; vLLM's CPU
 backend, float32, VLLM_ENABLE_V1_MULTIPROCESSING=0), one after the other, each in a process of
@@ -10,7 +10,8 @@ its own (vLLM keeps one KV connector per process), with vLLM's own prefix cache 
 "without" engine recomputes every prompt and the "with" engine loads what kvtier holds. For each
 length L: a base prompt of L tokens runs once on each engine (the "with" engine stores it), then
 `reps` prompts made of the base's first L - 512 tokens and 512 new ones are timed, each a
-request of one output token (its latency is the time to first token); medians are reported.
+request of one output token (its latency is the time to first token). `rounds` rounds
+alternate the two engines (fresh prompts each round); medians over all rounds are reported.
 The sampled tokens and logprobs of every timed prompt are compared between the engines.
 
 Replay: the first `turns` requests of Mooncake's conversation trace (/work/shared/traces), each
@@ -79,9 +80,11 @@ def _trace_prompts(turns: int, block: int) -> tuple[list[list[int]], int]:
     return prompts, ideal
 
 
-def _prompts(lengths: list[int], reps: int) -> list[tuple[int, list[int], list[list[int]]]]:
-    """Per length: the base prompt and reps prompts sharing all but their last SUFFIX tokens."""
-    rng = random.Random(0)
+def _prompts(lengths: list[int], reps: int,
+             seed: int) -> list[tuple[int, list[int], list[list[int]]]]:
+    """Per length: the base prompt and reps prompts sharing all but their last SUFFIX tokens
+    (seed: the round, so that a later round's "with" engine finds only its own bases)."""
+    rng = random.Random(seed)
     out = []
     for n in lengths:
         base = [rng.randrange(3, 500) for _ in range(n)]
@@ -99,7 +102,7 @@ def engine_role(args: argparse.Namespace) -> dict[str, Any]:
     kv = kv_config(args.socket, engine_id="bench", report_s=0.1) if args.role == "with" else None
     llm = make_llm(args.model, kv, max_len=max_len, kv_bytes=4 * max_len * 1024)
     out: dict[str, Any] = {"ttft_ms": {}, "outputs": {}}
-    for n, base, timed in _prompts(args.lengths, args.reps):
+    for n, base, timed in _prompts(args.lengths, args.reps, args.seed):
         generate(llm, [base], max_tokens=1)           # the earlier prompt (stored "with")
         samples, outs = [], []
         for prompt in timed:
@@ -110,7 +113,7 @@ def engine_role(args: argparse.Namespace) -> dict[str, Any]:
         out["outputs"][str(n)] = outs
         print(f"# {args.role} kvtier, {n} tokens: TTFT {samples} ms", file=sys.stderr)
     prompts, ideal = _trace_prompts(args.turns, 32)
-    replay = generate(llm, prompts, max_tokens=1)
+    replay = generate(llm, prompts, max_tokens=1) if prompts else []
     out["replay"] = replay
     out["ideal_hit_tokens"] = ideal
     out["prompt_tokens"] = sum(len(p) for p in prompts)
@@ -118,11 +121,12 @@ def engine_role(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _role(args: argparse.Namespace, role: str, model: Path, socket: Path) -> dict[str, Any]:
+def _role(args: argparse.Namespace, role: str, model: Path, socket: Path,
+          seed: int) -> dict[str, Any]:
     import subprocess
     cmd = [sys.executable, __file__, "--role", role, "--model", str(model), "--socket",
-           str(socket), "--reps", str(args.reps), "--turns", str(args.turns), "--lengths",
-           *map(str, args.lengths)]
+           str(socket), "--reps", str(args.reps), "--turns", str(args.turns if seed == 0 else 0),
+           "--seed", str(seed), "--lengths", *map(str, args.lengths)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"the {role!r} engine process exited with {proc.returncode}")
@@ -137,11 +141,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(tmp / "model", seed=0, max_len=_max_len(args.lengths))
     svc = Service(tmp / "data", host_capacity="1GiB", nvme_capacity="2GiB").start()
     try:
-        a = _role(args, "without", model, svc.socket)
-        b = _role(args, "with", model, svc.socket)
+        # Rounds alternate the engines, so that a shared machine's load drifts over both.
+        rounds = [(_role(args, "without", model, svc.socket, r),
+                   _role(args, "with", model, svc.socket, r)) for r in range(args.rounds)]
     finally:
         svc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    a, b = rounds[0]
+    for ra, rb in rounds[1:]:
+        for side, more in ((a, ra), (b, rb)):
+            for n in side["ttft_ms"]:
+                side["ttft_ms"][n] += more["ttft_ms"][n]
+                side["outputs"][n] += more["outputs"][n]
     equal, worst = True, 0.0
     for n in a["outputs"]:
         for oa, ob in zip(a["outputs"][n], b["outputs"][n]):
@@ -159,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ratio": {n: round(med_a[n] / med_b[n], 2) for n in med_b},
         "ttft_rounds_ms": {n: {"without": a["ttft_ms"][n], "with": b["ttft_ms"][n]}
                            for n in med_a},
-        "suffix_tokens": SUFFIX, "reps": args.reps,
+        "suffix_tokens": SUFFIX, "reps": args.reps, "rounds": args.rounds,
         "outputs_equal": bool(equal), "max_abs_logprob_diff": worst,
         "hit_tokens": sum(o["cached"] for o in b["replay"]),
         "hit_tokens_without": sum(o["cached"] for o in a["replay"]),
@@ -175,6 +186,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--turns", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--role", choices=("without", "with"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

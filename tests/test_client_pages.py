@@ -111,6 +111,9 @@ def test_garbage_rows_and_pages_are_refused(service):
         ro.flags.writeable = False
         with pytest.raises(BadRequest, match="read-only"):
             ns.get(keys(range(1)), out=ro, rows=[0])
+        strided = np.zeros((8, 2 * pages.block_bytes), dtype=np.uint8)[:, ::2]
+        with pytest.raises(BadRequest, match="contiguous"):
+            ns.get(keys(range(1)), out=strided, rows=[0])
         assert ns.match_prefix(keys(range(2))) == 0          # nothing half-stored
 
 

@@ -6,7 +6,10 @@ down. The same parts run inside a real vLLM engine in tests/test_vllm.py."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import subprocess
+import sys
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -227,3 +230,8 @@ def test_reports_reach_stats_and_metrics_and_garbage_reports_are_refused(service
     with urllib.request.urlopen(service.url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     assert 'kvtier_connector_hit_tokens_total{engine="eng-1"} 64.0' in text
+    table = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--socket",
+                            str(service.socket)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"})
+    assert table.returncode == 0, table.stderr
+    assert "engine connectors" in table.stdout and "eng-1" in table.stdout

@@ -69,9 +69,11 @@ class HostBlocks:
                 parts.append((a, off))
                 off += a.shape[1]
             return cls(tuple(parts), obj.num_blocks)
-        if writable and type(obj).__module__.startswith("torch") and not obj.is_contiguous():
-            raise BadRequest("the output tensor is not contiguous; rows= needs a contiguous "
-                             "buffer (or a Pages for strided KV layouts)")
+        if writable and not (obj.is_contiguous() if type(obj).__module__.startswith("torch")
+                             else isinstance(obj, np.ndarray) and obj.flags.c_contiguous):
+            # A copy would be filled instead of the caller's memory.
+            raise BadRequest("the output is not one contiguous array or tensor; rows= needs "
+                             "a contiguous buffer (or a Pages for strided KV layouts)")
         arr = as_u8(obj)
         if arr.size % block_bytes or not arr.size:
             raise BadRequest(f"a buffer of {arr.size} bytes is not whole blocks of "

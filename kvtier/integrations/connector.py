@@ -248,7 +248,7 @@ class Link:
         if ns is not None and ns._generation == c.generation and c._sock is not None:
             return ns
         if create is None:
-            ns = c.namespace(name)
+            ns = c.namespace(name, inline=True)     # lookups only: no need to map its memory
         else:
             ns = c.namespace(name, **create)
         self._namespaces[name] = ns
