@@ -212,15 +212,8 @@ class Link:
         if now < self._down_until:
             self.stats.add(error_counter, errors)
             return None
-        c = self.client()
         try:
-            try:
-                stale = c._sock is not None
-                out = fn(c)
-            except ServiceUnavailable:
-                if not stale:
-                    raise
-                out = fn(c)      # the service restarted under an old connection: one new one
+            out = fn(self.client())   # a restarted service is noticed and reconnected to first
         except ServiceUnavailable as exc:
             self.stats.add(error_counter, errors)
             self._down_until = now + self.settings.retry_s
