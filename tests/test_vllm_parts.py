@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -209,13 +210,21 @@ def test_kvtier_down_is_a_miss_and_a_load_error_never_an_exception(tmp_path, lin
     assert w.link.stats.counts["load_errors"] == 2 and w.link.stats.counts["store_errors"] == 1
 
 
+def _reported(service, engine: str, name: str) -> float:
+    with Client(service.socket) as c:
+        return c.stats()["connectors"].get(engine, {}).get(name, 0.0)
+
+
 def test_reports_reach_stats_and_metrics_and_garbage_reports_are_refused(service, link):
     sched = link(service.socket, engine_id="eng-1")
     sched.stats.add("hit_tokens", 64)
-    sched.report(0.0, force=True)
+    sched.report()
     worker = link(service.socket, "worker0", engine_id="eng-1")
     worker.stats.add("loaded_blocks", 2)
-    worker.report(0.0, force=True)
+    worker.start_reports()                          # every report_s (0.01 s) from a thread
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _reported(service, "eng-1", "loaded_blocks") < 2:
+        time.sleep(0.02)
     with Client(service.socket) as c:
         got = c.stats()["connectors"]["eng-1"]
         assert got["hit_tokens"] == 64 and got["loaded_blocks"] == 2

@@ -13,9 +13,11 @@ identity of its KV bytes, a guarded link to the service, and its counters.
   ``Link.call`` turns a kvtier failure into None, counts and logs it, and leaves the service
   alone for ``retry_s`` before trying again (a dead socket costs one failed connect a second,
   not one per request).
-- **Stats.** Totals per connector part, sent to the service (op ``report``) at most every
-  ``report_s`` seconds, so that ``kvtier stats`` and ``/metrics`` show each engine's hit
-  tokens, loads, stores, load errors and time spent in the connector.
+- **Stats.** Totals per connector part, sent to the service (op ``report``) every
+  ``report_s`` seconds by a daemon thread on a connection of its own (the serving path's
+  client is not thread-safe, and a report is no work for the serving path), and once more at
+  shutdown, so that ``kvtier stats`` and ``/metrics`` show each engine's hit tokens, loads,
+  stores, load errors and time spent in the connector.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import hashlib
 import logging
 import os
 import socket as _socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,7 +184,6 @@ class ConnectorStats:
 
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CONNECTOR_COUNTERS,
                                                                             0.0))
-    last_report: float = 0.0
 
     def add(self, name: str, n: float = 1) -> None:
         self.counts[name] += n
@@ -200,6 +202,11 @@ class Link:
         self._down_until = 0.0
         self._logged = False
         self._namespaces: dict[str, Namespace] = {}
+        self._report_client: Client | None = None
+        self._reported: dict[str, float] = {}
+        self._report_lock = threading.Lock()
+        self._reporter: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def client(self) -> Client:
         if self._client is None:
@@ -230,7 +237,6 @@ class Link:
         if self._logged:
             log.warning("kvtier %s: the service answers again", self.part)
             self._logged = False
-        self.report(now)
         return out
 
     def namespace(self, c: Client, name: str, create: dict[str, Any] | None = None) -> Namespace:
@@ -247,24 +253,46 @@ class Link:
         self._namespaces[name] = ns
         return ns
 
-    def report(self, now: float, force: bool = False) -> None:
-        """Send this part's totals, at most every report_s seconds (force: now)."""
-        if not force and now - self.stats.last_report < self.settings.report_s:
-            return
-        self.stats.last_report = now
-        try:
-            c = self.client()
-            c._ensure()
-            c._call("report", engine=self.settings.engine_id, part=self.part,
-                    counters=dict(self.stats.counts))
-        except KvtierError as exc:
-            log.debug("kvtier %s: counters not reported (%s)", self.part, exc)
+    def start_reports(self) -> None:
+        """Report this part's totals every report_s seconds from a daemon thread (idempotent)."""
+        if self._reporter is None:
+            self._reporter = threading.Thread(target=self._report_loop, daemon=True,
+                                              name=f"kvtier-report-{self.part}")
+            self._reporter.start()
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(self.settings.report_s):
+            self.report()
+
+    def report(self) -> None:
+        """Send this part's totals now, on the reporter's own connection, if they changed."""
+        with self._report_lock:
+            counts = dict(self.stats.counts)      # a snapshot: the serving thread adds to it
+            if counts == self._reported:
+                return
+            try:
+                if self._report_client is None:
+                    self._report_client = Client(self.settings.socket,
+                                                 timeout=self.settings.timeout_s,
+                                                 name=f"{self.settings.engine_id}/report",
+                                                 connect=False)
+                self._report_client._ensure()
+                self._report_client._call("report", engine=self.settings.engine_id,
+                                          part=self.part, counters=counts)
+                self._reported = counts
+            except KvtierError as exc:
+                log.debug("kvtier %s: counters not reported (%s)", self.part, exc)
 
     def close(self) -> None:
-        self.report(time.monotonic(), force=True)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._stop.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=self.settings.timeout_s)
+        self.report()
+        with self._report_lock:
+            for c in (self._client, self._report_client):
+                if c is not None:
+                    c.close()
+            self._client = self._report_client = None
 
 
 def layout_record(kind: str, pages: list[tuple[int, ...]], dtype: str, block_size: int,

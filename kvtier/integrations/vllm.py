@@ -137,6 +137,7 @@ class KvtierConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             self.rank = get_tensor_model_parallel_rank()
             self.link = Link(self.settings, f"worker{self.rank}", self.stats)
+        self.link.start_reports()
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:
