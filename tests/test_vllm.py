@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -82,6 +83,8 @@ class Workload:
         self.shared = [_tokens(rng, 230), _tokens(rng, 300)]
         self.killed = [_tokens(rng, 150 + 20 * i) for i in range(5)]
         self.baseline(llm, [self.branch, *self.shared, *self.killed])
+        self.long = _tokens(rng, 100)                  # 100 output tokens: a kill lands inside
+        self.long_out = generate(llm, [self.long], max_tokens=100)[0]
 
     def baseline(self, llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
         outs = generate(llm, prompts)
@@ -185,6 +188,14 @@ def test_kvtier_killed_mid_run_engine_keeps_serving(engine, work, service):
     service.start()
     stats = _connector(service, "e1")           # reconnects and reports its totals
     assert stats["lookup_errors"] > 0 or stats["store_errors"] > 0
+    # Killed while a request decodes (its stores of the blocks it fills fail): same tokens.
+    timer = threading.Timer(0.3, service.kill)
+    timer.start()
+    (out,) = generate(engine, [work.long], max_tokens=100)
+    timer.join()
+    assert out["tokens"] == work.long_out["tokens"]
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], work.long_out["logprobs"])) <= TOL
+    service.start()
 
 
 def test_tiny_host_tier_load_errors_are_recomputed(models, work, tmp_path):
@@ -238,3 +249,35 @@ def test_a_second_engine_in_one_process_is_refused(engine, models, service):
     # with it, even an engine without a connector; sharing it would mix two engines' caches.
     with pytest.raises(Exception, match="its own process"):
         make_llm(models["a"], kv_config(service.socket, engine_id="second", **FAST))
+
+
+def _config(**changes: Any) -> Any:
+    """A stand-in for the few VllmConfig fields check_supported reads (no engine needed)."""
+    from types import SimpleNamespace as NS
+    cfg = NS(kv_transfer_config=NS(kv_load_failure_policy="recompute"),
+             model_config=NS(use_mla=False), parallel_config=NS(pipeline_parallel_size=1),
+             speculative_config=None)
+    for path, value in changes.items():
+        obj, _, attr = path.rpartition(".")
+        setattr(getattr(cfg, obj) if obj else cfg, attr, value)
+    return cfg
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_config.use_mla": True}, "MLA"),
+    ({"parallel_config.pipeline_parallel_size": 2}, "pipeline parallelism"),
+    ({"speculative_config": object()}, "speculative decoding"),
+    ({"kv_transfer_config.kv_load_failure_policy": "fail"}, "recompute"),
+])
+def test_unsupported_engine_setups_are_refused_with_what_to_change(change, message):
+    from types import SimpleNamespace as NS
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm import _block_dim, check_supported
+    check_supported(_config(), NS(kv_cache_groups=[1]))
+    with pytest.raises(ConfigError, match=message):
+        check_supported(_config(**change), NS(kv_cache_groups=[1]))
+    with pytest.raises(ConfigError, match="hybrid"):
+        check_supported(_config(), NS(kv_cache_groups=[1, 2]))
+    assert _block_dim((100, 2, 32, 64), 100) == 0 and _block_dim((2, 100, 32, 2, 8), 100) == 1
+    with pytest.raises(ConfigError, match="block dimension"):
+        _block_dim((4, 8, 100), 100)
