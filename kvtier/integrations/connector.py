@@ -295,10 +295,14 @@ class Link:
             self._client = self._report_client = None
 
 
-def layout_record(kind: str, pages: list[tuple[int, ...]], dtype: str, block_size: int,
-                  tp: str, identity: EngineIdentity) -> dict[str, Any]:
-    """The layout stored with a namespace: what a reader must match to read its blocks."""
-    return {"engine": "vllm", "kv_layout": kind, "page_shapes": [list(p) for p in pages],
-            "dtype": dtype, "block_size": block_size, "tp": tp, "model": identity.model,
-            "digest": identity.digest()}
-
+def layout_record(kind: str, layers: list[str], pages: list[tuple[int, ...]], dtype: str,
+                  block_size: int, tp: str, identity: EngineIdentity) -> dict[str, Any]:
+    """The layout stored with a namespace: what a reader must match to read its blocks. The
+    per-layer names and page shapes go in as a digest (the service keeps layouts small:
+    4 KiB packed), with the distinct shapes and the layer count left readable."""
+    per_layer = hashlib.sha256(repr((layers, pages)).encode()).hexdigest()[:16]
+    return {"engine": "vllm", "kv_layout": kind, "layers": len(layers),
+            "page_shapes": [list(p) for p in sorted({tuple(p) for p in pages})],
+            "layers_digest": per_layer,
+            "dtype": dtype, "block_size": block_size, "tp": tp,
+            "model": identity.model[-200:], "digest": identity.digest()}

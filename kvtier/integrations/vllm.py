@@ -175,11 +175,10 @@ class KvtierConnector(KVConnectorBase_V1):
         dim = _block_dim(tuple(tensors[0].shape), num_blocks)
         pages = Pages.from_layers(tensors, block_dim=dim)
         layout = layout_record(
-            str(self._vllm_config.cache_config.kv_cache_layout or "LBHNC"),
+            str(self._vllm_config.cache_config.kv_cache_layout or "LBHNC"), names,
             [tuple(t.shape[:dim]) + tuple(t.shape[dim + 1:]) for t in tensors],
             str(tensors[0].dtype), self.block_size,
             f"{self.rank}/{self.identity.tp_size}", self.identity)
-        layout["layers"] = names
         self.mover = Mover(self.link, self.names[self.rank], self.key_width, pages,
                            pages.block_bytes, layout)
         self.mover.open()
