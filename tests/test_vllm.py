@@ -202,8 +202,8 @@ def test_kvtier_killed_mid_run_engine_keeps_serving(engine, work, service):
 def test_tiny_host_tier_load_errors_are_recomputed(models, work, tmp_path):
     # 5 blocks of host tier. Prefill in chunks of 64 tokens stores 2 blocks a step, each
     # store evicting older blocks to NVMe; the 6 to 9 blocks that later turns find at lookup
-    # cannot all be brought back up for the load, so the tail is reported to vLLM as load
-    # errors and recomputed.
+    # cannot all be brought back up for the load, so they are reported to vLLM as load errors
+    # and recomputed.
     block_bytes = 2 * 2 * BLOCK * 64 * 4            # layers x heads x tokens x (K+V) x fp32
     svc = Service(tmp_path / "tiny", host_capacity=str(5 * block_bytes),
                   nvme_capacity="64MiB", segment_bytes="1MiB").start()
@@ -214,8 +214,9 @@ def test_tiny_host_tier_load_errors_are_recomputed(models, work, tmp_path):
                            "llm_args": {"max_num_batched_tokens": 64}}, multiprocessing=False)
         work.check(prompts, outs)
         stats = _connector(svc, "tiny")
-        assert stats["load_errors"] > 0, stats
-        assert stats["loaded_blocks"] > 0 and stats["hit_tokens"] > 0
+        # Found at lookup, then not loaded: the service cannot stage them all, and refuses a
+        # load that would pin more slots than one connection may (max_client_share) whole.
+        assert stats["hit_tokens"] > 0 and stats["load_errors"] > 0, stats
     finally:
         svc.stop()
 
