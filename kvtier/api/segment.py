@@ -20,7 +20,7 @@ is checked against that hash; a host-tier get re-hashes only when asked (verify=
 
 Windows are whole pages: where block_bytes is not a multiple of the page size, the bytes of a
 neighbouring slot that share a page with a reserved one are writable during the copy too.
-GPU workers register a second, writable mapping with CUDA (gpu_view; kvtier.gpu.MappedSegment):
+GPU workers register a second, writable mapping with CUDA (gpu_view; kvtier.gpu.slots.MappedSegment):
 the kernels write only the reserved slots the service names. Costs: two mprotect calls per run
 of reserved slots (gaps of up to 256 KiB closed into the window), and per page: on the dev VM a
 4 MiB put of consecutive slots took 0.65-0.87 ms through its window against 0.40-0.45 ms without,
