@@ -295,9 +295,14 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
     params = params or {}
     try:
         unit = -(-max(block_bytes, 1) // NVME_RECORD) * NVME_RECORD
+        # Each 1 MiB segment spends one record's room on its header, and a new segment's
+        # header must fit too: room for nvme blocks of records exactly.
+        per_seg = (1 << 20) // unit - 1
+        nvme_bytes = (tiers.nvme + -(-tiers.nvme // max(per_seg, 1)) + 1) * unit \
+            if tiers.nvme else 0
         settings = make_settings({
             "data_dir": tmp, "host_capacity": max(1, tiers.host) * block_bytes,
-            "hbm_capacity": tiers.hbm * block_bytes, "nvme_capacity": tiers.nvme * unit,
+            "hbm_capacity": tiers.hbm * block_bytes, "nvme_capacity": nvme_bytes,
             "write_policy": "write_back", "eviction": policy, "segment_bytes": "1MiB",
             "prefetch_blocks": 0,
             **{f"eviction_{k}": v for k, v in params.items()}})

@@ -64,26 +64,35 @@ class Eviction:
             slots = policy.victims(n - done)
             if slots.size == 0:
                 break
-            try:
-                rows = st.slot_row[slots]
-                covered = self._covered(cols, rows, tier, lowers)
-                if not covered.all():
-                    self._write_down(ns, tier, lowers[0], rows[~covered])
-                    covered = self._covered(cols, rows, tier, lowers)
-            except BaseException:
-                policy.give_back(slots)
-                raise
-            policy.give_back(slots[~covered])
-            victims = rows[covered]
-            self._drop_copies(ns, victims, tier)
-            self.counters.tiers[tier].evictions += victims.size
-            if lowers:
-                self.counters.tiers[lowers[0]].demotions += victims.size
-            self._forget_empty(ns, victims)
-            done += int(victims.size)
+            rows = st.slot_row[slots]
+            covered = self._covered(cols, rows, tier, lowers)
+            done += self._drop_victims(ns, tier, rows[covered], lowers)
+            slots, rows = slots[~covered], rows[~covered]
+            if slots.size:
+                # The sole copies of their version: write them one tier down first.
+                try:
+                    self._write_down(ns, tier, lowers[0], rows)
+                except BaseException:
+                    policy.give_back(slots)
+                    raise
+                # Making room below can have evicted some of them outright (NVMe eviction
+                # drops every copy): a slot no longer holding its row is settled already.
+                ours = st.slot_row[slots] == rows
+                covered = ours & self._covered(cols, rows, tier, lowers)
+                policy.give_back(slots[ours & ~covered])
+                done += self._drop_victims(ns, tier, rows[covered], lowers)
             if done >= n:
                 break
         return done
+
+    def _drop_victims(self, ns: Namespace, tier: Tier, victims: np.ndarray,
+                      lowers: list[Tier]) -> int:
+        self._drop_copies(ns, victims, tier)
+        self.counters.tiers[tier].evictions += victims.size
+        if lowers:
+            self.counters.tiers[lowers[0]].demotions += victims.size
+        self._forget_empty(ns, victims)
+        return int(victims.size)
 
     @staticmethod
     def _covered(cols: dict[str, np.ndarray], rows: np.ndarray, tier: Tier,
