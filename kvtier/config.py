@@ -189,8 +189,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("eviction_nvme", "", _str, "NVMe-tier policy; empty: the value of eviction"),
     Setting("eviction_hbm", "", _str, "HBM-tier policy; empty: the value of eviction"),
     Setting("eviction_small", "", _per_tier,
-            "s3fifo/chain: the probation queue's share of the tier (0.1); one value, or "
-            "tier:value pairs (host:0.1,hbm:0.2); empty: the policy's own", "fraction"),
+            "s3fifo/chain: the probation queue's share of the tier; one value, or tier:value "
+            "pairs (host:0.1,hbm:0.2); empty: the policy's own (chain 0.05, s3fifo 0.1)",
+            "fraction"),
     Setting("eviction_ghost", "", _per_tier,
             "s3fifo/chain: evicted keys remembered, as a multiple of the tier (4x) or in blocks "
             "(100000); 4 bytes each; empty: the policy's own (chain 4x, s3fifo 0.9x)"),
