@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvtier.config import EVICTION_POLICIES, POLICY_PARAMETERS, make_settings, parse_size
-from kvtier.errors import ConfigError
+from kvtier.errors import CapacityError, ConfigError, StorageError
 
 TOKENS_PER_BLOCK = 512
 REFERENCES = ("infinite", "belady", "belady_store")
@@ -486,14 +486,22 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(pol, pt, prm) for pt in points for pol in policies
             for prm in (variants if pol in ("s3fifo", "chain") else [{}])]
     results: list[Result] = []
+    failed: list[dict[str, Any]] = []
     from rich.progress import Progress
     with Progress(disable=args.no_progress or not sys.stderr.isatty(),
                   transient=True) as prog:
         overall = prog.add_task("replay", total=len(jobs))
         for pol, pt, prm in jobs:
             task = prog.add_task(f"{pol} @ {pt.label()}", total=len(trace))
-            results.append(run(trace, pol, pt, bb, progress=lambda t=task: prog.advance(t),
-                               params=prm))
+            try:
+                results.append(run(trace, pol, pt, bb,
+                                   progress=lambda t=task: prog.advance(t), params=prm))
+            except (CapacityError, StorageError) as exc:
+                # The engine refused a put at this point (a tier that could not make room):
+                # the point is reported as failed and the sweep goes on.
+                failed.append({"policy": pol, "params": prm, "capacity": pt.label(),
+                               "error": f"{type(exc).__name__}: {exc}"})
+                print(f"kvtier replay: {pol} @ {pt.label()} failed: {exc}", file=sys.stderr)
             prog.remove_task(task)
             prog.advance(overall)
     close_gaps(results)
@@ -504,10 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"trace": str(args.trace), "requests": len(trace),
                           "accesses": trace.accesses, "block_bytes": bb,
-                          "results": [r.as_dict() for r in results]}))
+                          "results": [r.as_dict() for r in results], "failed": failed}))
     else:
         print(table(results))
-    return 0
+    return 1 if failed else 0
 
 
 def _param_variants(args: argparse.Namespace) -> list[dict[str, str]]:

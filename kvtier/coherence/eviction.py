@@ -6,7 +6,7 @@ sole copy is written one tier down first (a demotion: HBM -> host, host -> NVMe)
 engine keeps informed through three calls: _placed (a copy was set in a slot), on_remove (a slot
 is freed) and victims/give_back here, so that choosing n victims costs O(n) whatever the number of
 resident blocks. Writing down can evict, in the tier below, the copy that covered another one
-here, so eviction runs in a few rounds.
+here, so eviction takes victims in rounds until it has enough or the policy has none left.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Eviction:
         Eligible: unleased copies that are clean, or whose version a lower tier also holds, or
         that live in the lowest configured tier (a cache may forget what it cannot write back).
         The policy's victims that are the sole copy of their version are written one tier down
-        first (a demotion); those that cannot be are handed back to the policy.
+        first (a demotion); those that cannot be are set aside, and handed back to the policy
+        when the eviction ends.
         """
         if n <= 0:
             return 0
@@ -58,31 +59,35 @@ class Eviction:
         cols = ns.table.cols
         lowers = [t for t in lower_tiers(tier) if t in ns.slots or (t is Tier.NVME and ns.log)]
         done = 0
-        # Writing copies down can itself evict, in the tier below, the copy that covered another
-        # one here; a few rounds settle it.
-        for _round in range(4):
-            slots = policy.victims(n - done)
-            if slots.size == 0:
-                break
-            rows = st.slot_row[slots]
-            covered = self._covered(cols, rows, tier, lowers)
-            done += self._drop_victims(ns, tier, rows[covered], lowers)
-            slots, rows = slots[~covered], rows[~covered]
-            if slots.size:
+        held: list[np.ndarray] = []      # victims that could not be written down: kept aside
+        try:
+            while done < n:
+                slots = policy.victims(n - done)
+                if slots.size == 0:
+                    break
+                rows = st.slot_row[slots]
+                covered = self._covered(cols, rows, tier, lowers)
+                done += self._drop_victims(ns, tier, rows[covered], lowers)
+                slots, rows = slots[~covered], rows[~covered]
+                if slots.size == 0:
+                    continue
                 # The sole copies of their version: write them one tier down first.
                 try:
                     self._write_down(ns, tier, lowers[0], rows)
                 except BaseException:
-                    policy.give_back(slots)
+                    held.append(slots)
                     raise
                 # Making room below can have evicted some of them outright (NVMe eviction
                 # drops every copy): a slot no longer holding its row is settled already.
                 ours = st.slot_row[slots] == rows
                 covered = ours & self._covered(cols, rows, tier, lowers)
-                policy.give_back(slots[ours & ~covered])
                 done += self._drop_victims(ns, tier, rows[covered], lowers)
-            if done >= n:
-                break
+                # The rest stay out of the queue until this eviction ends, so that the next
+                # victims come from further down it (a full tier below holds only these back).
+                held.append(slots[ours & ~covered])
+        finally:
+            if held:
+                policy.give_back(np.concatenate(held))
         return done
 
     def _drop_victims(self, ns: Namespace, tier: Tier, victims: np.ndarray,
