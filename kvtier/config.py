@@ -194,7 +194,7 @@ SETTINGS: tuple[Setting, ...] = (
             "fraction"),
     Setting("eviction_ghost", "", _per_tier,
             "s3fifo/chain: evicted keys remembered, as a multiple of the tier (4x) or in blocks "
-            "(100000); 4 bytes each; empty: the policy's own (chain 4x, s3fifo 0.9x)"),
+            "(100000); 28-56 bytes each; empty: the policy's own (chain 4x, s3fifo 0.9x)"),
     Setting("eviction_freq_max", "", _per_tier,
             "s3fifo/chain: limit of the main queue's aging counter (3); empty: the policy's own"),
     Setting("eviction_leaf_first", "", _per_tier,
