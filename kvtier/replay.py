@@ -284,14 +284,12 @@ def _keys(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
                   progress: Callable[[], None] | None = None,
-                  params: dict[str, str] | None = None) -> Result:
+                  params: dict[str, str] | None = None, data_dir: str | None = None) -> Result:
     from kvtier.coherence.engine import Engine
     from kvtier.tiers.host import SlotPool
     from kvtier.types import Tier
 
-    from kvtier.coherence.space import capacity_for
-
-    tmp = tempfile.mkdtemp(prefix="kvtier-replay-")
+    tmp = tempfile.mkdtemp(prefix="kvtier-replay-", dir=data_dir)
     params = params or {}
     try:
         unit = -(-max(block_bytes, 1) // NVME_RECORD) * NVME_RECORD
@@ -345,7 +343,7 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
 
 def run(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
         progress: Callable[[], None] | None = None,
-        params: dict[str, str] | None = None) -> Result:
+        params: dict[str, str] | None = None, data_dir: str | None = None) -> Result:
     if policy == "infinite":
         return _result(policy, trace, tiers, replay_infinite(trace))
     if policy in ("belady", "belady_store"):
@@ -355,7 +353,7 @@ def run(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
     if policy not in EVICTION_POLICIES:
         raise ConfigError(f"policy {policy!r}: use one of "
                           f"{', '.join((*EVICTION_POLICIES, *REFERENCES))}")
-    return replay_engine(trace, policy, tiers, block_bytes, progress, params)
+    return replay_engine(trace, policy, tiers, block_bytes, progress, params, data_dir)
 
 
 def close_gaps(results: list[Result]) -> None:
@@ -455,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-bytes", type=int, default=4096,
                     help="bytes per block when data is carried")
     ap.add_argument("--metadata-only", action="store_true", help="1-byte blocks: no copying")
+    ap.add_argument("--data-dir", help="where each run's engine keeps its files (default: the "
+                    "system's temporary directory; /dev/shm spares a tiered replay its fsyncs)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--csv", help="also write the results to this CSV file")
     ap.add_argument("--plot", help="write the hit-ratio and gap-closed curves to this PNG")
@@ -494,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         for pol, pt, prm in jobs:
             task = prog.add_task(f"{pol} @ {pt.label()}", total=len(trace))
             try:
-                results.append(run(trace, pol, pt, bb,
-                                   progress=lambda t=task: prog.advance(t), params=prm))
+                results.append(run(trace, pol, pt, bb, progress=lambda t=task: prog.advance(t),
+                                   params=prm, data_dir=args.data_dir))
             except (CapacityError, StorageError) as exc:
                 # The engine refused a put at this point (a tier that could not make room):
                 # the point is reported as failed and the sweep goes on.
