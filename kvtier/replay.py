@@ -94,6 +94,7 @@ class Result:
     cpu_s: float = 0.0
     gap_closed: float | None = None
     params: dict[str, str] = field(default_factory=dict)
+    nvme_blocks_max: int = 0      # most blocks the NVMe tier held (sampled per request)
 
     @property
     def capacity_tokens(self) -> int:
@@ -120,7 +121,7 @@ class Result:
                 "tokens": self.tokens,
                 "tier_hit_ratio": {k: round(h / self.blocks, 4) if self.blocks else 0.0
                                    for k, h in self.tier_hits.items()},
-                "cpu_s": round(self.cpu_s, 3),
+                "cpu_s": round(self.cpu_s, 3), "nvme_blocks_max": self.nvme_blocks_max,
                 "cpu_s_per_million_accesses": round(self.cpu_s / self.blocks * 1e6, 3)
                 if self.blocks else 0.0}
 
@@ -292,16 +293,15 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
     tmp = tempfile.mkdtemp(prefix="kvtier-replay-", dir=data_dir)
     params = params or {}
     try:
-        unit = -(-max(block_bytes, 1) // NVME_RECORD) * NVME_RECORD
-        # Each 1 MiB segment spends one record's room on its header, and a new segment's
-        # header must fit too: room for nvme blocks of records exactly.
-        per_seg = (1 << 20) // unit - 1
-        nvme_bytes = (tiers.nvme + -(-tiers.nvme // max(per_seg, 1)) + 1) * unit \
-            if tiers.nvme else 0
+        from kvtier.coherence.space import capacity_for
+        # The NVMe tier holds at most tiers.nvme blocks (segment headers and the reclaim
+        # headroom are on top, as they are on disk).
+        nvme_bytes, segment = capacity_for(tiers.nvme, block_bytes) if tiers.nvme else (0, 0)
         settings = make_settings({
             "data_dir": tmp, "host_capacity": max(1, tiers.host) * block_bytes,
             "hbm_capacity": tiers.hbm * block_bytes, "nvme_capacity": nvme_bytes,
-            "write_policy": "write_back", "eviction": policy, "segment_bytes": "1MiB",
+            "write_policy": "write_back", "eviction": policy,
+            "segment_bytes": max(segment, 1 << 20),
             "prefetch_blocks": 0,
             **{f"eviction_{k}": v for k, v in params.items()}})
         hbm = (lambda name, bb, n: SlotPool(name, bb, n)) if tiers.hbm else None
@@ -313,6 +313,8 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
         payload = np.zeros((min(cap, max(map(len, trace.ids))), block_bytes), dtype=np.uint8)
         keys, parents, starts = _keys(trace)
         out = []
+        log = eng.namespace("trace").log
+        nvme_max = 0
         cpu0 = time.process_time()
         for i in range(len(trace)):
             a, b = int(starts[i]), int(starts[i + 1])
@@ -327,6 +329,8 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
             for lo in range(a + n, b, cap):
                 hi = min(b, lo + cap)
                 eng.put("trace", keys[lo:hi], payload[: hi - lo], parents=parents[lo:hi])
+            if log is not None:
+                nvme_max = max(nvme_max, log.live_bytes() // log.record_bytes)
             if progress is not None:
                 progress()
         cpu = time.process_time() - cpu0
@@ -336,6 +340,7 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
         res_ = _result(policy, trace, tiers, out, cpu)
         res_.tier_hits = tier_hits
         res_.params = dict(params)
+        res_.nvme_blocks_max = nvme_max
         return res_
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

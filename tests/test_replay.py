@@ -161,7 +161,7 @@ def test_tiered_replay_completes_and_nvme_holds_its_capacity(block_bytes: int):
     rnd = random.Random(7)
     trace = [[rnd.randrange(400) for _ in range(rnd.randrange(1, 12))] for _ in range(600)]
     for host_blocks in (2, 16, 64):
-        r = run(trace, "lru", host_blocks * B, nvme_tokens=48 * B, block_bytes=block_bytes)
+        r = run(_trace(trace), "lru", Tiers(host_blocks, nvme=48), block_bytes=block_bytes)
         assert r.blocks == sum(len(t) for t in trace)
         assert 0 < r.nvme_blocks_max <= 48
         assert r.tier_hits["nvme"] > 0

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.coherence import persist
 from kvtier.coherence.policies import TierPolicy, make_tier_policy, tier_params
 from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.coherence.transfers import _to_numpy
