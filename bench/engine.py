@@ -15,6 +15,13 @@ Four paths, each against its ceiling measured in the same run on the same data d
 The pwrite/pread baselines use O_DIRECT where the file system allows it, as the NVMe tier does,
 and write the same bytes in the same batch sizes. Figures are medians over batches; GB/s is
 10^9 bytes per second.
+
+Eviction cost by resident blocks (--evict-resident 1e5,1e6,1e7, metadata-only blocks of 1 byte):
+for each policy, a host tier of R blocks is filled, a tenth of them read again (so that queues
+hold accessed entries), and eng.evict(host, 64) is timed over rounds: the median time per
+evicted block should not grow with R. Its baseline, in the same run at the same R, is what the
+policies cost before they kept queues: one argsort of the resident blocks' last-access column
+per eviction batch (the scan and sort every batch paid), per evicted block.
 """
 
 from __future__ import annotations
@@ -153,16 +160,73 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def evict_cost(resident: list[int], policies: list[str], rounds: int, batch: int = 64) -> dict:
+    """Median microseconds per evicted block, per policy and resident count (see docstring)."""
+    out: dict = {"evict_batch": batch, "evict_rounds": rounds, "evict_us_per_block": {},
+                 "scan_sort_us_per_block": {}}
+    rng = np.random.default_rng(1)
+    chunk = 8192
+    for r in resident:
+        for policy in policies:
+            base = tempfile.mkdtemp(prefix="kvtier-bench-evict-")
+            eng = Engine(make_settings({"data_dir": base, "host_capacity": r,
+                                        "nvme_capacity": 0, "write_policy": "write_back",
+                                        "eviction": policy}))
+            eng.create_namespace("e", 1)
+            ones = np.zeros((chunk, 1), dtype=np.uint8)
+            for lo in range(0, r, chunk):
+                k = min(chunk, r - lo)
+                eng.put("e", _keys(lo, k), ones[:k])
+            for lo in rng.choice(r // chunk or 1, size=max(1, r // chunk // 10), replace=False):
+                eng.release(eng.get("e", _keys(int(lo) * chunk, min(chunk, r))).lease_id)
+            samples = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                done = eng.evict(Tier.HOST, batch)
+                samples.append((time.perf_counter() - t0) / max(done, 1))
+            out["evict_us_per_block"].setdefault(policy, {})[str(r)] = round(
+                percentiles(samples)["p50"] * 1e6, 3)
+            last = eng.namespace("e").table.cols["last_access"][:r]
+            eng.close(flush=False)
+            shutil.rmtree(base, ignore_errors=True)
+        scan = []
+        for _ in range(max(3, rounds // 20)):
+            t0 = time.perf_counter()
+            np.argsort(last, kind="stable")[:batch]
+            scan.append((time.perf_counter() - t0) / batch)
+        out["scan_sort_us_per_block"][str(r)] = round(percentiles(scan)["p50"] * 1e6, 3)
+    lo, hi = str(resident[0]), str(resident[-1])
+    out["evict_growth_first_to_last"] = {
+        p: round(v[hi] / v[lo], 2) for p, v in out["evict_us_per_block"].items() if v[lo] > 0}
+    out["scan_sort_growth_first_to_last"] = round(
+        out["scan_sort_us_per_block"][hi] / max(out["scan_sort_us_per_block"][lo], 1e-9), 2)
+    return out
+
+
+def _keys(lo: int, n: int) -> np.ndarray:
+    raw = np.zeros((n, 2), dtype=">u8")
+    raw[:, 1] = np.arange(lo + 1, lo + n + 1, dtype=np.uint64)
+    return raw.view("V16").reshape(-1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--data-dir", default="", help="where to put the files (default: a temp dir)")
+    ap.add_argument("--evict-resident", default="1e5,1e6,1e7",
+                    help="resident block counts of the eviction-cost runs; empty: skip them")
+    ap.add_argument("--evict-policies", default="lru,s3fifo,chain")
+    ap.add_argument("--evict-rounds", type=int, default=200)
+    ap.add_argument("--skip-io", action="store_true", help="only the eviction-cost runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/engine.py")
     tune_malloc()
-    result = run(args)
+    result = {} if args.skip_io else run(args)
+    if args.evict_resident:
+        result.update(evict_cost([int(float(x)) for x in args.evict_resident.split(",")],
+                                 args.evict_policies.split(","), args.evict_rounds))
     result["machine"] = m
     emit(result, args.json)
 

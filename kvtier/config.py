@@ -24,7 +24,8 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 WRITE_POLICIES = ("write_through", "write_back")
-EVICTION_POLICIES = ("lru", "lru_k_lfu", "s3fifo")
+EVICTION_POLICIES = ("chain", "s3fifo", "lru")    # kvtier.coherence.policies.POLICIES
+TIER_LABELS = ("hbm", "host", "nvme")
 
 
 def parse_size(value: str | int, name: str = "size") -> int:
@@ -103,6 +104,37 @@ def _bool(value: Any, name: str) -> bool:
     raise ConfigError(f"{name}: expected true or false, got {value!r}")
 
 
+POLICY_PARAMETERS = ("small", "ghost", "freq_max", "leaf_first")
+
+
+def tier_values(value: str, name: str) -> dict[str, str]:
+    """'4x' -> that value for every tier; 'host:4x,hbm:2x' -> per tier. ConfigError otherwise."""
+    text = value.strip()
+    if not text:
+        return {}
+    if ":" not in text:
+        return {t: text for t in TIER_LABELS}
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        tier, sep, v = part.partition(":")
+        tier = tier.strip().lower()
+        if not sep or tier not in TIER_LABELS or not v.strip():
+            raise ConfigError(f"{name}: expected one value or tier:value pairs such as "
+                              f"host:4x,hbm:2x (tiers: {', '.join(TIER_LABELS)}), got {value!r}")
+        out[tier] = v.strip()
+    return out
+
+
+def _per_tier(value: Any, name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{name}: expected a value or tier:value pairs, got {value!r}")
+    text = str(value)
+    from kvtier.coherence.policies import parse_param   # the policy table checks the values
+    for v in tier_values(text, name).values():
+        parse_param(name.removeprefix("eviction_"), v)
+    return text
+
+
 def _size(value: Any, name: str) -> int:
     return parse_size(value, name)
 
@@ -151,12 +183,23 @@ SETTINGS: tuple[Setting, ...] = (
             "thread blocks of the HBM tier's device-to-device kernel; 0: two per SM"),
     Setting("write_policy", "write_through", _choice(WRITE_POLICIES),
             "write_through: a put is on NVMe when acknowledged; write_back: flushed later"),
-    Setting("eviction", "lru", _choice(EVICTION_POLICIES), "eviction policy of every tier"),
+    Setting("eviction", "chain", _choice(EVICTION_POLICIES),
+            "eviction policy of every tier: chain (S3-FIFO for prefix chains), s3fifo, lru"),
     Setting("eviction_host", "", _str, "host-tier policy; empty: the value of eviction"),
     Setting("eviction_nvme", "", _str, "NVMe-tier policy; empty: the value of eviction"),
     Setting("eviction_hbm", "", _str, "HBM-tier policy; empty: the value of eviction"),
-    Setting("leaf_first", True, _bool,
-            "evict a block only after its cached children (prefix-aware eviction)"),
+    Setting("eviction_small", "", _per_tier,
+            "s3fifo/chain: the probation queue's share of the tier; one value, or tier:value "
+            "pairs (host:0.1,hbm:0.2); empty: the policy's own (chain 0.05, s3fifo 0.1)",
+            "fraction"),
+    Setting("eviction_ghost", "", _per_tier,
+            "s3fifo/chain: evicted keys remembered, as a multiple of the tier (4x) or in blocks "
+            "(100000); 28-56 bytes each; empty: the policy's own (chain 4x, s3fifo 0.9x)"),
+    Setting("eviction_freq_max", "", _per_tier,
+            "s3fifo/chain: limit of the main queue's aging counter (3); empty: the policy's own"),
+    Setting("eviction_leaf_first", "", _per_tier,
+            "s3fifo/chain: a put batch enters the queues deepest block first, so a chain loses "
+            "its leaves before its parents (chain: true, s3fifo: false); empty: the policy's own"),
     Setting("prefetch_blocks", 8, _int,
             "after a get, bring up to this many next blocks of the chain from NVMe to host; "
             "0 disables"),
@@ -224,11 +267,14 @@ class Settings:
     gpu_kernel_blocks: int = 16
     gpu_device_kernel_blocks: int = 0
     write_policy: str = "write_through"
-    eviction: str = "lru"
+    eviction: str = "chain"
     eviction_host: str = ""
     eviction_nvme: str = ""
     eviction_hbm: str = ""
-    leaf_first: bool = True
+    eviction_small: str = ""
+    eviction_ghost: str = ""
+    eviction_freq_max: str = ""
+    eviction_leaf_first: str = ""
     prefetch_blocks: int = 8
     flush_interval: float = 1.0
     segment_bytes: int = 256 << 20
@@ -253,6 +299,16 @@ class Settings:
     def policy_for(self, tier_label: str) -> str:
         chosen = getattr(self, f"eviction_{tier_label}", "") or self.eviction
         return _choice(EVICTION_POLICIES)(chosen, f"eviction_{tier_label}")
+
+    def policy_params(self, tier_label: str) -> dict[str, str]:
+        """The eviction_<param> values that apply to one tier (empty ones left out)."""
+        out = {}
+        for name in POLICY_PARAMETERS:
+            value = tier_values(getattr(self, f"eviction_{name}"), f"eviction_{name}").get(
+                tier_label, "")
+            if value:
+                out[name] = value
+        return out
 
     @property
     def socket_path(self) -> Path:

@@ -52,9 +52,14 @@ def test_nvme_bench_smoke(tmp_path: Path):
 def test_pagetable_and_engine_bench_smoke():
     r = _bench("bench/pagetable.py", "--entries", "20000", "--repeat", "20")
     _positive(r, "bytes_per_entry", "lookup_1k_ms", "baseline_dict_lookup_1k_ms")
-    r = _bench("bench/engine.py", "--blocks", "128", "--batch", "16")
+    r = _bench("bench/engine.py", "--blocks", "128", "--batch", "16",
+               "--evict-resident", "2000,4000", "--evict-rounds", "5")
     _positive(r, "host_get_gbps", "host_put_gbps", "nvme_get_gbps", "nvme_put_gbps",
               "memcpy_gbps", "pread_gbps")
+    for policy in ("lru", "s3fifo", "chain"):
+        assert set(r["evict_us_per_block"][policy]) == {"2000", "4000"}
+        assert all(v > 0 for v in r["evict_us_per_block"][policy].values())
+    assert r["scan_sort_us_per_block"]["4000"] > 0
 
 
 def test_hash_bench_smoke():

@@ -26,7 +26,7 @@ def test_precedence_defaults_toml_env_flags(tmp_path: Path):
     cfg = tmp_path / "k.toml"
     cfg.write_text('host_capacity = "2GiB"\nnvme_capacity = "3GiB"\nwrite-policy = "write_back"\n'
                    'eviction = "s3fifo"\n')
-    s = load(str(cfg), env={"KVTIER_NVME_CAPACITY": "5GiB", "KVTIER_EVICTION": "lru_k_lfu"},
+    s = load(str(cfg), env={"KVTIER_NVME_CAPACITY": "5GiB", "KVTIER_EVICTION": "chain"},
              overrides={"eviction": "lru", "socket": None})
     assert s.host_capacity == 2 << 30            # TOML over default
     assert s.nvme_capacity == 5 << 30            # env over TOML

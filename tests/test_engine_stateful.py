@@ -287,7 +287,7 @@ class NoNvmeModel(EngineModel):
 
 class UnalignedModel(EngineModel):
     block_bytes = 1000
-    eviction = "lru_k_lfu"
+    eviction = "chain"
 
 
 class S3FifoWriteBackModel(EngineModel):

@@ -1,7 +1,18 @@
-"""Eviction order, told as scenarios: which blocks go, in which order."""
+"""Eviction order, told as scenarios: which blocks go, in which order, through the real engine."""
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from kvtier.coherence.policies import POLICIES
+from kvtier.coherence.policies.queues import LruQueue, S3Fifo
+from kvtier.coherence.policies.rings import Ghost, Ring
+from kvtier.config import EVICTION_POLICIES, make_settings
+from kvtier.errors import ConfigError
 from kvtier.types import Tier
 from tests.conftest import blocks, key, keys
 
@@ -15,41 +26,51 @@ def _host_keys(eng) -> set[int]:
     return {int.from_bytes(ns.table.key_of(int(r)), "big") - 1 for r in rows}
 
 
-def test_lru_store_0_to_3_touch_0_then_store_4_evicts_1(make_engine):
-    eng = make_engine(host_capacity=4 * BB, eviction="lru")
+def _engine(make_engine, n: int, **kw):
+    eng = make_engine(host_capacity=n * BB, **kw)
     eng.create_namespace("m", BB)
+    return eng
+
+
+def test_the_table_of_policies_is_the_settings_choice():
+    assert set(POLICIES) == set(EVICTION_POLICIES)
+    assert make_settings({}).eviction == "chain"
+
+
+def test_lru_store_0_to_3_touch_0_then_store_4_evicts_1(make_engine):
+    eng = _engine(make_engine, 4, eviction="lru")
     eng.put("m", keys(range(4)), blocks(4, BB))
     eng.read("m", key(0))
     eng.put("m", key(4), blocks(1, BB))
     assert _host_keys(eng) == {0, 2, 3, 4}
 
 
-def test_leaf_first_a_parent_outlives_its_cached_child(make_engine):
-    eng = make_engine(host_capacity=4 * BB, eviction="lru")
-    eng.create_namespace("m", BB)
-    eng.put("m", key(0), blocks(1, BB))                           # oldest, but a parent
-    eng.put("m", keys([1, 2]), blocks(2, BB), parents=key(0) + key(1))
-    eng.put("m", key(3), blocks(1, BB))
-    eng.put("m", key(4), blocks(1, BB))            # evicts: the oldest leaf is 2
-    assert _host_keys(eng) == {0, 1, 3, 4}
-    eng.put("m", key(5), blocks(1, BB))            # 1 is a leaf now and the oldest
-    assert _host_keys(eng) == {0, 3, 4, 5}
-
-
-def test_lru_k_lfu_keeps_the_frequently_used_block(make_engine):
-    eng = make_engine(host_capacity=4 * BB, eviction="lru_k_lfu")
-    eng.create_namespace("m", BB)
-    eng.put("m", keys(range(4)), blocks(4, BB))
-    for _ in range(5):
-        eng.read("m", key(0))
-    eng.read("m", keys([1, 2, 3]))                 # more recent, but used twice only
-    eng.put("m", key(4), blocks(1, BB))
-    assert 0 in _host_keys(eng)
+def test_lru_is_exact_against_an_ordered_dict(make_engine):
+    """Random puts and reads: the engine's LRU keeps exactly what a textbook LRU keeps."""
+    rnd = random.Random(7)
+    cap = 8
+    eng = _engine(make_engine, cap, eviction="lru")
+    ref: OrderedDict[int, None] = OrderedDict()
+    for _ in range(400):
+        if ref and rnd.random() < 0.5:
+            batch = rnd.sample(list(ref), rnd.randint(1, len(ref)))
+            eng.read("m", keys(batch))
+            for k in batch:
+                ref.move_to_end(k)
+        else:
+            batch = list(dict.fromkeys(k for k in (rnd.randrange(40) for _ in range(4))
+                                       if k not in ref))
+            if not batch:
+                continue
+            for _ in range(max(0, len(ref) + len(batch) - cap)):
+                ref.popitem(last=False)
+            eng.put("m", keys(batch), blocks(len(batch), BB))
+            ref.update((k, None) for k in batch)
+        assert _host_keys(eng) == set(ref)
 
 
 def test_s3fifo_evicts_one_hit_blocks_before_reused_ones(make_engine):
-    eng = make_engine(host_capacity=4 * BB, eviction="s3fifo")
-    eng.create_namespace("m", BB)
+    eng = _engine(make_engine, 4, eviction="s3fifo")
     eng.put("m", keys(range(2)), blocks(2, BB))
     eng.read("m", keys(range(2)))                  # 0 and 1 are reused
     eng.put("m", keys(range(2, 4)), blocks(2, BB))
@@ -58,8 +79,100 @@ def test_s3fifo_evicts_one_hit_blocks_before_reused_ones(make_engine):
     assert _host_keys(eng) == {0, 1, 3, 4}
 
 
-def test_per_tier_policy_settings(make_engine):
-    eng = make_engine(eviction="lru", eviction_host="s3fifo")
-    from kvtier.coherence.policies import POLICIES
-    assert eng.policies[Tier.HOST] is POLICIES["s3fifo"]
+def test_a_block_back_from_the_ghost_outlives_a_burst_of_new_ones(make_engine):
+    # 4 slots, probation share 1. 0 is evicted after one use (to the ghost), then put again:
+    # it enters the main queue, so 5..8 push out 2, 3, 4, 5 and not 0. LRU drops 0 at 8.
+    for policy, kept in (("chain", True), ("s3fifo", True), ("lru", False)):
+        eng = _engine(make_engine, 4, eviction=policy)
+        for k in (0, 1, 2, 3, 4, 0, 5, 6, 7, 8):
+            eng.put("m", key(k), blocks(1, BB))
+        assert (0 in _host_keys(eng)) is kept, policy
+        eng.close(flush=False)
+
+
+def test_without_a_ghost_the_returning_block_gets_no_second_chance(make_engine):
+    eng = _engine(make_engine, 4, eviction="chain", eviction_ghost="0")
+    for k in (0, 1, 2, 3, 4, 0, 5, 6, 7, 8):
+        eng.put("m", key(k), blocks(1, BB))
+    assert 0 not in _host_keys(eng)
+
+
+def test_chain_loses_the_leaf_of_a_batch_first(make_engine):
+    eng = _engine(make_engine, 4, eviction="chain")
+    eng.put("m", keys([0, 1, 2]), blocks(3, BB), parents=bytes(16) + keys([0, 1]))
+    eng.put("m", key(3), blocks(1, BB))
+    eng.put("m", key(4), blocks(1, BB))            # the deepest block of the chain goes
+    assert _host_keys(eng) == {0, 1, 3, 4}
+    eng.put("m", key(5), blocks(1, BB))            # then its parent
+    assert _host_keys(eng) == {0, 3, 4, 5}
+
+
+def test_s3fifo_as_published_loses_the_root_of_a_batch_first(make_engine):
+    eng = _engine(make_engine, 4, eviction="s3fifo")
+    eng.put("m", keys([0, 1, 2]), blocks(3, BB), parents=bytes(16) + keys([0, 1]))
+    eng.put("m", key(3), blocks(1, BB))
+    eng.put("m", key(4), blocks(1, BB))
+    assert _host_keys(eng) == {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_leased_block_is_never_evicted(make_engine, policy):
+    eng = _engine(make_engine, 4, eviction=policy)
+    eng.put("m", keys(range(4)), blocks(4, BB))
+    lease = eng.get("m", key(0))
+    for k in range(4, 12):
+        eng.put("m", key(k), blocks(1, BB))
+        assert 0 in _host_keys(eng)
+    eng.release(lease.lease_id)
+    for k in range(12, 24):
+        eng.put("m", key(k), blocks(1, BB))
+    assert 0 not in _host_keys(eng)
+
+
+def test_per_tier_policies_and_parameters(make_engine):
+    eng = make_engine(eviction="lru", eviction_host="s3fifo", eviction_ghost="host:2x,hbm:1x",
+                      eviction_small="0.25")
+    eng.create_namespace("m", BB)
+    eng.put("m", key(0), blocks(1, BB))
+    st = eng.namespace("m").slots[Tier.HOST]
+    assert isinstance(st.policy, S3Fifo)
+    assert st.policy.ghost.size == 2 * st.pool.n_slots
+    assert st.policy.small_target == round(0.25 * st.pool.n_slots)
     assert eng.policies[Tier.NVME] is POLICIES["lru"]
+    eng.close(flush=False)
+    eng2 = make_engine(eviction="chain", eviction_host="lru")
+    eng2.create_namespace("m", BB)
+    eng2.put("m", key(0), blocks(1, BB))
+    assert isinstance(eng2.namespace("m").slots[Tier.HOST].policy, LruQueue)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("eviction", "fifo"), ("eviction_host", "lru_k_lfu"), ("eviction_small", "1.5"),
+    ("eviction_small", "host:"), ("eviction_small", "gpu:0.1"), ("eviction_ghost", "many"),
+    ("eviction_ghost", "-1x"), ("eviction_freq_max", "0"), ("eviction_freq_max", "99"),
+    ("eviction_leaf_first", "maybe"), ("eviction_ghost", True), ("eviction_small", [0.1]),
+])
+def test_bad_policy_settings_are_refused_by_name(name, value):
+    with pytest.raises(ConfigError, match=name):
+        make_settings({name: value})
+
+
+def test_ring_keeps_order_through_growth_and_the_front():
+    r = Ring(16)
+    r.push(np.arange(10), np.arange(10))
+    r.push_front(np.array([-2, -1]), np.array([0, 0]))
+    r.push(np.arange(10, 40), np.arange(10, 40))            # grows past 16
+    slots, _ = r.pop(100)
+    assert slots.tolist() == [-2, -1, *range(40)] and len(r) == 0
+
+
+def test_ghost_is_a_fifo_of_keys_not_taken_back():
+    g = Ghost(100)
+    rnd = np.random.default_rng(5)
+    ks = rnd.integers(1, 2**63, 400, dtype=np.int64).astype(np.uint64)
+    g.add(ks[:100])
+    assert g.take(ks[:50]).all() and not g.take(ks[:50]).any()    # taken: forgotten
+    g.add(ks[100:250])                       # 50 + 150 live > 100: the oldest 100 go
+    assert not g.take(ks[50:150]).any()
+    assert g.take(ks[150:250]).all() and len(g) == 0
+    assert not Ghost(0).take(ks).any()

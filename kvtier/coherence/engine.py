@@ -241,6 +241,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         if slots.size == 0:
             return
         st = ns.slots[tier]
+        self._tier_policy(ns, tier).on_remove(slots)
         st.slot_row[slots] = -1
         leased = st.leases[slots] > 0
         st.retired[slots[leased]] = True
@@ -448,6 +449,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         cols["size"][rows] = ns.block_bytes
         cols["checksum"][rows] = sums
         cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
+        self._touch(ns, rows)             # before the copies are placed: a policy counts from here
         ver = cols["version"][rows]
         self._set_copy(ns, rows, tier, slots, ver)
         if host_slots is not None:
@@ -459,7 +461,6 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             if has.any():
                 prow[has] = table.lookup(parents[has])
             table.link(rows, prow)
-        self._touch(ns, rows)
         return rows
 
     def _set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
@@ -468,6 +469,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         cols["slot"][rows, tier] = slots
         cols["copy_ver"][rows, tier] = versions
         ns.slots[tier].slot_row[slots] = rows
+        self._placed(ns, tier, rows, slots)
 
     def _touch(self, ns: Namespace, rows: np.ndarray) -> None:
         cols = ns.table.cols

@@ -1,10 +1,12 @@
 """Eviction, as a part of the Engine (a mixin: the engine's state, its lock held by the caller).
 
 A tier drops a copy only when the copy is clean or a lower tier holds the same version; a dirty
-sole copy is written one tier down first (a demotion: HBM -> host, host -> NVMe). Victims are
-ranked by the tier's policy (coherence.policies), leaves before parents when leaf_first is on.
-Writing down can evict, in the tier below, the copy that covered another one here, so eviction
-runs in a few rounds.
+sole copy is written one tier down first (a demotion: HBM -> host, host -> NVMe). In a slot tier
+(HBM, host) the victims come from the tier's policy object (coherence.policies.queues), which the
+engine keeps informed through three calls: _placed (a copy was set in a slot), on_remove (a slot
+is freed) and victims/give_back here, so that choosing n victims costs O(n) whatever the number of
+resident blocks. Writing down can evict, in the tier below, the copy that covered another one
+here, so eviction takes victims in rounds until it has enough or the policy has none left.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.coherence.policies import TierPolicy, make_tier_policy, tier_params
 from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.coherence.transfers import _to_numpy
 from kvtier.types import Tier, lower_tiers
@@ -22,43 +25,91 @@ if TYPE_CHECKING:
 
 
 class Eviction:
+    def _tier_policy(self, ns: Namespace, tier: Tier) -> TierPolicy:
+        """The policy state of one slot tier of ns, made on first use (from the copies already
+        there, in slot order, should any exist)."""
+        st = ns.slots[tier]
+        if st.policy is None:
+            label = tier.label
+            st.policy = make_tier_policy(self.settings.policy_for(label), st, ns.table,
+                                         self.settings.policy_params(label))
+            held = np.flatnonzero(st.slot_row >= 0)
+            if held.size:
+                st.policy.on_insert(st.slot_row[held], held)
+        return st.policy
+
+    def _placed(self, ns: Namespace, tier: Tier, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Copies of rows now live in slots of a slot tier (the engine's _set_copy)."""
+        self._tier_policy(ns, tier).on_insert(rows, slots)
+
     def _evict(self, ns: Namespace, tier: Tier, n: int) -> int:
-        """Drop up to n copies from a slot tier of ns, by its policy, leaves first.
+        """Drop up to n copies from a slot tier of ns, in the order of its policy.
 
         Eligible: unleased copies that are clean, or whose version a lower tier also holds, or
         that live in the lowest configured tier (a cache may forget what it cannot write back).
-        Under write_back, dirty sole copies are flushed first.
+        The policy's victims that are the sole copy of their version are written one tier down
+        first (a demotion); those that cannot be are set aside, and handed back to the policy
+        when the eviction ends.
         """
         if n <= 0:
             return 0
         st = ns.slots[tier]
+        policy = self._tier_policy(ns, tier)
         cols = ns.table.cols
         lowers = [t for t in lower_tiers(tier) if t in ns.slots or (t is Tier.NVME and ns.log)]
         done = 0
-        # Writing copies down can itself evict, in the tier below, the copy that covered another
-        # one here; a few rounds settle it.
-        for _round in range(4):
-            rows = st.slot_row[(st.slot_row >= 0) & (st.leases == 0)]
-            if rows.size == 0:
-                break
-            ver = cols["copy_ver"][rows, tier]
-            covered = np.ones(rows.size, dtype=bool) if not lowers else np.zeros(rows.size, bool)
-            for t in lowers:
-                covered |= cols["copy_ver"][rows, t] == ver
-            if covered.any():
-                victims = self._choose(ns, tier, rows[covered], n - done)
-                self._drop_copies(ns, victims, tier)
-                self.counters.tiers[tier].evictions += victims.size
-                if lowers:
-                    self.counters.tiers[lowers[0]].demotions += victims.size
-                self._forget_empty(ns, victims)
-                done += int(victims.size)
-            if done >= n or covered.all():
-                break
-            # Write the policy's next victims back one tier down first (a demotion).
-            self._write_down(ns, tier, lowers[0],
-                             self._choose(ns, tier, rows[~covered], n - done))
+        held: list[np.ndarray] = []      # victims that could not be written down: kept aside
+        try:
+            while done < n:
+                slots = policy.victims(n - done)
+                if slots.size == 0:
+                    break
+                rows = st.slot_row[slots]
+                covered = self._covered(cols, rows, tier, lowers)
+                done += self._drop_victims(ns, tier, rows[covered], lowers)
+                slots, rows = slots[~covered], rows[~covered]
+                if slots.size == 0:
+                    continue
+                # The sole copies of their version: write them one tier down first.
+                try:
+                    self._write_down(ns, tier, lowers[0], rows)
+                except BaseException:
+                    held.append(slots)
+                    raise
+                # Making room below can have evicted some of them outright (NVMe eviction
+                # drops every copy): a slot no longer holding its row is settled already.
+                ours = st.slot_row[slots] == rows
+                covered = ours & self._covered(cols, rows, tier, lowers)
+                done += self._drop_victims(ns, tier, rows[covered], lowers)
+                # The rest stay out of the queue until this eviction ends, so that the next
+                # victims come from further down it (a full tier below holds only these back).
+                held.append(slots[ours & ~covered])
+        finally:
+            if held:
+                policy.give_back(np.concatenate(held))
         return done
+
+    def _drop_victims(self, ns: Namespace, tier: Tier, victims: np.ndarray,
+                      lowers: list[Tier]) -> int:
+        self._drop_copies(ns, victims, tier)
+        self.counters.tiers[tier].evictions += victims.size
+        if lowers:
+            self.counters.tiers[lowers[0]].demotions += victims.size
+        self._forget_empty(ns, victims)
+        return int(victims.size)
+
+    @staticmethod
+    def _covered(cols: dict[str, np.ndarray], rows: np.ndarray, tier: Tier,
+                 lowers: list[Tier]) -> np.ndarray:
+        """Which rows' copy in tier can go: a lower tier holds the same version, or there is no
+        lower tier to write it to."""
+        if not lowers:
+            return np.ones(rows.size, dtype=bool)
+        ver = cols["copy_ver"][rows, tier]
+        covered = np.zeros(rows.size, dtype=bool)
+        for t in lowers:
+            covered |= cols["copy_ver"][rows, t] == ver
+        return covered
 
     def _write_down(self, ns: Namespace, tier: Tier, lower: Tier, rows: np.ndarray) -> None:
         if lower is Tier.NVME:
@@ -79,9 +130,13 @@ class Eviction:
         self.counters.tiers[lower].bytes_written += int(dst.size) * ns.block_bytes
 
     def _choose(self, ns: Namespace, tier: Tier, rows: np.ndarray, n: int) -> np.ndarray:
+        """The NVMe tier's victims among candidate rows: a scan that ranks every candidate by
+        its policy's score (policies.scores), leaves first when the policy's leaf_first is on."""
         cols = ns.table.cols
-        score = self.policies[tier](cols, rows, self.clock)
-        if not self.settings.leaf_first:
+        score = self.policies[tier].score(cols, rows, self.clock)
+        label = tier.label
+        params = tier_params(self.settings.policy_for(label), self.settings.policy_params(label))
+        if not params.get("leaf_first", False):
             return rows[np.argsort(score, kind="stable")[:n]]
         # Leaf-first: a row with a child cached in this tier goes after every leaf.
         parents = cols["parent"][rows]

@@ -33,6 +33,7 @@ class SlotState:
     leases: np.ndarray
     retired: np.ndarray
     peak_demand: int = 0      # most slots asked of the pool at once (coherence.reserve)
+    policy: Any = None        # the tier's eviction policy state (coherence.eviction)
 
     @classmethod
     def for_pool(cls, pool: SlotPool) -> "SlotState":

@@ -1,0 +1,320 @@
+"""The eviction policies of the slot tiers (HBM, host), each a maintained structure per namespace
+and tier, so that choosing n victims costs O(n) amortised whatever the number of resident blocks.
+
+The engine tells a policy three things (coherence.eviction is the only caller):
+
+    on_insert(rows, slots)   these rows' copies were just placed in these slots, in batch order
+    on_remove(slots)         these slots are being freed (evicted, overwritten or deleted)
+    victims(n)               pop up to n unleased slots in eviction order; the engine then frees
+                             them (on_remove) or hands back those it could not use (give_back)
+
+Accesses are not reported: a policy reads the page table's ``freq`` and ``last_access`` columns of
+the rows it looks at, which every get already maintains (the C fast path included). So a policy
+works lazily: an entry is re-examined only when it reaches the head of its queue.
+
+    LruQueue    exact LRU: entries bucketed by epoch of last access (2^10 clock ticks); the oldest
+                bucket is sorted when it is reached, an entry accessed since moves to its new
+                bucket. Each access moves an entry at most once.
+    S3Fifo      S3-FIFO (Yang et al., SOSP'23): a probation FIFO of a fixed share of the tier, a
+                main FIFO whose entries carry a 0..freq_max counter (CLOCK-like: a pass over an
+                entry with count c > 0 re-queues it with c - 1, so frequency ages), and a ghost of
+                evicted keys; a key found in the ghost skips probation. With leaf_first, each put
+                batch enters the queues deepest block first, so among blocks of equal standing a
+                chain loses its leaves before its parents.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.coherence.policies.rings import Ghost, Ring
+
+if TYPE_CHECKING:
+    from kvtier.coherence.namespace import SlotState
+    from kvtier.pagetable.table import PageTable
+
+NONE = -1
+EPOCH_SHIFT = 10
+_EMPTY = np.empty(0, dtype=np.int64)
+_NO_REPLACED = (np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int8), _EMPTY)
+
+
+def _positions(table: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Index of each value in table (distinct entries), -1 where absent."""
+    order = np.argsort(table, kind="stable")
+    at = np.searchsorted(table, values, sorter=order)
+    at = np.minimum(at, table.size - 1)
+    found = table[order[at]] == values
+    return np.where(found, order[at], -1)
+
+
+class _SlotPolicy:
+    """What every slot-tier policy keeps per slot: the stamp of its current entry, and where
+    that entry is (NONE, a queue number, or PENDING + queue once handed out as a victim)."""
+
+    PENDING = 8
+
+    def __init__(self, st: SlotState, table: PageTable) -> None:
+        self.st = st
+        self.table = table
+        n = st.pool.n_slots
+        self.n_slots = n
+        self._stamp = np.full(n, -1, dtype=np.int64)
+        self._where = np.full(n, NONE, dtype=np.int8)
+        self._next = 0
+
+    def _stamps(self, slots: np.ndarray) -> np.ndarray:
+        s = np.arange(self._next, self._next + slots.size, dtype=np.int64)
+        self._next += int(slots.size)
+        self._stamp[slots] = s
+        return s
+
+    def _valid(self, slots: np.ndarray, stamps: np.ndarray, where: int) -> np.ndarray:
+        return (self._stamp[slots] == stamps) & (self._where[slots] == where)
+
+    def _leased(self, slots: np.ndarray) -> np.ndarray:
+        return self.st.leases[slots] > 0
+
+    def _live_stamps(self, where: int) -> np.ndarray:
+        return np.where(self._where == where, self._stamp, -1)
+
+    def resident(self) -> int:
+        return int(((self._where >= 0) & (self._where < self.PENDING)).sum())
+
+
+class LruQueue(_SlotPolicy):
+    """Least recently used first, exactly (see the module docstring)."""
+
+    def __init__(self, st: SlotState, table: PageTable) -> None:
+        super().__init__(st, table)
+        self._buckets: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._epochs: list[int] = []          # heap of the keys of _buckets
+        # The oldest bucket, sorted by last access, consumed from _pos on.
+        self._cur: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._cur_epoch = -1
+        self._pos = 0
+
+    def _add(self, slots: np.ndarray, stamps: np.ndarray, last: np.ndarray) -> None:
+        ep = (last >> np.uint64(EPOCH_SHIFT)).astype(np.int64)
+        if ep.size and ep[0] == ep[-1] and (ep.size < 3 or (ep == ep[0]).all()):
+            groups = [(int(ep[0]), slice(None))]
+        else:
+            groups = [(int(e), ep == e) for e in np.unique(ep)]
+        for e, sel in groups:
+            if e not in self._buckets:
+                self._buckets[e] = []
+                heapq.heappush(self._epochs, e)
+            self._buckets[e].append((slots[sel], stamps[sel]))
+
+    def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        self._where[slots] = 0
+        self._add(slots, self._stamps(slots), self.table.cols["last_access"][rows])
+
+    def on_remove(self, slots: np.ndarray) -> None:
+        self._where[slots] = NONE
+
+    def give_back(self, slots: np.ndarray) -> None:
+        back = slots[self._where[slots] == self.PENDING]
+        self._where[back] = 0
+        rows = self.st.slot_row[back]
+        self._add(back, self._stamp[back], self.table.cols["last_access"][rows])
+
+    def _load_oldest(self) -> bool:
+        while self._epochs:
+            e = heapq.heappop(self._epochs)
+            chunks = self._buckets.pop(e)
+            slots = np.concatenate([c[0] for c in chunks])
+            stamps = np.concatenate([c[1] for c in chunks])
+            ok = self._valid(slots, stamps, 0)
+            slots, stamps = slots[ok], stamps[ok]
+            last = self.table.cols["last_access"][self.st.slot_row[slots]]
+            moved = (last >> np.uint64(EPOCH_SHIFT)).astype(np.int64) != e
+            if moved.any():
+                self._add(slots[moved], stamps[moved], last[moved])
+                slots, stamps, last = slots[~moved], stamps[~moved], last[~moved]
+            if slots.size:
+                order = np.argsort(last, kind="stable")
+                self._cur = (slots[order], stamps[order], last[order])
+                self._cur_epoch = e
+                self._pos = 0
+                return True
+        return False
+
+    def victims(self, n: int) -> np.ndarray:
+        out: list[np.ndarray] = []
+        need = n
+        pinned: list[tuple[np.ndarray, np.ndarray]] = []
+        last_col = self.table.cols["last_access"]
+        while need > 0:
+            if self._cur is None or self._pos >= self._cur[0].size:
+                self._cur = None
+                if not self._load_oldest():
+                    break
+            cur = self._cur
+            if cur is None:
+                break
+            # Exactly as many as still needed, so that every entry looked at is settled here:
+            # taken, re-bucketed, set aside while leased, or dropped as stale.
+            slots, stamps, last = (a[self._pos:self._pos + need] for a in cur)
+            self._pos += slots.size
+            ok = self._valid(slots, stamps, 0)
+            slots, stamps, last = slots[ok], stamps[ok], last[ok]
+            now = last_col[self.st.slot_row[slots]]
+            touched = now != last          # accessed since the bucket was sorted: re-bucket
+            if touched.any():
+                self._add(slots[touched], stamps[touched], now[touched])
+                slots, stamps = slots[~touched], stamps[~touched]
+            held = self._leased(slots)
+            if held.any():
+                pinned.append((slots[held], stamps[held]))
+                slots = slots[~held]
+            self._where[slots] = self.PENDING
+            out.append(slots)
+            need -= slots.size
+        for slots, stamps in pinned:       # leased now; they come round again
+            self._add(slots, stamps, last_col[self.st.slot_row[slots]])
+        return np.concatenate(out) if out else _EMPTY
+
+
+class S3Fifo(_SlotPolicy):
+    """S3-FIFO with a ghost sized as a multiple of the tier (see the module docstring)."""
+
+    SMALL, MAIN = 0, 1
+
+    def __init__(self, st: SlotState, table: PageTable, small: float, ghost_blocks: int,
+                 freq_max: int, leaf_first: bool) -> None:
+        super().__init__(st, table)
+        self.small_target = max(1, int(round(small * self.n_slots)))
+        self.freq_max = int(freq_max)
+        self.leaf_first = bool(leaf_first)
+        self.ghost = Ghost(ghost_blocks)
+        self._rings = (Ring(min(self.n_slots, 1 << 16)), Ring(min(self.n_slots, 1 << 16)))
+        self._count = [0, 0]
+        self._base = np.zeros(self.n_slots, dtype=np.int64)   # freq column when last looked at
+        self._cnt = np.zeros(self.n_slots, dtype=np.int64)    # main queue's aging counter
+        self.ghost_hits = 0
+        self._replaced: tuple[np.ndarray, np.ndarray, np.ndarray] = _NO_REPLACED
+
+    def _hashes(self, slots: np.ndarray) -> np.ndarray:
+        return self.table._hash(self.table.cols["key"][self.st.slot_row[slots]])
+
+    def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        if self.leaf_first and rows.size > 1:
+            rows, slots = rows[::-1], slots[::-1]
+        stale = self._where[slots]
+        for q in (self.SMALL, self.MAIN):
+            self._count[q] -= int((stale == q).sum())
+        cols = self.table.cols
+        hashes = self.table._hash(cols["key"][rows])
+        stamps = self._stamps(slots)
+        freq = cols["freq"][rows].astype(np.int64)
+        self._base[slots] = freq
+        self._cnt[slots] = 0
+        where = np.zeros(slots.size, dtype=np.int8)
+        fresh = np.ones(slots.size, dtype=bool)
+        old_h, old_w, old_cnt = self._replaced
+        if old_h.size:
+            self._replaced = _NO_REPLACED
+            pos = _positions(old_h, hashes)
+            back = pos >= 0
+            where[back] = old_w[pos[back]]
+            self._cnt[slots[back]] = np.minimum(old_cnt[pos[back]] + 1, self.freq_max)
+            self._base[slots[back]] = freq[back] - (where[back] == self.SMALL)
+            fresh &= ~back
+        seen = np.zeros(slots.size, dtype=bool)
+        seen[fresh] = self.ghost.take(hashes[fresh])
+        self.ghost_hits += int(seen.sum())
+        where[seen] = self.MAIN
+        for q in (self.MAIN, self.SMALL):
+            sel = where == q
+            self._push(q, slots[sel], stamps[sel])
+
+    def _push(self, q: int, slots: np.ndarray, stamps: np.ndarray, front: bool = False) -> None:
+        if slots.size == 0:
+            return
+        self._where[slots] = q
+        self._count[q] += int(slots.size)
+        ring = self._rings[q]
+        (ring.push_front if front else ring.push)(slots, stamps)
+        if len(ring) > 2 * self.n_slots + 1024:
+            ring.compact(self._live_stamps(q))
+
+    def on_remove(self, slots: np.ndarray) -> None:
+        where = self._where[slots]
+        gone = slots[where != NONE]
+        if gone.size == 0:
+            return
+        w = where[where != NONE]
+        for q in (self.SMALL, self.MAIN):
+            self._count[q] -= int((w == q).sum())
+        evicted = w >= self.PENDING
+        self.ghost.add(self._hashes(gone[evicted]))
+        # A copy dropped while queued is being replaced (a new version, or the same block put
+        # again after a miss on an earlier block of its prefix): its standing is kept for the
+        # on_insert that follows, as one more access.
+        kept = gone[~evicted]
+        self._replaced = (self._hashes(kept), w[~evicted].astype(np.int8), self._cnt[kept])
+        self._where[gone] = NONE
+
+    def give_back(self, slots: np.ndarray) -> None:
+        w = self._where[slots]
+        for q in (self.SMALL, self.MAIN):
+            back = slots[w == self.PENDING + q]
+            self._push(q, back, self._stamp[back], front=True)
+
+    def victims(self, n: int) -> np.ndarray:
+        out: list[np.ndarray] = []
+        need = n
+        budget = (self.freq_max + 2) * (self._count[0] + self._count[1]) + 64
+        freq_col = self.table.cols["freq"]
+        while need > 0 and budget > 0 and self._count[0] + self._count[1] > 0:
+            # The n blocks to come will most likely enter probation: make their room there
+            # while it would otherwise go over its share (as if they were already in).
+            small = self._count[0] > 0 and (self._count[0] + n > self.small_target
+                                             or self._count[1] == 0)
+            q = self.SMALL if small else self.MAIN
+            slots, stamps = self._rings[q].pop(max(need, 32))
+            if slots.size == 0:            # counts and ring disagree: nothing left to find
+                self._count[q] = 0
+                budget -= 1
+                continue
+            budget -= slots.size
+            ok = self._valid(slots, stamps, q)
+            slots, stamps = slots[ok], stamps[ok]
+            freq = freq_col[self.st.slot_row[slots]].astype(np.int64)
+            acc = freq - self._base[slots]
+            held = self._leased(slots)
+            if q == self.SMALL:
+                keep = (acc > 0) | held            # used again while on probation, or leased
+                cnt = np.zeros(slots.size, dtype=np.int64)
+            else:
+                cnt = np.minimum(self._cnt[slots] + acc, self.freq_max)
+                keep = (cnt > 0) | held
+            # Settle the entries up to the need-th victim, exactly as one at a time would; the
+            # rest go back to the head untouched.
+            cut = slots.size
+            if (~keep).sum() > need:
+                cut = int(np.flatnonzero(~keep)[need - 1]) + 1
+            self._rings[q].push_front(slots[cut:], stamps[cut:])
+            slots, stamps, freq, keep, held, cnt = (
+                a[:cut] for a in (slots, stamps, freq, keep, held, cnt))
+            self._count[q] -= int(slots.size)
+            self._where[slots] = NONE
+            self._base[slots] = freq
+            if q == self.SMALL:
+                up = keep & ~held
+                self._cnt[slots[up]] = 0
+                self._push(self.MAIN, slots[up], stamps[up])
+                self._push(self.SMALL, slots[held], stamps[held])
+            else:
+                cnt[keep & ~held] -= 1
+                self._cnt[slots] = cnt
+                self._push(self.MAIN, slots[keep], stamps[keep])
+            take = slots[~keep]
+            self._where[take] = self.PENDING + q
+            out.append(take)
+            need -= take.size
+        return np.concatenate(out) if out else _EMPTY
