@@ -176,3 +176,21 @@ def test_ghost_is_a_fifo_of_keys_not_taken_back():
     assert not g.take(ks[50:150]).any()
     assert g.take(ks[150:250]).all() and len(g) == 0
     assert not Ghost(0).take(ks).any()
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "chain"])
+def test_a_leased_probation_queue_does_not_starve_main(make_engine, policy):
+    # CI found this through the stateful test: with every probation entry leased, victims()
+    # kept re-queuing them until its budget ran out and gave nothing, although main held
+    # blocks nobody used; a put or a bring-up then missed or failed with room to be had.
+    eng = _engine(make_engine, 4, eviction=policy, eviction_small="0.25")
+    eng.put("m", keys(range(3)), blocks(3, BB))
+    for _ in range(2):
+        eng.release(eng.get("m", keys(range(3))).lease_id)
+    eng.put("m", key(3), blocks(1, BB))
+    eng.put("m", key(4), blocks(1, BB))          # promotes 0..2 to main, evicts 3
+    lease = eng.get("m", key(4))                 # probation is now 4 alone, leased
+    eng.put("m", key(5), blocks(1, BB))
+    assert 4 in _host_keys(eng) and 5 in _host_keys(eng)
+    assert len(_host_keys(eng) & {0, 1, 2}) == 2
+    eng.release(lease.lease_id)

@@ -270,12 +270,21 @@ class S3Fifo(_SlotPolicy):
         need = n
         budget = (self.freq_max + 2) * (self._count[0] + self._count[1]) + 64
         freq_col = self.table.cols["freq"]
+        # Leased entries seen per queue in this call: once a queue has shown as many as it
+        # holds, it has gone round with nothing to give (every entry leased), and the other
+        # queue is taken instead, so that a leased probation queue never starves main.
+        leased_seen = [0, 0]
         while need > 0 and budget > 0 and self._count[0] + self._count[1] > 0:
             # The n blocks to come will most likely enter probation: make their room there
             # while it would otherwise go over its share (as if they were already in).
             small = self._count[0] > 0 and (self._count[0] + n > self.small_target
                                              or self._count[1] == 0)
             q = self.SMALL if small else self.MAIN
+            stuck = [leased_seen[i] >= self._count[i] for i in (self.SMALL, self.MAIN)]
+            if stuck[q]:
+                if stuck[1 - q] or self._count[1 - q] == 0:
+                    break
+                q = 1 - q
             slots, stamps = self._rings[q].pop(max(need, 32))
             if slots.size == 0:            # counts and ring disagree: nothing left to find
                 self._count[q] = 0
@@ -301,6 +310,7 @@ class S3Fifo(_SlotPolicy):
             self._rings[q].push_front(slots[cut:], stamps[cut:])
             slots, stamps, freq, keep, held, cnt = (
                 a[:cut] for a in (slots, stamps, freq, keep, held, cnt))
+            leased_seen[q] += int(held.sum())
             self._count[q] -= int(slots.size)
             self._where[slots] = NONE
             self._base[slots] = freq
