@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings, make_settings
 from kvtier.tiers.host import SlotPool
+
+# Every hypothesis test runs the same cases each time (derandomized), so that a red CI names a
+# case anyone can rerun; KVTIER_HYPOTHESIS_RANDOM=1 explores new ones, for a soak by hand.
+hypothesis_settings.register_profile(
+    "kvtier", derandomize=os.environ.get("KVTIER_HYPOTHESIS_RANDOM", "") != "1")
+hypothesis_settings.load_profile("kvtier")
 
 
 def hbm_standin(name: str, block_bytes: int, n_slots: int) -> SlotPool:

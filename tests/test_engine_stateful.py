@@ -271,12 +271,11 @@ class ConcurrentWriteThroughModel(ConcurrentModel):
     write_policy = "write_through"
 
 
-# CI runs the same 60 examples per variant each time (derandomized, so that a red CI names a
-# case anyone can rerun); a soak by hand explores new ones:
-#   KVTIER_STATEFUL_EXAMPLES=600 KVTIER_STATEFUL_RANDOM=1 pytest tests/test_engine_stateful.py
+# CI runs the same 60 examples per variant each time (derandomized: tests/conftest.py); a soak
+# by hand explores new ones:
+#   KVTIER_STATEFUL_EXAMPLES=600 KVTIER_HYPOTHESIS_RANDOM=1 pytest tests/test_engine_stateful.py
 # Each failure a soak finds becomes a plain test beside the fix (tests/test_policies.py has one).
 SETTINGS = settings(max_examples=int(os.environ.get("KVTIER_STATEFUL_EXAMPLES", "60")),
-                    derandomize=os.environ.get("KVTIER_STATEFUL_RANDOM", "") != "1",
                     stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
