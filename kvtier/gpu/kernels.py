@@ -80,34 +80,9 @@ __device__ __forceinline__ void move_layers(
         int P, const long long* __restrict__ slots, const long long* __restrict__ rows,
         int n, int p0, int np_, unsigned int vecs, int to_seg, int layers,
         unsigned int* counters) {
-    const unsigned int per = (unsigned int)n * (unsigned int)np_ * vecs;
-    const unsigned int nthreads = gridDim.x * blockDim.x;
-    const unsigned long long* pbase = (const unsigned long long*)tab;
-    const long long* pstride = tab + P;
-    const long long* poff = tab + 2 * P;
     for (int l = 0; l < layers; l++) {
-        const int pl = p0 + l * np_;
-        for (unsigned int g0 = blockIdx.x * blockDim.x + threadIdx.x; g0 < per;
-             g0 += (unsigned int)U * nthreads) {
-            T v[U];
-            T* dst[U];
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const unsigned int g = g0 + u * nthreads;
-                dst[u] = 0;
-                if (g < per) {
-                    const unsigned int item = g / vecs, w = g - item * vecs;
-                    const unsigned int i = item / np_, p = pl + (item - i * np_);
-                    T* a = (T*)(seg + slots[i] * block_bytes + poff[p]) + w;
-                    T* b = (T*)(pbase[p] + rows[i] * pstride[p]) + w;
-                    if (to_seg) { v[u] = *b; dst[u] = a; } else { v[u] = *a; dst[u] = b; }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                if (dst[u]) *dst[u] = v[u];
-            }
-        }
+        move_pages<T, U>(seg, block_bytes, tab, P, slots, rows, n, p0 + l * np_, np_, vecs,
+                         to_seg);
         __threadfence_system();
         __syncthreads();
         if (threadIdx.x == 0) atomicAdd(&counters[l], 1u);
