@@ -115,6 +115,20 @@ def test_rows_are_checked_against_the_target():
         check_rows([-1, 0], 2, 4)
 
 
+@pytest.mark.parametrize("block_bytes, n, first, size", [
+    (2 << 20, 1024, 16, 64),        # 128 MiB chunks: each copy outlasts its reserve and commit
+    (64 << 10, 4096, 256, 1024),
+    (16 << 10, 4096, 4096, 4096),   # copies shorter than the control path: one request
+    (2 << 20, 100, 100, 64),        # up to two chunks' worth: one request
+])
+def test_cuda_puts_are_cut_by_bytes(block_bytes: int, n: int, first: int, size: int):
+    from kvtier.api import pipeline
+    parts = pipeline.cuda_put_chunks(n, block_bytes)
+    assert parts[0] == (0, first)
+    assert all(hi - lo == size for lo, hi in parts[1:-1])
+    assert [lo for lo, _ in parts[1:]] == [hi for _, hi in parts[:-1]] and parts[-1][1] == n
+
+
 @pytest.mark.parametrize("length", [256, 320, 1024, 1088, 16384, 16384 + 64, 65536])
 def test_the_gpu_checksum_reference_is_xxh3(length: int):
     data = blocks(7, length, seed=length)

@@ -278,8 +278,13 @@ class Namespace(NamespaceHandle):
 
     def _get_cuda(self, kb: bytes, n: int, out: Any, rows: np.ndarray | None,
                   tier: str = "host") -> np.ndarray:
-        """The blocking get into CUDA memory: get_async on torch's current stream, waited."""
-        from kvtier.gpu.transfer import get_async
+        """The blocking get into CUDA memory: get_async on torch's current stream, waited
+        (one block from the host tier: get_one, the latency case)."""
+        from kvtier.gpu.transfer import get_async, get_one
+        if n == 1 and tier == "host":
+            found = get_one(self, kb, out, rows)
+            if found is not None:
+                return found
         return get_async(self, kb, n, out, rows, None, tier, None).wait()
 
     def get_async(self, keys: Any, out: Any, rows: np.ndarray | None = None,

@@ -167,6 +167,20 @@ class Staging:
         self._bufs, self._outs, self._keep = [], [], []
 
 
+def copy_one(slots: DeviceSlots, table: PageTable, stream: Stream, slot: int, row: int,
+             lo: int, hi: int, to_seg: bool) -> None:
+    """Pages lo..hi of one block (slot <-> engine block row) by a copy-engine call per page on
+    stream: the latency case, no numpy. slots has one range."""
+    import cupy
+    rng = slots.ranges[0]
+    seg0 = rng.base + (slot - rng.first) * slots.block_bytes
+    for p in range(lo, hi):
+        seg = seg0 + int(table.offset[p])
+        dev = int(table.base[p]) + row * int(table.stride[p])
+        src, dst = (dev, seg) if to_seg else (seg, dev)
+        cupy.cuda.runtime.memcpyAsync(dst, src, int(table.size[p]), _DEFAULT, stream.ptr)
+
+
 class Mover:
     """Enqueues the copies of one transfer, ordered on its stream (plan.py's methods; the side
     streams of kvtier.gpu.streams are forked from it and joined back)."""
@@ -215,16 +229,8 @@ class Mover:
                     self._launch(rng.base, self.slots.block_bytes, local, r, a, b, to_seg, d2d)
 
     def _one(self, slot: int, row: int, lo: int, hi: int, to_seg: bool) -> None:
-        """One block, the latency case: a copy-engine call per page, no numpy."""
-        import cupy
         self.methods.add(Method.COPY_ENGINE)
-        t, rng = self.table, self.slots.ranges[0]
-        seg0 = rng.base + (slot - rng.first) * self.slots.block_bytes
-        for p in range(lo, hi):
-            seg = seg0 + int(t.offset[p])
-            dev = int(t.base[p]) + row * int(t.stride[p])
-            src, dst = (dev, seg) if to_seg else (seg, dev)
-            cupy.cuda.runtime.memcpyAsync(dst, src, int(t.size[p]), _DEFAULT, self.stream.ptr)
+        copy_one(self.slots, self.table, self.stream, slot, row, lo, hi, to_seg)
 
     def _staged(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int,
                 b: int, fork: bool = True) -> bool:

@@ -14,14 +14,19 @@ Lifecycle of a get (the rules of DESIGN.md, "Inside an inference engine"):
 
 and of a put:
 
-    1. reserve slots (all chunks, before anything is launched: a refused reserve launches nothing)
-    2. enqueue the copies into the slots on the caller's stream; where the layout allows
-       (kvtier.gpu.xxh3.supported), a hash kernel on a side stream computes each block's
-       checksum from the source, and the caller's stream waits for it, so the last event covers
-       both (the engine may reuse its tensor once that event has completed)
-    3. once every event has completed: commit, with the GPU's checksums (the service hashes no
-       byte); a transfer that failed (a CUDA error, an exception while enqueueing) never
-       commits: its reservations are aborted, after its launched copies have finished.
+    1. reserve slots, in chunks (kvtier.api.pipeline.cuda_put_chunks), all requests sent at once
+    2. enqueue each chunk's copies into its slots on the caller's stream as its reserve reply
+       arrives (the service reserves the next chunk meanwhile), recording an event after each;
+       where the layout allows (kvtier.gpu.xxh3.supported), a hash kernel on a side stream
+       computes each block's checksum from the source, and the caller's stream waits for it, so
+       the last event covers both (the engine may reuse its tensor once that event has completed)
+    3. commit each chunk, with the GPU's checksums (the service hashes no byte), once its event
+       and the hash have completed, seen by done(), wait() or a poll: the service commits chunk
+       k while chunk k + 1 moves. A reserve refused launches nothing more, waits for what was
+       launched, and aborts every chunk; a transfer that fails on the GPU (a CUDA error, an
+       exception while enqueueing) commits no chunk after the failure: the rest are aborted,
+       after their launched copies have finished, and the error says how many blocks were
+       stored (each chunk is whole blocks: nothing is torn).
 
 Never a stream or device synchronisation: host waits are on the transfer's own events only.
 Not thread-safe, like the Client.
@@ -35,7 +40,7 @@ import numpy as np
 
 from kvtier.api import pipeline
 from kvtier.errors import KvtierError, ServiceUnavailable
-from kvtier.gpu.device import Mover, Staging, target_table
+from kvtier.gpu.device import Mover, Staging, copy_one, target_table
 from kvtier.gpu.streams import Stream, own, settle
 from kvtier.gpu.plan import PageTable, TransferPolicy, check_rows, page_groups
 
@@ -106,10 +111,10 @@ class Transfer:
         of a put."""
         if not self._finished:
             try:
-                for ev in self.events:
-                    ev.synchronize()
+                self._sync()
             except BaseException as exc:
                 self._error = exc
+                self._settle()
             self._finish()
         if self._error is not None:
             raise self._error
@@ -117,6 +122,19 @@ class Transfer:
 
     def _device(self) -> int:
         return int(self._device_id)
+
+    def _sync(self) -> None:
+        for ev in self.events:
+            ev.synchronize()
+
+    def _settle(self) -> None:
+        """After a failure: the host waits until nothing launched may still run (a CUDA error
+        of the stream ends that wait too)."""
+        if self.events:
+            try:
+                self.events[-1].synchronize()
+            except BaseException:
+                pass
 
     def _events_done(self) -> bool:
         try:
@@ -159,34 +177,70 @@ class GetTransfer(Transfer):
 
 
 class PutTransfer(Transfer):
-    """A put in flight; result: the new versions, once committed."""
+    """A put in flight; result: the new versions, once committed. parts: (lo, hi, reservation
+    id, the event after that chunk's copies); hashed: the event after the GPU's checksums have
+    reached host memory (None: no GPU checksums)."""
 
     def __init__(self, ns: "Namespace", events: list[Any], staging: Staging, methods: set[Any],
-                 parts: list[tuple[int, int, int]], n: int, sums_addr: int,
-                 device: int) -> None:
+                 parts: list[tuple[int, int, int, Any]], n: int, sums_addr: int,
+                 hashed: Any, device: int) -> None:
         super().__init__(ns, events, staging, methods)
-        self._parts = parts                 # (lo, hi, reservation id)
+        self._parts = parts
         self._n = n
         self._sums = sums_addr
+        self._hashed = hashed
         self._device_id = device
+        self._commits: list[tuple[int, int, int]] = []     # (lo, hi, request id) sent
 
-    def _complete(self) -> None:
-        c = self._ns._client
-        if self._error is not None:
-            for _lo, _hi, rid in self._parts:
-                c._send_nowait("abort", rid=rid)
-            return
+    def _sync(self) -> None:
+        """Wait for each chunk in turn and send its commit at once: the service commits chunk
+        k while chunk k + 1 still moves."""
+        for _lo, _hi, _rid, ev in self._parts[len(self._commits):]:
+            ev.synchronize()
+            if self._hashed is not None:
+                self._hashed.synchronize()
+            self._send_commit()
+        super()._sync()
+
+    def _events_done(self) -> bool:
+        """Send the commits of the chunks that have completed; True once every event has."""
+        try:
+            for _lo, _hi, _rid, ev in self._parts[len(self._commits):]:
+                if not (ev.done and (self._hashed is None or self._hashed.done)):
+                    break
+                self._send_commit()
+            return all(ev.done for ev in self.events)
+        except BaseException as exc:       # a CUDA error, or the connection lost
+            self._error = exc
+            self._settle()
+            return True
+
+    def _send_commit(self) -> None:
+        lo, hi, rid, _ev = self._parts[len(self._commits)]
         sums = None
         if self._sums:
             import ctypes
-            sums = np.ctypeslib.as_array((ctypes.c_uint64 * self._n).from_address(self._sums))
-        ids = [(lo, hi, c._send("commit", {"rid": rid, "checksums": None if sums is None else
-                                           sums[lo:hi].astype("<u8").tobytes(),
-                                           "trusted": True if sums is not None else None}))
-               for lo, hi, rid in self._parts]
-        versions, stored, error = pipeline.commit_replies(self._ns, ids, self._n)
-        if error is not None:
-            raise type(error)(f"{error} ({stored} of {self._n} blocks were stored)") from None
+            sums = np.ctypeslib.as_array((ctypes.c_uint64 * (hi - lo)).from_address(
+                self._sums + 8 * lo)).astype("<u8").tobytes()
+        self._commits.append((lo, hi, self._ns._client._send(
+            "commit", {"rid": rid, "checksums": sums, "trusted": True if sums else None})))
+
+    def _complete(self) -> None:
+        c = self._ns._client
+        if self._error is None:
+            while len(self._commits) < len(self._parts):
+                self._send_commit()
+        versions, stored, error = pipeline.commit_replies(self._ns, self._commits, self._n)
+        for _lo, _hi, rid, _ev in self._parts[len(self._commits):]:
+            c._send_nowait("abort", rid=rid)
+        failure = self._error or error
+        if failure is not None:
+            if error is not None and self._error is None:
+                raise type(error)(f"{error} ({stored} of {self._n} blocks were stored)") from None
+            if stored:
+                failure.add_note(f"kvtier: {stored} of {self._n} blocks were stored")
+            self._error = failure
+            raise failure
         self.result = versions
 
 
@@ -270,64 +324,140 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
     return t
 
 
+_events: dict[tuple[int, int], Any] = {}
+
+
+def get_one(ns: "Namespace", kb: bytes, out: Any, rows: np.ndarray | None) -> np.ndarray | None:
+    """The blocking get of one block from the host tier into CUDA memory on torch's current
+    stream, the latency case: the request goes out first and the copy's set-up is done while
+    the service answers; one copy-engine call per page, then the host waits on an event kept
+    for that stream (reused: nothing else waits on it), then the lease ends (piggybacked on
+    the next request). The found mask; None (nothing sent) where the general path must run."""
+    import cupy
+    poll(ns)
+    c = ns._client
+    c._ensure()
+    table, _groups, dst_rows = _target(ns, out, rows, 1, None)
+    seg = ns._gpu("host")
+    if len(seg.ranges) != 1 or table.pages > policy().small_batch_copies:
+        return None
+    rid = c._send("get", {"ns": ns.name, "keys": kb, "tier": "host"})
+    with cupy.cuda.Device(table.device):
+        st = Stream.resolve(None, table.device)
+        ev = _events.get((table.device, st.ptr))
+        if ev is None:
+            ev = _events[(table.device, st.ptr)] = cupy.cuda.Event(block=False,
+                                                                   disable_timing=True)
+        row = int(dst_rows[0])
+        r = c._reply(rid)
+        found = bool(r["found"][0])
+        try:
+            if found:
+                copy_one(seg, table, st, int(np.frombuffer(r["slots"], "<i4")[0]), row, 0,
+                         table.pages, False)
+                ev.record(st.cupy)
+                ev.synchronize()
+        except BaseException:
+            settle(st)                         # no launched copy reads the slot any more
+            raise
+        finally:
+            c._release_later(int(r["lease"]))
+    return np.array([found])
+
+
 def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | None,
               rows: np.ndarray | None, stream: Any, tier: str,
               layers: int | None) -> PutTransfer:
     import cupy
-    from kvtier.gpu import xxh3
     poll(ns)
     c = ns._client
     c._ensure()
     table, groups, src_rows = _target(ns, blocks, rows, n, layers)
     seg = ns._gpu(tier)
     w = ns.key_width
-    chunks = pipeline.chunks(n, pipeline.CUDA_PUT_CHUNK)
+    chunks = pipeline.cuda_put_chunks(n, ns.block_bytes)
     ids = [c._send("reserve", {"ns": ns.name, "keys": kb[lo * w:hi * w], "tier": tier,
                                "device": table.device if tier == "hbm" else None,
                                "parents": None if parents is None else parents[lo * w:hi * w]},
                    piggyback=i == len(chunks) - 1) for i, (lo, hi) in enumerate(chunks)]
-    parts: list[tuple[int, int, int, np.ndarray]] = []
-    error: BaseException | None = None
-    for (lo, hi), rid in zip(chunks, ids):
-        try:
-            r = c._reply(rid)
-        except ServiceUnavailable:
-            raise
-        except KvtierError as exc:
-            error = error or exc
-            continue
-        parts.append((lo, hi, int(r["rid"]), np.frombuffer(r["slots"], "<i4")))
-    if error is not None:                      # nothing was launched: abort now
-        for _lo, _hi, rid, _s in parts:
-            c._send_nowait("abort", rid=rid)
-        raise error
     with cupy.cuda.Device(table.device):
         st = Stream.resolve(stream, table.device)
         staging = Staging(st)
         mover = Mover(seg, table, st, policy(), staging)
-        events: list[Any] = []
-        sums = 0
+        side, sums, hashed, error = None, 0, None, None
         try:
-            side = None
-            if n and xxh3.supported(ns.block_bytes, tuple(table.size.tolist())) and not (
-                    table.base.astype(np.int64) % 16).any() and not (table.stride % 16).any():
-                side = own(table.device, "checksums")
-                sums = mover.checksums(src_rows, side)
-            for g, (g_lo, g_hi) in enumerate(groups):
-                for lo, hi, _rid, slots in parts:
-                    mover.move(slots, src_rows[lo:hi], g_lo, g_hi, True)
+            side, sums, hashed = _hash(ns, mover, table, src_rows, n)
+        except BaseException as exc:
+            error = exc
+        parts, ends, error = _reserved(c, mover, chunks, ids, src_rows, groups, error)
+        events: list[Any] = []
+        try:
+            for g, (g_lo, g_hi) in enumerate(groups if error is None else ()):
+                if len(groups) > 1:          # page group by page group, once all are reserved
+                    for lo, hi, _rid, slots in parts:
+                        mover.move(slots, src_rows[lo:hi], g_lo, g_hi, True)
                 if side is not None and g == len(groups) - 1:
-                    st.wait(side.event())      # the last event covers the hash's reads too
+                    st.wait(side.event())    # the last event covers the hash's reads too
                 events.append(mover.event())
         except BaseException as exc:
+            error = exc
+        if error is not None:
             mover.settle()                    # no launched write may land in aborted slots
             if side is not None:
                 settle(side)                  # nor the hash's output in a reused buffer
             for _lo, _hi, rid, _s in parts:
                 c._send_nowait("abort", rid=rid)
             staging.release()
-            raise exc
+            raise error
+        if len(groups) > 1:                   # every chunk completes with the last group
+            ends = [events[-1]] * len(parts)
         t = PutTransfer(ns, events, staging, mover.methods,
-                        [(lo, hi, rid) for lo, hi, rid, _s in parts], n, sums, table.device)
+                        [(lo, hi, rid, ev) for (lo, hi, rid, _s), ev in zip(parts, ends)],
+                        n, sums, hashed, table.device)
     ns._inflight.append(t)
     return t
+
+
+def _hash(ns: "Namespace", mover: Mover, table: PageTable, src_rows: np.ndarray,
+          n: int) -> tuple[Any, int, Any]:
+    """The GPU checksums of a put's blocks, where the layout allows: (the side stream, the
+    pinned address of the n sums, the event after they have reached it), else (None, 0, None)."""
+    from kvtier.gpu import xxh3
+    if not (n and xxh3.supported(ns.block_bytes, tuple(table.size.tolist()))
+            and not (table.base.astype(np.int64) % 16).any() and not (table.stride % 16).any()):
+        return None, 0, None
+    side = own(table.device, "checksums")
+    sums = mover.checksums(src_rows, side)
+    return side, sums, side.event()
+
+
+def _reserved(c: Any, mover: Mover, chunks: list[tuple[int, int]], ids: list[int],
+              src_rows: np.ndarray, groups: list[tuple[int, int]],
+              error: BaseException | None
+              ) -> tuple[list[tuple[int, int, int, np.ndarray]], list[Any], BaseException | None]:
+    """Read every reserve reply of a put; with one page group, enqueue each chunk's copies as
+    its reply arrives and record an event after them (the chunk's end). Returns (the parts as
+    (lo, hi, reservation id, slots), the chunks' end events, the first failure); after a
+    failure nothing more is launched. Where the connection is lost, the launched copies are
+    waited for before ServiceUnavailable is raised, since the service frees the connection's
+    reserved slots."""
+    parts: list[tuple[int, int, int, np.ndarray]] = []
+    ends: list[Any] = []
+    for (lo, hi), rid in zip(chunks, ids):
+        try:
+            r = c._reply(rid)
+        except ServiceUnavailable:
+            mover.settle()
+            raise
+        except KvtierError as exc:
+            error = error or exc
+            continue
+        slots = np.frombuffer(r["slots"], "<i4")
+        parts.append((lo, hi, int(r["rid"]), slots))
+        if error is None and len(groups) == 1:
+            try:
+                mover.move(slots, src_rows[lo:hi], groups[0][0], groups[0][1], True)
+                ends.append(mover.event())
+            except BaseException as exc:
+                error = exc
+    return parts, ends, error
