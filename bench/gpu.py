@@ -22,9 +22,11 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              basis of the defaults (kvtier.gpu.plan)
     layerwise_overlap                        a 32-layer load, each layer's compute waiting for
                                              that layer only: total / max(load, compute) alone
-    single_cuda_get_p50_us (p99)             one 64 KiB block into a CUDA tensor
+    single_cuda_get_p50_us (p99)             one 64 KiB block into a CUDA tensor (ns.get: its
+                                             latency path); _async_p50_us: get_async().wait()
     hbm_onboard_ratio_2m                     1,024 x 2 MiB from the HBM tier (CUDA IPC), / D2D
     offload_commit_ms_*                      the commit's share of a put (GPU checksums sent)
+    offload_ratio_*_one_request              a put cut in chunks, as one request instead
 """
 
 from __future__ import annotations
@@ -141,9 +143,11 @@ def namespace(c, name: str, bb: int):
 
 def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
               mm_alone: float, variants: dict | None = None) -> dict:
-    """n scattered blocks of bb bytes as rows: onboard, offload, and beside the matmul; then
-    each variant of the transfer policy (onboard alone, and beside the matmul or offload)."""
+    """n scattered blocks of bb bytes as rows: onboard, offload (and, where the put is cut in
+    chunks, the same put as one request), and beside the matmul; then each variant of the
+    transfer policy (onboard alone, and beside the matmul or offload)."""
     import torch
+    from kvtier.api import pipeline
     ns = namespace(c, name, bb)
     rng = np.random.default_rng(bb)
     keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
@@ -166,13 +170,23 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
     on = med(get, reps)
     put = lambda: ns.put_async(kb, out, rows=rows, stream=stream).wait()   # noqa: E731
     off = med(put, reps)
+    tag = {2 << 20: "2m", 65536: "64k", 16384: "16k"}[bb]
+    extra = {}
+    if len(pipeline.cuda_put_chunks(n, bb)) > 1:
+        # The same put as one request (reserve all, copy all, commit all): what the chunks buy.
+        saved = pipeline.CUDA_PUT_CHUNK_BYTES
+        pipeline.CUDA_PUT_CHUNK_BYTES = 1 << 62
+        try:
+            extra[f"offload_ratio_{tag}_one_request"] = round(
+                n * bb / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)
+        finally:
+            pipeline.CUDA_PUT_CHUNK_BYTES = saved
     host = np.empty((n, bb), np.uint8)
     ns.get(kb, out=host)
     if not (host[:64] == out[torch.as_tensor(rows[:64], device="cuda")].cpu().numpy()).all():
         raise WrongBytes(f"offload of {name} stored wrong bytes")
     nbytes = n * bb
-    tag = {2 << 20: "2m", 65536: "64k", 16384: "16k"}[bb]
-    res = {f"onboard_gbps_{tag}": round(nbytes / on / 1e9, 2),
+    res = {**extra, f"onboard_gbps_{tag}": round(nbytes / on / 1e9, 2),
            f"offload_gbps_{tag}": round(nbytes / off / 1e9, 2),
            f"methods_{tag}": methods,
            f"onboard_ms_{tag}": round(on * 1e3, 3), f"offload_ms_{tag}": round(off * 1e3, 3)}
@@ -202,7 +216,10 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
 
 
 def commit_share(c, ns, kb: bytes, src, rows: np.ndarray, tag: str, reps: int) -> dict:
-    """Where a put's time goes: the reserve, the copy (and GPU hash), the commit."""
+    """Where a put's time goes, its steps kept apart: reserve (until put_async returns: every
+    reserve reply read and every copy enqueued, the first chunks already moving), the copies
+    (and GPU hash) left, the commits (all sent only then, one after the other; a put that is
+    waited for at once sends each as its chunk completes)."""
     import torch
     from kvtier.gpu import transfer
     parts = {"reserve": [], "copy": [], "commit": []}
@@ -376,8 +393,14 @@ def single_get(c, reps: int) -> dict:
         t0 = time.perf_counter()
         ns.get(keys[i % 64], out=host)
         th.append((time.perf_counter() - t0) * 1e6)
+    ta = []
+    for i in range(200):
+        t0 = time.perf_counter()
+        ns.get_async(keys[i % 64], out=out).wait()
+        ta.append((time.perf_counter() - t0) * 1e6)
     return {"single_cuda_get_p50_us": round(p["p50"], 1), "single_cuda_get_p99_us":
             round(p["p99"], 1), "single_host_get_p50_us": round(float(np.median(th)), 1),
+            "single_cuda_get_async_p50_us": round(float(np.median(ta)), 1),
             "single_cuda_get_profile": profile_single(ns, keys[0], out)}
 
 
