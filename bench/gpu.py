@@ -26,7 +26,8 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              latency path); _async_p50_us: get_async().wait()
     hbm_onboard_ratio_2m                     1,024 x 2 MiB from the HBM tier (CUDA IPC), / D2D
     offload_commit_ms_*                      the commit's share of a put (GPU checksums sent)
-    offload_ratio_*_one_request              a put cut in chunks, as one request instead
+    offload_ratio_*_one_request / _chunks_1024   the same put as one request where it is cut
+                                             in chunks, else in chunks of 1,024 keys
 """
 
 from __future__ import annotations
@@ -171,16 +172,16 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
     put = lambda: ns.put_async(kb, out, rows=rows, stream=stream).wait()   # noqa: E731
     off = med(put, reps)
     tag = {2 << 20: "2m", 65536: "64k", 16384: "16k"}[bb]
-    extra = {}
-    if len(pipeline.cuda_put_chunks(n, bb)) > 1:
-        # The same put as one request (reserve all, copy all, commit all): what the chunks buy.
-        saved = pipeline.CUDA_PUT_CHUNK_BYTES
-        pipeline.CUDA_PUT_CHUNK_BYTES = 1 << 62
-        try:
-            extra[f"offload_ratio_{tag}_one_request"] = round(
-                n * bb / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)
-        finally:
-            pipeline.CUDA_PUT_CHUNK_BYTES = saved
+    # The same put cut the other way: as one request (reserve all, copy all, commit all) where
+    # it goes in chunks, else in chunks of 1,024: what the chunks buy or would.
+    chunked = len(pipeline.cuda_put_chunks(n, bb)) > 1
+    saved = pipeline.CUDA_PUT_CHUNK_BYTES
+    pipeline.CUDA_PUT_CHUNK_BYTES = 1 << 62 if chunked else 1024 * bb
+    try:
+        extra = {f"offload_ratio_{tag}_{'one_request' if chunked else 'chunks_1024'}": round(
+            n * bb / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)}
+    finally:
+        pipeline.CUDA_PUT_CHUNK_BYTES = saved
     host = np.empty((n, bb), np.uint8)
     ns.get(kb, out=host)
     if not (host[:64] == out[torch.as_tensor(rows[:64], device="cuda")].cpu().numpy()).all():
