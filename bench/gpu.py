@@ -26,8 +26,9 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              latency path); _async_p50_us: get_async().wait()
     hbm_onboard_ratio_2m                     1,024 x 2 MiB from the HBM tier (CUDA IPC), / D2D
     offload_commit_ms_*                      the commit's share of a put (GPU checksums sent)
-    offload_ratio_*_one_request / _chunks_1024   the same put as one request where it is cut
-                                             in chunks, else in chunks of 1,024 keys
+    offload_ratio_*_chunks_K                 the same put in chunks of K keys (4,096: one
+                                             request); offload_chunks_*: the default's count
+    offload_hash_ms_*                        the put's GPU checksums alone
 """
 
 from __future__ import annotations
@@ -172,16 +173,18 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
     put = lambda: ns.put_async(kb, out, rows=rows, stream=stream).wait()   # noqa: E731
     off = med(put, reps)
     tag = {2 << 20: "2m", 65536: "64k", 16384: "16k"}[bb]
-    # The same put cut the other way: as one request (reserve all, copy all, commit all) where
-    # it goes in chunks, else in chunks of 1,024: what the chunks buy or would.
-    chunked = len(pipeline.cuda_put_chunks(n, bb)) > 1
-    saved = pipeline.CUDA_PUT_CHUNK_BYTES
-    pipeline.CUDA_PUT_CHUNK_BYTES = 1 << 62 if chunked else 1024 * bb
-    try:
-        extra = {f"offload_ratio_{tag}_{'one_request' if chunked else 'chunks_1024'}": round(
-            n * bb / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)}
-    finally:
-        pipeline.CUDA_PUT_CHUNK_BYTES = saved
+    # The same put cut otherwise (chunks of k keys; 4,096: one request): what chunks buy.
+    extra = {}
+    saved = pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN
+    for k in {"2m": (64, 256), "64k": (256, 4096), "16k": (1024,)}[tag]:
+        pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN = k * bb, k
+        try:
+            extra[f"offload_ratio_{tag}_chunks_{k}"] = round(
+                n * bb / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)
+        finally:
+            pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN = saved
+    extra[f"offload_chunks_{tag}"] = len(pipeline.cuda_put_chunks(n, bb))
+    extra[f"offload_hash_ms_{tag}"] = round(hash_ms(ns, out, rows, reps) * 1e3, 3)
     host = np.empty((n, bb), np.uint8)
     ns.get(kb, out=host)
     if not (host[:64] == out[torch.as_tensor(rows[:64], device="cuda")].cpu().numpy()).all():
@@ -214,6 +217,25 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
             transfer.set_policy(None)
         res.setdefault(f"variants_{tag}", {})[vname] = row
     return res
+
+
+def hash_ms(ns, src, rows: np.ndarray, reps: int) -> float:
+    """The GPU checksums of a put alone (kvtier.gpu.xxh3 on its side stream): every chunk's
+    commit waits for them."""
+    from kvtier.gpu import transfer
+    from kvtier.gpu.device import Mover, Staging, target_table
+    from kvtier.gpu.streams import Stream
+    table = target_table(src, ns.block_bytes)
+    st = Stream.resolve(None, table.device)
+
+    def once() -> None:
+        staging = Staging(st)
+        _side, _sums, done = transfer._hash(ns, Mover(None, table, st, transfer.policy(),
+                                                      staging), table, rows, rows.size)
+        if done is not None:
+            done.synchronize()
+        staging.release()
+    return med(once, reps)
 
 
 def commit_share(c, ns, kb: bytes, src, rows: np.ndarray, tag: str, reps: int) -> dict:

@@ -116,10 +116,11 @@ def test_rows_are_checked_against_the_target():
 
 
 @pytest.mark.parametrize("block_bytes, n, first, size", [
-    (2 << 20, 1024, 16, 64),        # 128 MiB chunks: each copy outlasts its reserve and commit
-    (64 << 10, 4096, 256, 1024),
+    (64 << 10, 4096, 256, 1024),    # 64 MiB chunks: each copy outlasts its reserve and commit
+    (2 << 20, 4096, 256, 1024),     # never fewer than 1,024 keys a chunk
+    (2 << 20, 1024, 1024, 1024),    # up to two chunks' worth: one request
     (16 << 10, 4096, 4096, 4096),   # copies shorter than the control path: one request
-    (2 << 20, 100, 100, 64),        # up to two chunks' worth: one request
+    (16 << 10, 10000, 1024, 4096),  # and never more than CUDA_PUT_CHUNK keys
 ])
 def test_cuda_puts_are_cut_by_bytes(block_bytes: int, n: int, first: int, size: int):
     from kvtier.api import pipeline

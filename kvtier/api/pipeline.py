@@ -42,19 +42,26 @@ CHUNK = 1024
 # the one before, and on the dev VM 4,096 x 16 KiB took 1.22x as long as one request. Chunks
 # still bound a single commit (and its hold of the engine lock) for huge puts.
 CUDA_PUT_CHUNK = 4096
-# ... but cut by bytes where the copies outlast the control path: from a CUDA tensor, a chunk's
-# copies are enqueued as soon as its reserve reply arrives and its commit is sent as soon as its
-# copies have completed (kvtier.gpu.transfer), so the service reserves chunk k + 1 and commits
-# chunk k - 1 while chunk k moves. Worth it where a chunk's copy time passes its control time:
-# 2 MiB blocks go in chunks of 64 (a 128 MiB copy, ~2.4 ms on the H200, against ~0.3 ms of
-# reserve and commit), 64 KiB in chunks of 1,024, 16 KiB and less stay one request up to 8,192.
+# ... and cut by bytes where the copies outlast the control path: a chunk's copies are enqueued
+# as soon as its reserve reply arrives and its commit is sent as soon as its copies (and the GPU
+# hash) have completed (kvtier.gpu.transfer), so the service reserves and commits other chunks
+# while one moves. A chunk's reserve and commit cost ~1.2 ms of the service whatever its size
+# (bench/gpu.py offload_reserve_ms_* and offload_commit_ms_*, H200 run 10), so chunks pay only
+# where each chunk's copy takes longer and chunks stay few. H200 run 10, ratio to pinned D2H:
+# 4,096 x 64 KiB 0.647 in chunks of 1,024 against 0.540 as one request; 4,096 x 16 KiB 0.176 in
+# chunks of 1,024 against 0.260 as one; 1,024 x 2 MiB 0.721 in chunks of 64 against 0.865 as one
+# (why those chunks lost is not established: bench/gpu.py reports the GPU hash's time,
+# offload_hash_ms_2m, which every chunk's commit waits for). Hence chunks of at least
+# CUDA_PUT_CHUNK_MIN keys and CUDA_PUT_CHUNK_BYTES: 64 KiB blocks in chunks of 1,024, 16 KiB
+# and 2 MiB batches up to 4,096 and 2,048 keys as one request.
 CUDA_PUT_CHUNK_BYTES = 64 << 20
+CUDA_PUT_CHUNK_MIN = 1024
 
 
 def cuda_put_chunks(n: int, block_bytes: int) -> list[tuple[int, int]]:
-    """The chunks of a put from CUDA memory (CUDA_PUT_CHUNK_BYTES, at most CUDA_PUT_CHUNK keys
-    and at least 64, or CUDA_PUT_CHUNK where that is smaller)."""
-    size = min(CUDA_PUT_CHUNK, max(64, CUDA_PUT_CHUNK_BYTES // max(1, block_bytes)))
+    """The chunks of a put from CUDA memory: CUDA_PUT_CHUNK_BYTES of blocks, at least
+    CUDA_PUT_CHUNK_MIN and at most CUDA_PUT_CHUNK keys (chunks() cuts them)."""
+    size = min(CUDA_PUT_CHUNK, max(CUDA_PUT_CHUNK_MIN, CUDA_PUT_CHUNK_BYTES // max(1, block_bytes)))
     return chunks(n, size)
 
 
