@@ -45,13 +45,13 @@ CUDA_PUT_CHUNK = 4096
 # ... and cut by bytes where the copies outlast the control path: a chunk's copies are enqueued
 # as soon as its reserve reply arrives and its commit is sent as soon as its copies (and the GPU
 # hash) have completed (kvtier.gpu.transfer), so the service reserves and commits other chunks
-# while one moves. A chunk's reserve and commit cost ~1.2 ms of the service whatever its size
-# (bench/gpu.py offload_reserve_ms_* and offload_commit_ms_*, H200 run 10), so chunks pay only
+# while one moves. A chunk's reserve and commit cost ~0.5-1.2 ms each whatever its size
+# (bench/gpu.py offload_reserve_ms_* and offload_commit_ms_*, H200 runs 10-11), so chunks pay only
 # where each chunk's copy takes longer and chunks stay few. H200 run 10, ratio to pinned D2H:
 # 4,096 x 64 KiB 0.647 in chunks of 1,024 against 0.540 as one request; 4,096 x 16 KiB 0.176 in
 # chunks of 1,024 against 0.260 as one; 1,024 x 2 MiB 0.721 in chunks of 64 against 0.865 as one
-# (why those chunks lost is not established: bench/gpu.py reports the GPU hash's time,
-# offload_hash_ms_2m, which every chunk's commit waits for). Hence chunks of at least
+# (run 11: 0.730 in chunks of 64 and 0.824 in chunks of 256 against 0.872; not the GPU hash that
+# every chunk's commit waits for, 6 ms; the cause is not established). Hence chunks of at least
 # CUDA_PUT_CHUNK_MIN keys and CUDA_PUT_CHUNK_BYTES: 64 KiB blocks in chunks of 1,024, 16 KiB
 # and 2 MiB batches up to 4,096 and 2,048 keys as one request.
 CUDA_PUT_CHUNK_BYTES = 64 << 20
