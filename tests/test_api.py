@@ -85,6 +85,29 @@ def test_round_trip_of_every_op(service):
             c._call("commit", rid=r["rid"])
 
 
+def test_lookup_with_stage_brings_a_prefix_held_only_on_nvme_up_to_host(service):
+    data = blocks(6, BB, seed=5)
+    with kvtier.Client(service.socket) as c:
+        ns = c.namespace("staged", block_bytes=BB)
+        ns.put(keys(range(6)), data, parents=bytes(16) + keys(range(5)))
+        assert ns.lookup(keys(range(8))) == kvtier.api.client.PrefixHit(6, 0)
+    service.stop()                                   # flushed; host copies are volatile
+    service.start()
+    with kvtier.Client(service.socket) as c:
+        ns = c.namespace("staged")
+        assert ns.lookup(keys([0, 1, 2, 3, 4, 5, 9])) == kvtier.api.client.PrefixHit(6, 6)
+        assert ns.lookup(keys(range(4)), stage=True).below == 4      # staging starts
+        deadline = time.monotonic() + 20
+        while ns.lookup(keys(range(6))).below > 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ns.lookup(keys(range(6))).below == 2                  # 0..3 staged, not 4, 5
+        host = c.stats()["tiers"]["host"]
+        assert host["prefetched"] == 4 and host["blocks"] == 4
+        found, out = ns.get(keys(range(6)))
+        assert found.all() and (out == data).all()
+        assert c.stats()["leases"] == 0
+
+
 def test_two_clients_share_blocks(service):
     data = blocks(4, BB, seed=3)
     with kvtier.Client(service.socket, name="writer") as a, \

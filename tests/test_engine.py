@@ -336,6 +336,28 @@ def test_prefetch_never_evicts(make_engine):
     assert [i for i in range(8) if "host" in _entry(eng, key(i))["copies"]] == held
 
 
+def test_lookup_counts_the_hit_below_memory_and_stage_brings_it_up(make_engine):
+    eng = make_engine(host_capacity=6 * BB, prefetch_blocks=0)
+    eng.create_namespace("m", BB)
+    data = blocks(6, BB)
+    eng.put("m", keys(range(6)), data, parents=bytes(16) + keys(range(5)))
+    eng.evict(Tier.HOST, 6)                                     # all on NVMe only
+    eng.put("m", keys([10, 11]), blocks(2, BB, seed=1))         # two others fill host
+    eng.read("m", keys([0, 1]))                                 # 0, 1 back on host
+    assert eng.lookup_prefix("m", keys([0, 1, 2, 3, 4, 5, 99])) == (6, 4)
+    assert eng.match_prefix("m", keys(range(6))) == 6
+    # Host holds 6 blocks: 0, 1 (the batch's, kept), 10, 11; staging 2..5 evicts 10 and 11.
+    assert eng.stage("m", keys(range(6))) == 4
+    on_host = [("host" in _entry(eng, key(i))["copies"]) for i in (0, 1, 2, 3, 4, 5, 10, 11)]
+    assert on_host == [True] * 6 + [False, False]
+    assert eng.lookup_prefix("m", keys(range(6))) == (6, 0)
+    assert eng.counters.tiers[Tier.HOST].prefetched == 4
+    assert eng.stage("m", keys(range(6))) == 0                  # nothing left below
+    found, got = eng.read("m", keys(range(6)))
+    assert found.all() and (got == data).all()
+    assert not eng.leases                                      # staged copies are not leased
+
+
 def _state(eng: Engine, ks: list[bytes]) -> dict:
     """What a get and a release may change, for the keys ks."""
     ns = eng.namespace("m")

@@ -28,7 +28,8 @@ import numpy as np
 
 from kvtier.api import protocol as P
 from kvtier.api.buffers import blocks_view, checksums, pack_keys
-from kvtier.api.client import Client, GetReply, NamespaceHandle, copy_out, default_socket
+from kvtier.api.client import (Client, GetReply, NamespaceHandle, PrefixHit, copy_out,
+                               default_socket)
 from kvtier.api.reconnect import PUT_OPS, connection_lost, hung_up, retry_safe
 from kvtier.errors import ChecksumError, PutOutcomeUnknown, ServiceUnavailable
 
@@ -91,10 +92,14 @@ class AsyncNamespace(NamespaceHandle):
         return rep.found, dst
 
     async def match_prefix(self, keys: Any) -> int:
+        return (await self.lookup(keys)).n
+
+    async def lookup(self, keys: Any, stage: bool = False) -> PrefixHit:
+        """As kvtier.Client's Namespace.lookup."""
         await self._client._ensure()
         r = await self._client._call("match_prefix", ns=self.name,
-                                     keys=pack_keys(keys, self.key_width))
-        return int(r["n"])
+                                     keys=pack_keys(keys, self.key_width), stage=stage)
+        return PrefixHit(int(r["n"]), int(r["below"]))
 
     async def delete(self, keys: Any) -> int:
         await self._client._ensure()

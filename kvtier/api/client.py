@@ -74,6 +74,15 @@ def default_socket() -> str:
     return str(Path(data_dir) / "run" / "kvtier.sock")
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A match_prefix answer: n leading keys held, ``below`` of them neither in HBM nor in
+    host memory (on NVMe or Redis only)."""
+
+    n: int
+    below: int
+
+
 @dataclass(slots=True)
 class GetReply:
     found: np.ndarray
@@ -382,9 +391,17 @@ class Namespace(NamespaceHandle):
         return Lease(self, GetReply.decode(self._client._call("get", ns=self.name, keys=kb)))
 
     def match_prefix(self, keys: Any) -> int:
+        """How many leading keys are held (in any tier)."""
+        return self.lookup(keys).n
+
+    def lookup(self, keys: Any, stage: bool = False) -> "PrefixHit":
+        """match_prefix, and how many of the hit only NVMe or Redis hold (a get of those
+        reads the disk or the network). stage=True: the service starts bringing those up to
+        its host tier at once, in the background, so that a get soon after copies memory."""
         self._client._ensure()
-        return int(self._client._call("match_prefix", ns=self.name,
-                                      keys=pack_keys(keys, self.key_width))["n"])
+        r = self._client._call("match_prefix", ns=self.name,
+                               keys=pack_keys(keys, self.key_width), stage=stage)
+        return PrefixHit(int(r["n"]), int(r["below"]))
 
     def delete(self, keys: Any) -> int:
         self._client._ensure()

@@ -27,7 +27,10 @@ Operations (PROTOCOL_VERSION 1):
 ``tier`` ("host" by default, or "hbm") names the pool whose slots a reserve hands out and a get
 leases: "hbm" slots index the HBM pool a worker opened from ns_open's hbm handle.
     release        {lease, slots?}                     -> {}
-    match_prefix   {ns, keys}                          -> {n}
+    match_prefix   {ns, keys, stage?}                  -> {n, below}  n leading keys held;
+                                                          below of them only on NVMe/Redis;
+                                                          stage=True starts bringing those
+                                                          up to host in the background
     delete         {ns, keys}                          -> {deleted}
     flush          {ns?}                               -> {flushed}
     stats          {}                                  -> engine statistics

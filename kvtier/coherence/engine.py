@@ -494,7 +494,13 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
     # ------------------------------------------------------------------ get
 
     def match_prefix(self, namespace: str, keys: Any) -> int:
-        """How many leading keys have a current copy in some local tier."""
+        """How many leading keys have a current copy in some tier."""
+        return self.lookup_prefix(namespace, keys)[0]
+
+    def lookup_prefix(self, namespace: str, keys: Any) -> tuple[int, int]:
+        """(n, below): n leading keys have a current copy in some tier (match_prefix), and
+        ``below`` of those n have none in memory (HBM or host): a get of them reads NVMe or
+        Redis. Memory only, except the remote tier's existence check."""
         with self.lock:
             ns = self.namespace(namespace)
             karr = ns.table.keys_array(keys)
@@ -502,16 +508,21 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             cols = ns.table.cols
             ok = rows >= 0
             r = rows[ok]
+            ver = cols["version"][r, None]
             local = [t for t in SERVE_ORDER if t is not Tier.REMOTE]
-            cur = (cols["copy_ver"][r][:, local] == cols["version"][r, None]).any(axis=1)
+            cur = (cols["copy_ver"][r][:, local] == ver).any(axis=1)
+            mem = np.zeros(karr.size, dtype=bool)
+            mem[ok] = (cols["copy_ver"][r][:, [Tier.HBM, Tier.HOST]] == ver).any(axis=1)
             ok[ok] = cur & (cols["version"][r] > 0)
             miss = np.flatnonzero(~ok)
             n = int(miss[0]) if miss.size else int(ok.size)
+            below = n - int(mem[:n].sum())
             if self.remote is not None and n < karr.size:
                 there = self.remote.exists_many(ns.name, [bytes(k) for k in karr[n:]])
                 gap = np.flatnonzero(~there)
-                n += int(gap[0]) if gap.size else int(there.size)
-            return n
+                more = int(gap[0]) if gap.size else int(there.size)
+                n, below = n + more, below + more
+            return n, below
 
     def delete(self, namespace: str, keys: Any) -> int:
         """Forget keys in every tier (LMDB included). Leased slots are freed on release."""

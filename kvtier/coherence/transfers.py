@@ -4,6 +4,7 @@ except where a method says it takes it itself).
 - bring-up: the current version into the tier a get wants it in, from the highest tier that
   holds it (HBM or host copy, or NVMe copy-on-read with the checksum verified);
 - prefetch: after a prefix hit, the chain's next blocks from NVMe to host, into free slots;
+- stage: a prefix an engine found and is about to load, from NVMe to host (evicting others);
 - the remote tier: write-through or write-back to Redis, and local misses filled from it.
 """
 
@@ -154,19 +155,59 @@ class Transfers:
             ns, rows = self._prefetch_rows(namespace, keys)
             if rows.size == 0:
                 return 0
-            st = ns.slots[Tier.HOST]
             dst = self._alloc(ns, Tier.HOST, rows.size, partial=True)
             if dst.size == 0:
                 return 0
-            st.leases[dst] += 1
+            ns.slots[Tier.HOST].leases[dst] += 1
             plan = self.nvme.plan_read(ns, rows[:dst.size], dst)
+        return self._read_up(ns, plan, dst)
+
+    def stage(self, namespace: str, keys: Any) -> int:
+        """Bring the current version of each of keys that only NVMe holds up to the host
+        tier, unleased, so that a get of them soon after (an engine's load of a prefix it
+        found with match_prefix) is a memory copy. Unlike prefetch_after this is demand, not a
+        guess: it evicts other blocks for room, never the batch's own host copies (pinned
+        while room is made). The read runs without the engine lock. Returns the blocks moved."""
+        with self.lock:
+            ns = self.namespace(namespace)
+            cols = ns.table.cols
+            rows = ns.table.lookup(ns.table.keys_array(keys))
+            rows = np.unique(rows[rows >= 0])
+            if ns.log is None or rows.size == 0:
+                return 0
+            ver = cols["version"][rows]
+            held = (cols["copy_ver"][rows][:, [Tier.HBM, Tier.HOST]] == ver[:, None]).any(axis=1)
+            want = rows[~held & (ver > 0) & (cols["copy_ver"][rows, Tier.NVME] == ver)]
+            if want.size == 0:
+                return 0
+            st = ns.slots[Tier.HOST]
+            resident = rows[cols["copy_ver"][rows, Tier.HOST] == ver]
+            keep = cols["slot"][resident, Tier.HOST].astype(np.int64)
+            add_one(st.leases, keep)
+            try:
+                dst = self._alloc(ns, Tier.HOST, want.size, partial=True)
+            finally:
+                self._unpin(ns, Tier.HOST, keep)
+            if dst.size == 0:
+                return 0
+            st.leases[dst] += 1
+            plan = self.nvme.plan_read(ns, want[:dst.size], dst)
+        moved = self._read_up(ns, plan, dst)
+        if self.nvme.wanted():
+            self.nvme.drain()
+        return moved
+
+    def _read_up(self, ns: Namespace, plan: ReadPlan, dst: np.ndarray) -> int:
+        """Read a planned NVMe -> host promotion into dst (pinned by the caller) without the
+        lock, then install it, unleased, under the lock: prefetch_after's and stage's end."""
+        st = ns.slots[Tier.HOST]
         self.nvme.run_read(plan, st.pool)
         with self.lock:
             pos = np.arange(dst.size)
             slots = np.full(dst.size, -1, dtype=np.int64)
             found = np.ones(dst.size, dtype=bool)
             self._install_read(plan, Tier.HOST, pos, plan.rows, slots, found)
-            self._unpin(ns, Tier.HOST, slots[found])       # a prefetched copy is not leased
+            self._unpin(ns, Tier.HOST, slots[found])       # a promoted copy is not leased
             moved = int(found.sum())
             self.counters.tiers[Tier.HOST].misses -= int((~found).sum())
             self.counters.tiers[Tier.HOST].prefetched += moved
