@@ -30,7 +30,7 @@ from kvtier.integrations.connector import (
     key_width,
     weights_digest,
 )
-from kvtier.integrations.mover import Mover
+from kvtier.integrations.mover import BackgroundLoads, Mover
 from kvtier.integrations.planner import LoadSpec, Planner, TransferPlan
 
 BS = 32
@@ -122,13 +122,14 @@ def test_lookup_takes_the_shortest_rank_and_leaves_a_token_to_compute(service, l
             c.namespace(names[r], block_bytes=64, key_width=32).put(h[:n], np.zeros((n, 64),
                                                                                     np.uint8))
     p = _planner(link(service.socket), names)
-    assert p.lookup("r1", h, 8 * BS + 1, 0) == 5 * BS          # a miss on one rank: for all
+    assert p.lookup("r1", h, 8 * BS + 1, 0) == (5 * BS, False)  # a miss on one rank: for all
     p1 = _planner(link(service.socket), names[:1])
-    assert p1.lookup("r1", h, 8 * BS + 1, 0) == 8 * BS
-    assert p1.lookup("r2", h, 8 * BS, 0) == 7 * BS            # the last token is computed
-    assert p1.lookup("r3", h, 8 * BS + 1, 8 * BS) == 0        # all local already
-    assert p1.lookup("r4", h[:3], 8 * BS + 1, 0) == 3 * BS    # only hashed blocks count
-    assert p1.link.stats.counts["hit_tokens"] == (8 + 7 + 3) * BS
+    assert p1.lookup("r1", h, 8 * BS + 1, 0) == (8 * BS, False)
+    assert p1.lookup("r2", h, 8 * BS, 0) == (7 * BS, False)   # the last token is computed
+    assert p1.lookup("r3", h, 8 * BS + 1, 8 * BS) == (0, False)   # all local already
+    assert p1.lookup("r4", h[:3], 8 * BS + 1, 0) == (3 * BS, False)   # only hashed blocks
+    assert p1.lookup("r5", h, 8 * BS + 1, 2 * BS) == (6 * BS, False)  # past the local hit
+    assert p1.link.stats.counts["hit_tokens"] == (8 + 7 + 3 + 6) * BS
 
 
 def test_plan_loads_the_hit_and_stores_each_block_that_fills_with_its_parent(service, link):
@@ -139,32 +140,65 @@ def test_plan_loads_the_hit_and_stores_each_block_that_fills_with_its_parent(ser
                                                                                 np.uint8))
     p = _planner(link(service.socket), names)
     hashes = h[:4]                                 # the engine's list grows with the tokens
-    assert p.lookup("r", hashes, 4 * BS + 10, BS) == BS       # block 0 is a local hit
+    assert p.lookup("r", hashes, 4 * BS + 10, BS) == (BS, False)   # block 0 is a local hit
     p.allocated("r", [10, 11, 12, 13, 14], BS)
-    p.scheduled("r", [10, 11, 12, 13, 14], 4 * BS + 10)       # the prefill computes blocks 2, 3
+    p.scheduled("r", [10, 11, 12, 13, 14], 2 * BS, 4 * BS + 10)   # the prefill: blocks 2, 3
     plan = p.take_plan()
     assert plan.loads == [LoadSpec("r", [h[1]], [11])]
     assert plan.store_keys == h[2:4] and plan.store_block_ids == [12, 13]
-    assert plan.store_parents == [h[1], h[2]]
+    assert plan.store_parents == [h[1], h[2]] and plan.store_req_ids == ["r", "r"]
     hashes.extend(h[4:6])                          # decode fills blocks 4 and 5
-    p.scheduled("r", [10, 11, 12, 13, 14, 15], 6 * BS)
+    p.scheduled("r", [10, 11, 12, 13, 14, 15], 4 * BS + 10, 6 * BS)
     plan = p.take_plan()
     assert not plan.loads and plan.store_keys == h[4:6] and plan.store_parents == h[3:5]
     assert p.take_plan().empty()
     p.finished("r")
-    p.scheduled("r", [10], 10 * BS)                # unknown now: nothing planned
+    p.scheduled("r", [10], 0, 10 * BS)             # unknown now: nothing planned
     assert p.take_plan().empty()
 
 
-def test_a_block_two_requests_fill_in_one_step_is_stored_once(service, link):
-    p = _planner(link(service.socket), [IDENT.namespace("vllm", 0)])
-    h = _hashes(2)
-    for rid, ids in (("a", [1, 2]), ("b", [3, 4])):
-        p.lookup(rid, h, 2 * BS + 5, 0)
-        p.scheduled(rid, ids, 2 * BS + 5)
+def test_blocks_recomputed_after_a_failed_load_are_stored_again(service, link):
+    name = IDENT.namespace("vllm", 0)
+    h = _hashes(6, b"re")
+    with Client(service.socket) as c:
+        c.namespace(name, block_bytes=64, key_width=32).put(h[:4], np.zeros((4, 64), np.uint8))
+    p = _planner(link(service.socket), [name])
+    ids = [20, 21, 22, 23, 24, 25]
+    assert p.lookup("r", h, 6 * BS, 0) == (4 * BS, False)
+    p.allocated("r", ids, 4 * BS)
+    p.scheduled("r", ids, 4 * BS, 5 * BS)          # loads 0..3, computes block 4
     plan = p.take_plan()
-    assert plan.store_keys == h and plan.store_block_ids == [1, 2]
-    assert plan.store_parents == [bytes(32), h[0]]
+    assert plan.loads == [LoadSpec("r", h[:4], ids[:4])] and plan.store_keys == [h[4]]
+    # Block 2 failed to load: the worker drops the step's stores of "r", and the engine
+    # computes again from block 2 (its computed tokens fall back to 2 blocks).
+    p.scheduled("r", ids, 2 * BS, 6 * BS - 1)
+    plan = p.take_plan()
+    assert plan.store_keys == h[2:5] and plan.store_block_ids == ids[2:5]
+    assert plan.store_parents == h[1:4]
+
+
+def test_a_hit_partly_on_nvme_is_staged_and_loaded_in_the_background(service, link):
+    name = IDENT.namespace("vllm", 0)
+    h, h2 = _hashes(5, b"bg"), _hashes(5, b"bg2")
+    with Client(service.socket) as c:
+        ns = c.namespace(name, block_bytes=64, key_width=32)
+        ns.put(h, np.zeros((5, 64), np.uint8))
+        ns.put(h2, np.zeros((5, 64), np.uint8))
+    service.stop()                                 # flushed; the host copies are gone
+    service.start()
+    off = Planner(link(service.socket), [name], BS, 32, background=False)
+    assert off.lookup("q", h2, 5 * BS + 1, 0) == (5 * BS, False)   # background_loads=false
+    p = _planner(link(service.socket), [name])
+    assert p.lookup("r", h, 5 * BS + 1, 0) == (5 * BS, True)
+    p.allocated("r", [1, 2, 3, 4, 5], 5 * BS)
+    assert p.take_plan().loads == [LoadSpec("r", h, [1, 2, 3, 4, 5], background=True)]
+    assert p.link.stats.counts["background_loads"] == 1
+    deadline = time.monotonic() + 20               # the lookups staged them up to host
+    while (p.lookup("r", h, 5 * BS + 1, 0)[1] or p.lookup("q", h2, 5 * BS + 1, 0)[1]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert p.lookup("r", h, 5 * BS + 1, 0) == (5 * BS, False)
+    assert p.lookup("q", h2, 5 * BS + 1, 0) == (5 * BS, False)
 
 
 def _pages(seed: int) -> tuple[list[np.ndarray], Pages]:
@@ -183,7 +217,7 @@ def test_mover_stores_and_loads_engine_blocks_and_reports_the_missing(service, l
     w.open()
     h = _hashes(3, b"m")
     w.save(TransferPlan(store_keys=h[:2], store_parents=[bytes(32), h[0]],
-                        store_block_ids=[5, 6]))
+                        store_block_ids=[5, 6], store_req_ids=["a", "a"]))
     r = Mover(link(service.socket, "worker0"), name, 32, dst, dst.block_bytes, layout)
     failed = r.load([LoadSpec("x", h[:1], [0]), LoadSpec("y", [h[1], h[2]], [1, 2])])
     assert failed == {2}                           # h[2] was never stored
@@ -197,16 +231,71 @@ def test_mover_stores_and_loads_engine_blocks_and_reports_the_missing(service, l
         other.open()                               # same bytes per block, another layout
 
 
+def test_save_drops_the_stores_of_a_request_whose_load_failed_and_stores_a_block_once(
+        service, link):
+    name = IDENT.namespace("vllm", 0)
+    layers, pages = _pages(4)
+    w = Mover(link(service.socket, "worker0"), name, 32, pages, pages.block_bytes, {})
+    w.open()
+    h = _hashes(4, b"s")
+    # "a" and "b" both filled h[0] (rows 1 and 3); "c" had a failed load in this step.
+    w.save(TransferPlan(store_keys=[h[0], h[1], h[0], h[2]],
+                        store_parents=[bytes(32), h[0], bytes(32), h[1]],
+                        store_block_ids=[1, 2, 3, 4], store_req_ids=["a", "a", "b", "c"]),
+           failed_reqs={"c"})
+    assert w.link.stats.counts["stored_blocks"] == 2
+    with Client(service.socket) as c:
+        ns = c.namespace(name)
+        assert ns.match_prefix(b"".join(h)) == 2             # h[2] was not stored
+        found, got = ns.get(b"".join(h[:2]))
+    assert found.all()
+    for i, row in ((0, 1), (1, 2)):
+        assert bytes(got[i]) == b"".join(layer[row].tobytes() for layer in layers)
+
+
+def test_background_loads_report_each_request_once_with_its_failed_blocks(service, link):
+    name = IDENT.namespace("vllm", 0)
+    src_layers, src = _pages(5)
+    dst_layers, dst = _pages(6)
+    w = Mover(link(service.socket, "worker0"), name, 32, src, src.block_bytes, {})
+    w.open()
+    h = _hashes(3, b"bgl")
+    w.save(TransferPlan(store_keys=h[:2], store_parents=[bytes(32), h[0]],
+                        store_block_ids=[0, 1], store_req_ids=["w", "w"]))
+    front = link(service.socket, "worker0")
+    bg = BackgroundLoads(Mover(front.sibling("worker0/background"), name, 32, dst,
+                               dst.block_bytes, {}))
+    assert bg.take() == (set(), set())
+    bg.submit([LoadSpec("x", h[:2], [4, 5], True), LoadSpec("y", [h[2]], [6], True)])
+    deadline = time.monotonic() + 20
+    done: set[str] = set()
+    failed: set[int] = set()
+    while done != {"x", "y"} and time.monotonic() < deadline:
+        d, f = bg.take()
+        done |= d
+        failed |= f
+        time.sleep(0.01)
+    assert done == {"x", "y"} and failed == {6}              # h[2] was never stored
+    for s_, d_ in zip(src_layers, dst_layers):
+        assert (d_[4] == s_[0]).all() and (d_[5] == s_[1]).all()
+    assert front.stats.counts["loaded_blocks"] == 2 and front.stats.counts["load_errors"] == 1
+    assert bg.take() == (set(), set())                       # each reported once
+    bg.close()
+    bg.mover.link.close()
+    assert not bg._thread.is_alive()
+
+
 def test_kvtier_down_is_a_miss_and_a_load_error_never_an_exception(tmp_path, link):
     dead = tmp_path / "no.sock"
     p = _planner(link(dead), [IDENT.namespace("vllm", 0)])
-    assert p.lookup("r", _hashes(4), 4 * BS + 1, 0) == 0
+    assert p.lookup("r", _hashes(4), 4 * BS + 1, 0) == (0, False)
     assert p.link.stats.counts["lookup_errors"] == 1
     _, pages = _pages(3)
     w = Mover(link(dead, "worker0"), "ns", 32, pages, pages.block_bytes, {})
     w.open()                                       # logs, does not raise
     assert w.load([LoadSpec("r", _hashes(2), [3, 4])]) == {3, 4}
-    w.save(TransferPlan(store_keys=_hashes(1), store_parents=[bytes(32)], store_block_ids=[0]))
+    w.save(TransferPlan(store_keys=_hashes(1), store_parents=[bytes(32)], store_block_ids=[0],
+                        store_req_ids=["r"]))
     assert w.link.stats.counts["load_errors"] == 2 and w.link.stats.counts["store_errors"] == 1
 
 

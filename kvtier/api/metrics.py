@@ -35,6 +35,8 @@ CONNECTOR_COUNTERS = {
     "lookups": "prefix lookups by the engine's scheduler",
     "lookup_errors": "lookups answered as a miss because kvtier was down or slow",
     "hit_tokens": "prompt tokens found in kvtier at lookup",
+    "background_loads": "requests whose hit was loaded in the background (some of it was on "
+                        "NVMe or Redis): that request waited, the batch did not",
     "loaded_blocks": "blocks loaded into the engine's KV cache",
     "load_errors": "blocks found at lookup but not loaded (evicted, or kvtier down): recomputed",
     "stored_blocks": "blocks stored from the engine's KV cache",

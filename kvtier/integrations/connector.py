@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 
 from kvtier.api.client import Client, Namespace, default_socket
 from kvtier.api.metrics import CONNECTOR_COUNTERS
-from kvtier.config import Setting, _float, _str
+from kvtier.config import Setting, _bool, _float, _str
 from kvtier.errors import ConfigError, KvtierError, ServiceUnavailable
 
 log = logging.getLogger("kvtier.integrations")
@@ -64,6 +64,9 @@ CONNECTOR_SETTINGS: tuple[Setting, ...] = (
     Setting("engine_id", "", _str, "this engine's name in kvtier stats; empty: vllm- and 8 characters of "
             "vLLM's engine_id"),
     Setting("namespace_prefix", "vllm", _str, "first part of the namespace names"),
+    Setting("background_loads", True, _bool, "load a hit that is partly on NVMe (or Redis) in "
+            "the background while the batch goes on (vLLM's asynchronous loads); false: the "
+            "step waits for it"),
 )
 _BY_NAME = {s.name: s for s in CONNECTOR_SETTINGS}
 
@@ -76,6 +79,7 @@ class ConnectorSettings:
     report_s: float
     engine_id: str
     namespace_prefix: str
+    background_loads: bool
 
     @classmethod
     def parse(cls, extra: Any) -> "ConnectorSettings":
@@ -180,13 +184,20 @@ class EngineIdentity:
 
 @dataclass(slots=True)
 class ConnectorStats:
-    """Totals of one connector part since start (names: kvtier.api.metrics.CONNECTOR_COUNTERS)."""
+    """Totals of one connector part since start (names: kvtier.api.metrics.CONNECTOR_COUNTERS).
+    Thread-safe: a worker's background loads add to them from their own thread."""
 
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CONNECTOR_COUNTERS,
                                                                             0.0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, n: float = 1) -> None:
-        self.counts[name] += n
+        with self._lock:
+            self.counts[name] += n
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.counts)
 
 
 class Link:
@@ -194,10 +205,12 @@ class Link:
     and returns its result, or None when kvtier is down, slow or fails (counted under
     error_counter, logged once per outage, then no call for retry_s seconds)."""
 
-    def __init__(self, settings: ConnectorSettings, part: str, stats: ConnectorStats) -> None:
+    def __init__(self, settings: ConnectorSettings, part: str, stats: ConnectorStats,
+                 reports: bool = True) -> None:
         self.settings = settings
         self.part = part
         self.stats = stats
+        self._reports = reports
         self._client: Client | None = None
         self._down_until = 0.0
         self._logged = False
@@ -253,9 +266,14 @@ class Link:
         self._namespaces[name] = ns
         return ns
 
+    def sibling(self, part: str) -> "Link":
+        """Another connection for another thread of this part (a Client is not thread-safe),
+        adding to the same counters, which only this link reports."""
+        return Link(self.settings, part, self.stats, reports=False)
+
     def start_reports(self) -> None:
         """Report this part's totals every report_s seconds from a daemon thread (idempotent)."""
-        if self._reporter is None:
+        if self._reporter is None and self._reports:
             self._reporter = threading.Thread(target=self._report_loop, daemon=True,
                                               name=f"kvtier-report-{self.part}")
             self._reporter.start()
@@ -266,8 +284,10 @@ class Link:
 
     def report(self) -> None:
         """Send this part's totals now, on the reporter's own connection, if they changed."""
+        if not self._reports:
+            return
         with self._report_lock:
-            counts = dict(self.stats.counts)      # a snapshot: the serving thread adds to it
+            counts = self.stats.snapshot()        # the serving threads add to it
             if counts == self._reported:
                 return
             try:

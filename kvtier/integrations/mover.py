@@ -11,12 +11,20 @@ change in one place.
 
 Failures: a load that kvtier cannot serve (down, slow, the block evicted since the lookup)
 returns the engine block ids that were not filled; the engine recomputes from the first of
-them. A store that fails is dropped and counted: a later lookup simply misses.
+them. The stores a request planned in a step where its load failed are dropped: they were
+computed over the blocks that did not arrive (the engine recomputes and stores them again). A
+store that fails is dropped and counted: a later lookup simply misses.
+
+Background loads (``BackgroundLoads``, vLLM's asynchronous loads of a hit that is partly on
+NVMe) run on a thread of their own, through a Mover on its own connection, one batch per
+engine step, into blocks the engine does not touch until the request is reported done.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from typing import Any
 
 import numpy as np
@@ -79,9 +87,66 @@ class Mover:
                      "the engine recomputes them", missing.size, len(rows))
         return {rows[i] for i in missing.tolist()}
 
-    def save(self, plan: TransferPlan) -> None:
-        if not plan.store_keys:
+    def save(self, plan: TransferPlan, failed_reqs: set[str] | frozenset[str] = frozenset()
+             ) -> None:
+        """Store the plan's blocks, except those of failed_reqs (requests whose load failed in
+        this step: their new blocks were computed over blocks that never arrived); a block
+        that two requests filled is stored once."""
+        seen: set[bytes] = set()
+        keep = [i for i, (k, r) in enumerate(zip(plan.store_keys, plan.store_req_ids))
+                if r not in failed_reqs and not (k in seen or seen.add(k))]
+        if not keep:
             return
-        if self._move("put", b"".join(plan.store_keys), plan.store_block_ids,
-                      b"".join(plan.store_parents)) is not None:
-            self.link.stats.add("stored_blocks", len(plan.store_keys))
+        keys = b"".join(plan.store_keys[i] for i in keep)
+        parents = b"".join(plan.store_parents[i] for i in keep)
+        if self._move("put", keys, [plan.store_block_ids[i] for i in keep], parents) is not None:
+            self.link.stats.add("stored_blocks", len(keep))
+
+
+class BackgroundLoads:
+    """Loads the engine does not wait for, one batch at a time on a daemon thread, through
+    ``mover`` (on a connection of its own: a Client is not thread-safe). ``take`` hands back,
+    once each, the requests whose batch is done and the block ids of theirs that failed: the
+    engine learns both in the same step (vLLM: get_finished, get_block_ids_with_load_errors)."""
+
+    def __init__(self, mover: Mover) -> None:
+        self.mover = mover
+        self._jobs: queue.SimpleQueue[list[LoadSpec] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._done_reqs: set[str] = set()
+        self._failed: set[int] = set()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, loads: list[LoadSpec]) -> None:
+        if not loads:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"kvtier-loads-{self.mover.link.part}")
+            self._thread.start()
+        self._jobs.put(loads)
+
+    def take(self) -> tuple[set[str], set[int]]:
+        with self._lock:
+            done, failed = self._done_reqs, self._failed
+            self._done_reqs, self._failed = set(), set()
+        return done, failed
+
+    def _run(self) -> None:
+        while (loads := self._jobs.get()) is not None:
+            try:
+                failed = self.mover.load(loads)
+            except Exception:
+                # Not a kvtier failure (Link.call turns those into load errors) but a bug:
+                # the requests must still be reported done, or they would wait forever; all
+                # their blocks are load errors, so the engine recomputes them.
+                log.exception("kvtier: a background load failed; its blocks are recomputed")
+                failed = {b for spec in loads for b in spec.block_ids}
+            with self._lock:
+                self._done_reqs.update(spec.req_id for spec in loads)
+                self._failed |= failed
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=self.mover.link.settings.timeout_s + 1)

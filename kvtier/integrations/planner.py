@@ -3,21 +3,30 @@ of loads and stores that each engine step hands to the workers.
 
 Lifecycle of one request (vLLM's hook names; kvtier.integrations.vllm calls these):
 
-1. ``lookup`` (get_num_new_matched_tokens): one ``match_prefix`` of the request's block hashes
-   in every tensor-parallel rank's namespace; the hit is the shortest of them (a block missing
-   on one rank is a miss for all), cut so that at least one prompt token is left to compute.
-   kvtier down or slow: 0, and the engine computes everything.
+1. ``lookup`` (get_num_new_matched_tokens): one ``match_prefix`` (``Namespace.lookup``) of the
+   request's block hashes past the engine's own hit, in every tensor-parallel rank's
+   namespace; the hit is the shortest of them (a block missing on one rank is a miss for
+   all), cut so that at least one prompt token is left to compute. The lookup also asks the
+   service to stage the part of the hit that only NVMe holds up to host at once, and says
+   whether there was such a part: then (``background_loads``) the load is asynchronous, the
+   request waits for it (vLLM's WAITING_FOR_REMOTE_KVS) and the batch does not. kvtier down or
+   slow: 0, and the engine computes everything.
 2. ``allocated`` (update_state_after_alloc): the engine gave the hit its blocks; the load of
-   hit blocks [first, first + n) into those block ids joins the next plan.
+   hit blocks [first, first + n) into those block ids joins the next plan, marked background
+   or not.
 3. ``scheduled`` (build_connector_meta, for every request in the step): each block that becomes
    full in this step is stored after the forward, with its parent (the previous block's hash),
-   so that a later request, engine or restart finds the chain.
+   so that a later request, engine or restart finds the chain. Blocks the engine computes
+   again (it recomputes from the first block of a failed load) are stored again: the step
+   stores from the engine's computed-token count before it, not from what was planned.
 4. ``finished`` (request_finished): the request's state goes; nothing is held, since stores
    complete in the step that computed them.
 
 Blocks found at a lookup may be evicted before the worker loads them. The worker then reports
 their block ids as load errors, and the engine recomputes from the first of them
-(vLLM's kv_load_failure_policy="recompute"): a miss, never a wrong block.
+(vLLM's kv_load_failure_policy="recompute"): a miss, never a wrong block. The worker also drops
+the stores that a request with a failed load planned in that step (they were computed over
+the blocks that did not arrive); the recompute stores them.
 """
 
 from __future__ import annotations
@@ -33,16 +42,19 @@ class LoadSpec:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    background: bool = False           # the engine does not wait for it (vLLM: load_kv_async)
 
 
 @dataclass(slots=True)
 class TransferPlan:
-    """One step's work for the workers: loads before the forward, one store batch after."""
+    """One step's work for the workers: loads (before the forward, or in the background) and
+    one store batch after it, each store tagged with its request."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     store_keys: list[bytes] = field(default_factory=list)
     store_parents: list[bytes] = field(default_factory=list)
     store_block_ids: list[int] = field(default_factory=list)
+    store_req_ids: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not self.loads and not self.store_keys
@@ -54,22 +66,28 @@ class _Req:
     first: int = 0                     # first block the lookup may fill (the local hit's end)
     hit: int = 0                       # blocks found at the lookup, counted from 0
     stored: int = 0                    # blocks [0, stored) are in kvtier or planned to be
+    background: bool = False           # part of the hit is below host memory: load it async
 
 
 class Planner:
-    """Scheduler-side state of one engine. namespaces: one name per tensor-parallel rank."""
+    """Scheduler-side state of one engine. namespaces: one name per tensor-parallel rank;
+    background: load hits that are partly on NVMe asynchronously (the setting
+    background_loads)."""
 
-    def __init__(self, link: Link, namespaces: list[str], block_size: int, key_width: int) -> None:
+    def __init__(self, link: Link, namespaces: list[str], block_size: int, key_width: int,
+                 background: bool = True) -> None:
         self.link = link
         self.namespaces = namespaces
         self.block_size = block_size
+        self.background = background
         self.zero = bytes(key_width)
         self._reqs: dict[str, _Req] = {}
         self._plan = TransferPlan()
 
     def lookup(self, req_id: str, hashes: Sequence[bytes], num_tokens: int,
-               num_computed: int) -> int:
-        """Tokens beyond num_computed (block-aligned) that kvtier can load; 0 on any failure."""
+               num_computed: int) -> tuple[int, bool]:
+        """Tokens beyond num_computed (block-aligned) that kvtier can load, and whether to load
+        them in the background; (0, False) on any failure."""
         bs = self.block_size
         first = num_computed // bs
         limit = min(len(hashes), (num_tokens - 1) // bs)      # leave a token to compute
@@ -77,23 +95,25 @@ class Planner:
         self._reqs[req_id] = req
         self.link.stats.add("lookups")
         if limit <= first:
-            return 0
-        keys = b"".join(hashes[:limit])
+            return 0, False
+        keys = b"".join(hashes[first:limit])
 
-        def match(c: Any) -> int:
-            n = limit
+        def match(c: Any) -> tuple[int, int]:
+            n, below = limit - first, 0
             for name in self.namespaces:
                 try:
-                    n = min(n, self.link.namespace(c, name).match_prefix(keys))
+                    hit = self.link.namespace(c, name).lookup(keys, stage=True)
                 except NamespaceError:
-                    return 0            # nothing stored for this rank yet: a plain miss
-            return n
-        hit = self.link.call(match, "lookup_errors") or 0
-        if hit <= first:
-            return 0
-        req.hit = hit
-        self.link.stats.add("hit_tokens", (hit - first) * bs)
-        return (hit - first) * bs
+                    return 0, 0         # nothing stored for this rank yet: a plain miss
+                n, below = min(n, hit.n), max(below, hit.below)
+            return n, below
+        n, below = self.link.call(match, "lookup_errors") or (0, 0)
+        if n <= 0:
+            return 0, False
+        req.hit = first + n
+        req.background = self.background and below > 0
+        self.link.stats.add("hit_tokens", n * bs)
+        return n * bs, req.background
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         """The engine allocated block_ids for the request; load num_external tokens into them."""
@@ -105,37 +125,37 @@ class Planner:
         if n <= 0 or len(block_ids) < last:
             return
         self._plan.loads.append(LoadSpec(req_id, list(req.hashes[req.first:last]),
-                                         list(block_ids[req.first:last])))
+                                         list(block_ids[req.first:last]), req.background))
+        if req.background:
+            self.link.stats.add("background_loads")
         req.stored = max(req.stored, last)
 
-    def scheduled(self, req_id: str, block_ids: Sequence[int], computed_after: int) -> None:
-        """The step computes the request's tokens up to computed_after: store the blocks that
-        become full (their hashes exist once the tokens are in the request)."""
+    def scheduled(self, req_id: str, block_ids: Sequence[int], computed_before: int,
+                  computed_after: int) -> None:
+        """The step computes the request's tokens [computed_before, computed_after): store the
+        blocks that become full (their hashes exist once the tokens are in the request), and
+        those computed again after a failed load (computed_before fell back below them)."""
         req = self._reqs.get(req_id)
         if req is None:
             return
-        full = min(computed_after // self.block_size, len(req.hashes), len(block_ids))
-        if full <= req.stored:
+        bs = self.block_size
+        full = min(computed_after // bs, len(req.hashes), len(block_ids))
+        lo = min(req.stored, computed_before // bs)
+        if full <= lo:
             return
-        lo = req.stored
         p = self._plan
         p.store_keys.extend(req.hashes[lo:full])
         p.store_parents.append(req.hashes[lo - 1] if lo else self.zero)
         p.store_parents.extend(req.hashes[lo:full - 1])
         p.store_block_ids.extend(block_ids[lo:full])
+        p.store_req_ids.extend([req_id] * (full - lo))
         req.stored = full
 
     def finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
 
     def take_plan(self) -> TransferPlan:
-        """This step's plan; a block two requests of the step both fill is stored once."""
+        """This step's plan (a block two requests both fill is deduplicated by the worker,
+        which first drops the stores of requests whose load failed)."""
         plan, self._plan = self._plan, TransferPlan()
-        if len(set(plan.store_keys)) != len(plan.store_keys):
-            seen: set[bytes] = set()
-            keep = [i for i, k in enumerate(plan.store_keys)
-                    if not (k in seen or seen.add(k))]
-            plan.store_keys = [plan.store_keys[i] for i in keep]
-            plan.store_parents = [plan.store_parents[i] for i in keep]
-            plan.store_block_ids = [plan.store_block_ids[i] for i in keep]
         return plan

