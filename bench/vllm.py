@@ -16,6 +16,14 @@ request of one output token (its latency is the time to first token). `rounds` r
 alternate the two engines (fresh prompts each round); medians over all rounds are reported.
 The sampled tokens and logprobs of every timed prompt are compared between the engines.
 
+Mixed batch (the background loads of a hit partly on NVMe): a base prompt of `mixed_nvme`
+tokens and `mixed_host_n` of `mixed_host` tokens are stored, the first one's blocks are then
+evicted from kvtier's host tier (POST /v1/evict: they stay on NVMe), and one batch of prompts
+sharing all but their last 512 tokens with each base is timed: the time to first token of each
+request in the batch, with the connector's background_loads on (the NVMe request waits for its
+load, the others do not) and off (the step waits for the NVMe read), one engine process
+each, alternating over `rounds` rounds.
+
 Replay: the first `turns` requests of Mooncake's conversation trace (/work/shared/traces), each
 trace block (512 tokens there) scaled to one 32-token vLLM block of token ids derived from its
 id (at most REPLAY_BLOCKS of them), plus a short unique tail; the "with" engine runs them in order, and the prompt tokens it
@@ -95,6 +103,38 @@ def _prompts(lengths: list[int], reps: int,
     return out
 
 
+def _mixed_prompts(args: argparse.Namespace, seed: int) -> tuple[list[list[int]],
+                                                                  list[list[int]]]:
+    """The mixed batch's bases (the NVMe one first) and the timed prompts extending them."""
+    rng = random.Random(1000 + seed)
+    bases = [[rng.randrange(3, 500) for _ in range(n)]
+             for n in [args.mixed_nvme] + [args.mixed_host] * args.mixed_host_n]
+    return bases, [b[:len(b) - SUFFIX] + [rng.randrange(3, 500) for _ in range(SUFFIX)]
+                   for b in bases]
+
+
+def mixed_role(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine with kvtier (background_loads as args.role says) runs the mixed batch."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from tests.service import admin_evict
+    from tests.vllm_engines import generate, generate_batch, kv_config, make_llm
+    max_len = _max_len(args.lengths + [args.mixed_nvme])
+    # Both sides run the same prompts, each in a namespace of its own (namespace_prefix), so
+    # that neither finds what the other stored.
+    kv = kv_config(args.socket, engine_id=args.role, report_s=0.1, namespace_prefix=args.role,
+                   background_loads=args.role == "mixed-background")
+    llm = make_llm(args.model, kv, max_len=max_len, kv_bytes=4 * max_len * 1024)
+    bases, timed = _mixed_prompts(args, args.seed)
+    generate(llm, bases[:1], max_tokens=1)
+    evicted = admin_evict(args.admin, Path(args.data_dir), "host")
+    generate(llm, bases[1:], max_tokens=1)
+    outs = generate_batch(llm, timed, max_tokens=1)
+    print(f"# {args.role}: evicted {evicted}, TTFT {[o['ttft_ms'] for o in outs]} ms, "
+          f"cached {[o['cached'] for o in outs]}", file=sys.stderr)
+    llm.llm_engine.engine_core.shutdown()
+    return {"outputs": outs}
+
+
 def engine_role(args: argparse.Namespace) -> dict[str, Any]:
     """One engine's side of the run, in its own process (vLLM keeps one KV connector per
     process, and an engine without one cannot run beside an engine with one)."""
@@ -123,12 +163,15 @@ def engine_role(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _role(args: argparse.Namespace, role: str, model: Path, socket: Path,
+def _role(args: argparse.Namespace, role: str, model: Path, svc: Any,
           seed: int) -> dict[str, Any]:
     import subprocess
     cmd = [sys.executable, __file__, "--role", role, "--model", str(model), "--socket",
-           str(socket), "--reps", str(args.reps), "--turns", str(args.turns if seed == 0 else 0),
-           "--seed", str(seed), "--lengths", *map(str, args.lengths)]
+           str(svc.socket), "--admin", svc.url, "--data-dir", str(svc.data_dir),
+           "--reps", str(args.reps), "--turns", str(args.turns if seed == 0 else 0),
+           "--seed", str(seed), "--lengths", *map(str, args.lengths),
+           "--mixed-nvme", str(args.mixed_nvme), "--mixed-host", str(args.mixed_host),
+           "--mixed-host-n", str(args.mixed_host_n)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"the {role!r} engine process exited with {proc.returncode}")
@@ -140,12 +183,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests.service import Service
     from tests.vllm_engines import BLOCK, build_model
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
-    model = build_model(tmp / "model", seed=0, max_len=_max_len(args.lengths))
+    model = build_model(tmp / "model", seed=0,
+                        max_len=_max_len(args.lengths + [args.mixed_nvme]))
     svc = Service(tmp / "data", host_capacity="1GiB", nvme_capacity="2GiB").start()
     try:
         # Rounds alternate the engines, so that a shared machine's load drifts over both.
-        rounds = [(_role(args, "without", model, svc.socket, r),
-                   _role(args, "with", model, svc.socket, r)) for r in range(args.rounds)]
+        rounds = [(_role(args, "without", model, svc, r),
+                   _role(args, "with", model, svc, r)) for r in range(args.rounds)]
+        mixed = [(_role(args, "mixed-background", model, svc, r),
+                  _role(args, "mixed-sync", model, svc, r))
+                 for r in range(args.rounds)] if args.mixed_host_n else []
     finally:
         svc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -165,6 +212,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         same, delta = _diff(oa, ob)
         equal &= same
         worst = max(worst, delta)
+    mixed_out: dict[str, Any] = {}
+    if mixed:
+        ttft: dict[str, dict[str, list[float]]] = {"background": {"nvme": [], "host": []},
+                                                   "sync": {"nvme": [], "host": []}}
+        for on, off in mixed:
+            for side, res in (("background", on), ("sync", off)):
+                ttft[side]["nvme"].append(res["outputs"][0]["ttft_ms"])
+                ttft[side]["host"] += [o["ttft_ms"] for o in res["outputs"][1:]]
+            for oa, ob in zip(on["outputs"], off["outputs"]):
+                same, delta = _diff(oa, ob)
+                equal &= same and oa["cached"] == ob["cached"] > 0
+                worst = max(worst, delta)
+        med = {side: {k: round(statistics.median(v), 2) for k, v in d.items()}
+               for side, d in ttft.items()}
+        mixed_out = {
+            "mixed_ttft_ms": med,
+            "mixed_host_ttft_ratio": round(med["sync"]["host"] / med["background"]["host"], 2),
+            "mixed_rounds_ms": ttft,
+            "mixed_prompt_tokens": {"nvme": args.mixed_nvme, "host": args.mixed_host,
+                                    "host_requests": args.mixed_host_n},
+        }
     med_a = {n: round(statistics.median(v), 2) for n, v in a["ttft_ms"].items()}
     med_b = {n: round(statistics.median(v), 2) for n, v in b["ttft_ms"].items()}
     return {
@@ -180,6 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "replay_requests": len(b["replay"]),
         "model": "Llama 2 layers, hidden 128, 4 heads / 2 KV heads of 32, float32",
         "block_size": BLOCK,
+        **mixed_out,
     }
 
 
@@ -189,18 +258,27 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--turns", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--mixed-nvme", type=int, default=16384,
+                    help="tokens of the mixed batch's prompt whose hit is on NVMe")
+    ap.add_argument("--mixed-host", type=int, default=1024,
+                    help="tokens of each of its prompts whose hit is in host memory")
+    ap.add_argument("--mixed-host-n", type=int, default=3,
+                    help="how many of those (0: no mixed batch)")
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--role", choices=("without", "with"), help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("without", "with", "mixed-background", "mixed-sync"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
+    ap.add_argument("--admin", help=argparse.SUPPRESS)
+    ap.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role:
         with contextlib.redirect_stdout(sys.stderr):
-            result = engine_role(args)
+            result = (mixed_role if args.role.startswith("mixed") else engine_role)(args)
         print(json.dumps(result))
         return
-    if min(args.lengths) <= SUFFIX:
+    if min(args.lengths + [args.mixed_nvme, args.mixed_host]) <= SUFFIX:
         ap.error(f"every length must exceed the {SUFFIX}-token new suffix")
     from bench.common import emit, header
     m = header("bench/vllm.py")

@@ -18,6 +18,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def admin_evict(url: str, data_dir: Path, tier: str = "host", count: int = 1 << 30) -> int:
+    """POST /v1/evict to the service at url, with the admin token of its data_dir: drop up to
+    count copies from tier (a lower tier keeps each block). Returns the copies evicted."""
+    import json
+    import urllib.request
+    token = (Path(data_dir) / "admin.token").read_text().strip()
+    req = urllib.request.Request(f"{url}/v1/evict", method="POST",
+                                 data=json.dumps({"tier": tier, "count": count}).encode(),
+                                 headers={"Authorization": f"Bearer {token}",
+                                          "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return int(json.loads(resp.read())["evicted"])
+
+
 class Service:
     """A `kvtier serve` process on data_dir. start() waits until the socket answers."""
 
@@ -69,6 +83,10 @@ class Service:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+    def evict(self, tier: str = "host", count: int = 1 << 30) -> int:
+        """Drop up to count copies from tier (admin_evict)."""
+        return admin_evict(self.url, self.data_dir, tier, count)
 
     def output(self) -> str:
         return self.log.read_text() if self.log.exists() else ""

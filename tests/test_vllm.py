@@ -32,7 +32,7 @@ vllm = pytest.importorskip("vllm")
 from kvtier.api.client import Client  # noqa: E402
 from tests.service import Service  # noqa: E402
 from tests.vllm_engines import (BLOCK, EngineStartError, build_model, generate,  # noqa: E402
-                                kv_config, make_llm, run_engine)
+                                generate_batch, kv_config, make_llm, run_engine)
 
 # vLLM and torch warn at import and engine start about their own deprecations; those are theirs,
 # not kvtier's, so they are let through here and nowhere else.
@@ -83,7 +83,11 @@ class Workload:
         self.branch = self.turns[0][:170] + _tokens(rng, 60)
         self.shared = [_tokens(rng, 230), _tokens(rng, 300)]
         self.killed = [_tokens(rng, 150 + 20 * i) for i in range(5)]
-        self.baseline(llm, [self.branch, *self.shared, *self.killed])
+        # One base whose blocks go to NVMe only, two that stay in host, and a prompt extending
+        # each: the three run in one batch.
+        self.mixed_bases = [_tokens(rng, 320), _tokens(rng, 256), _tokens(rng, 256)]
+        self.mixed = [b + _tokens(rng, 40) for b in self.mixed_bases]
+        self.baseline(llm, [self.branch, *self.shared, *self.killed, *self.mixed])
         self.long = _tokens(rng, 100)                  # 100 output tokens: a kill lands inside
         self.long_out = generate(llm, [self.long], max_tokens=100)[0]
 
@@ -172,12 +176,31 @@ def test_reuse_between_engine_processes_and_across_an_engine_restart(engine, wor
 def test_reuse_across_a_kvtier_restart_from_nvme(engine, work, service):
     service.stop()                                      # flushes; host copies are volatile
     service.start()
+    before = _connector(service, "e1")
     outs = generate(engine, work.turns)
     work.check(work.turns, outs)
     assert all(o["cached"] > 0 for o in outs)
     with Client(service.socket) as c:
         tiers = c.stats()["tiers"]
     assert tiers["nvme"]["hits"] > 0 or tiers["host"]["promotions"] > 0
+    # Every block was on NVMe only: the first turn's hit was loaded in the background.
+    assert _connector(service, "e1")["background_loads"] > before.get("background_loads", 0)
+
+
+def test_a_hit_on_nvme_loads_in_the_background_beside_hits_in_host(engine, work, service):
+    nvme_base, *host_bases = work.mixed_bases
+    generate(engine, [nvme_base])                       # stored...
+    assert service.evict("host") > 0                    # ...and now on NVMe only
+    generate(engine, host_bases)                        # stored, in host
+    before = _connector(service, "e1")
+    outs = generate_batch(engine, work.mixed)           # one batch: NVMe, host, host
+    worst = work.check(work.mixed, outs)
+    assert [o["cached"] for o in outs] == [10 * BLOCK, 8 * BLOCK, 8 * BLOCK]
+    after = _connector(service, "e1")
+    assert after["background_loads"] - before["background_loads"] == 1
+    assert after["loaded_blocks"] - before["loaded_blocks"] == 10 + 8 + 8
+    assert after["load_errors"] == before["load_errors"]
+    assert worst == 0.0
 
 
 def test_kvtier_killed_mid_run_engine_keeps_serving(engine, work, service):

@@ -82,6 +82,40 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[di
     return out
 
 
+def generate_batch(llm: Any, prompts: list[list[int]], max_tokens: int = 8
+                   ) -> list[dict[str, Any]]:
+    """Greedy outputs of prompts submitted together (one batch, as a server's concurrent
+    requests are), each with "ttft_ms": from submission to the step that gave its first token.
+    Steps the engine directly (llm.llm_engine), so each request's first token is seen."""
+    import time
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0,
+                            ignore_eos=True)
+    engine = llm.llm_engine
+    tag = f"batch-{time.monotonic_ns()}-"
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=p), params)
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    final: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for res in engine.step():
+            if res.outputs and res.outputs[0].token_ids and res.request_id not in first:
+                first[res.request_id] = (time.perf_counter() - t0) * 1000
+            if res.finished:
+                final[res.request_id] = res
+    out = []
+    for i in range(len(prompts)):
+        res = final[f"{tag}{i}"]
+        c = res.outputs[0]
+        out.append({"tokens": list(c.token_ids),
+                    "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                    "cached": res.num_cached_tokens or 0,
+                    "ttft_ms": round(first[f"{tag}{i}"], 2)})
+    return out
+
+
 class EngineStartError(Exception):
     """The engine process refused to start; the message is its exception's."""
 

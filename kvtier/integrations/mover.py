@@ -115,6 +115,8 @@ class BackgroundLoads:
         self._lock = threading.Lock()
         self._done_reqs: set[str] = set()
         self._failed: set[int] = set()
+        self._pending = 0                     # batches submitted and not done
+        self._ready = threading.Event()       # set when a batch is done
         self._thread: threading.Thread | None = None
 
     def submit(self, loads: list[LoadSpec]) -> None:
@@ -124,7 +126,20 @@ class BackgroundLoads:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name=f"kvtier-loads-{self.mover.link.part}")
             self._thread.start()
+        with self._lock:
+            self._pending += 1
         self._jobs.put(loads)
+
+    def wait(self, timeout: float) -> None:
+        """Block up to timeout seconds until a batch is done; at once when one is done
+        already or none is pending. For an engine step with nothing else to do (otherwise
+        the engine polls take() in a busy loop, and on a small machine takes the CPU from the
+        service that is reading the blocks)."""
+        with self._lock:
+            if self._done_reqs or not self._pending:
+                return
+            self._ready.clear()
+        self._ready.wait(timeout)
 
     def take(self) -> tuple[set[str], set[int]]:
         with self._lock:
@@ -145,6 +160,8 @@ class BackgroundLoads:
             with self._lock:
                 self._done_reqs.update(spec.req_id for spec in loads)
                 self._failed |= failed
+                self._pending -= 1
+                self._ready.set()
 
     def close(self) -> None:
         if self._thread is not None:

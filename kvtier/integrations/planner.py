@@ -32,7 +32,7 @@ the blocks that did not arrive); the recompute stores them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import AbstractSet as Set, Any, Sequence
 
 from kvtier.errors import NamespaceError
 from kvtier.integrations.connector import Link
@@ -67,6 +67,8 @@ class _Req:
     hit: int = 0                       # blocks found at the lookup, counted from 0
     stored: int = 0                    # blocks [0, stored) are in kvtier or planned to be
     background: bool = False           # part of the hit is below host memory: load it async
+    loading: list[int] = field(default_factory=list)   # block ids of its background load
+    load_failed: bool = False          # its background load failed: compute, do not look up
 
 
 class Planner:
@@ -82,6 +84,7 @@ class Planner:
         self.background = background
         self.zero = bytes(key_width)
         self._reqs: dict[str, _Req] = {}
+        self._loading: set[str] = set()     # requests whose background load is in flight
         self._plan = TransferPlan()
 
     def lookup(self, req_id: str, hashes: Sequence[bytes], num_tokens: int,
@@ -91,10 +94,14 @@ class Planner:
         bs = self.block_size
         first = num_computed // bs
         limit = min(len(hashes), (num_tokens - 1) // bs)      # leave a token to compute
-        req = _Req(hashes, first=first, stored=first)
+        old = self._reqs.get(req_id)
+        req = _Req(hashes, first=first, stored=first,
+                   load_failed=old is not None and old.load_failed)
         self._reqs[req_id] = req
         self.link.stats.add("lookups")
-        if limit <= first:
+        if limit <= first or req.load_failed:
+            # (After a failed background load the engine frees the request's blocks and asks
+            # again: the same hit would fail the same way, for ever.)
             return 0, False
         keys = b"".join(hashes[first:limit])
 
@@ -128,7 +135,24 @@ class Planner:
                                          list(block_ids[req.first:last]), req.background))
         if req.background:
             self.link.stats.add("background_loads")
+            req.loading = list(block_ids[req.first:last])
+            self._loading.add(req_id)
         req.stored = max(req.stored, last)
+
+    def loads_done(self, finished: Set[str], failed_block_ids: Set[int]) -> None:
+        """Each step's worker output (vLLM's update_connector_output): failed_block_ids, the
+        block ids some rank did not fill in this step; finished, the requests whose background
+        load every rank has completed (a rank may report its failures a step earlier)."""
+        if failed_block_ids:
+            for rid in self._loading:
+                req = self._reqs.get(rid)
+                if req is not None and not failed_block_ids.isdisjoint(req.loading):
+                    req.load_failed = True
+        for rid in finished & self._loading:
+            self._loading.discard(rid)
+            req = self._reqs.get(rid)
+            if req is not None:
+                req.loading = []
 
     def scheduled(self, req_id: str, block_ids: Sequence[int], computed_before: int,
                   computed_after: int) -> None:
@@ -153,6 +177,7 @@ class Planner:
 
     def finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
+        self._loading.discard(req_id)
 
     def take_plan(self) -> TransferPlan:
         """This step's plan (a block two requests both fill is deduplicated by the worker,

@@ -55,8 +55,12 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+
+IDLE_WAIT_S = 0.005    # longest wait for a background load in a step without a forward
 
 
 class KvtierMetadata(KVConnectorMetadata):
@@ -136,6 +140,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.background: BackgroundLoads | None = None
         self._failed: set[int] = set()
         self._failed_reqs: set[str] = set()      # this step's requests with a failed load
+        self._idle_step = False                   # this step runs no forward
         if role == KVConnectorRole.SCHEDULER:
             self.link = Link(self.settings, "scheduler", self.stats)
             self.planner = Planner(self.link, self.names, self.block_size, self.key_width,
@@ -194,6 +199,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self.key_width, pages, pages.block_bytes, layout))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        # vLLM runs a step without a forward (no attention metadata) when every request it
+        # has is waiting, for instance for a background load.
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._get_connector_metadata()
         if self.mover is None or not isinstance(meta, KvtierMetadata):
             return
@@ -225,6 +233,10 @@ class KvtierConnector(KVConnectorBase_V1):
         get_block_ids_with_load_errors, which vLLM asks right after, in the same step."""
         if self.background is None:
             return None, None
+        if self._idle_step:
+            # Nothing else to do this step: wait a little for a background load rather than
+            # have the engine spin on this call (each wait ends as soon as a load is done).
+            self.background.wait(IDLE_WAIT_S)
         done, failed = self.background.take()
         self._failed |= failed
         return None, (done or None)
@@ -265,6 +277,10 @@ class KvtierConnector(KVConnectorBase_V1):
                 self.planner.scheduled(rid, self._kv_cache_manager.get_block_ids(rid)[0],
                                        before, before + so.num_scheduled_tokens.get(rid, 0))
             return KvtierMetadata(self.planner.take_plan())
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        out = connector_output
+        self.planner.loads_done(out.finished_recving or set(), out.invalid_block_ids or set())
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
