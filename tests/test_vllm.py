@@ -251,6 +251,38 @@ def test_tiny_host_tier_load_errors_are_recomputed(models, work, tmp_path):
         svc.stop()
 
 
+def test_tensor_parallel_ranks_store_and_load_each_their_own_namespace(models, work, service,
+                                                                       capsys):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("tensor_parallel_size=2 needs two CPUs, one per worker")
+    # vLLM's automatic thread binding wants a NUMA node per worker; this binds one CPU each.
+    outs = run_engine({"model": str(models["a"]), "prompts": work.turns[:2],
+                       "kv": kv_config(service.socket, engine_id="tp2", **FAST),
+                       "llm_args": {"tensor_parallel_size": 2}}, multiprocessing=False,
+                      env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})
+    # Two ranks sum each layer's partial results: the same tokens as one worker, logprobs
+    # within BATCH_TOL. Turn 2 reuses turn 1's 6 blocks, stored and loaded by both ranks.
+    worst = work.check(work.turns[:2], outs, tol=BATCH_TOL)
+    assert [o["cached"] for o in outs] == [0, 6 * BLOCK]
+    stats = _connector(service, "tp2")
+    assert stats["loaded_blocks"] == 2 * 6 and stats["load_errors"] == 0
+    assert stats["stored_blocks"] >= 2 * 7                # 6 blocks of turn 1, 1 of turn 2
+    import json
+    import urllib.request
+    with urllib.request.urlopen(service.url + "/v1/namespaces", timeout=10) as resp:
+        every = {n["name"]: n for n in json.loads(resp.read())}
+    ranks = [every[name] for name in sorted(every) if name.endswith("of2")]
+    assert [n["name"].rsplit("/", 1)[1] for n in ranks] == ["tp0of2", "tp1of2"]
+    assert [n["layout"]["tp"] for n in ranks] == ["0/2", "1/2"]
+    assert ranks[0]["blocks"] == ranks[1]["blocks"] >= 7
+    # Each rank holds half the KV heads: half the bytes of the one worker's blocks.
+    one = every[ranks[0]["name"].replace("tp0of2", "tp0of1")]
+    assert 2 * ranks[0]["block_bytes"] == one["block_bytes"]
+    with capsys.disabled():
+        print(f"\ntensor parallel 2: max |logprob delta| against one worker: {worst}")
+
+
 def test_two_models_never_read_each_others_blocks(models, work, service):
     want = work.model_b
     assert [o["tokens"] for o in want] != [work.expected[tuple(p)]["tokens"]

@@ -120,15 +120,18 @@ class EngineStartError(Exception):
     """The engine process refused to start; the message is its exception's."""
 
 
-def run_engine(job: dict[str, Any], multiprocessing: bool, timeout: float = 300) -> list[dict]:
+def run_engine(job: dict[str, Any], multiprocessing: bool, timeout: float = 300,
+               env: dict[str, str] | None = None) -> list[dict]:
     """Run job (see main) in a fresh engine process; multiprocessing=True is vLLM's default
-    (scheduler and worker in separate processes), False keeps them in one. The engine gets a
-    process group of its own, ended when it is done, so no EngineCore outlives it."""
+    (scheduler and worker in separate processes), False keeps them in one (with tensor
+    parallelism the workers are processes either way). env: more environment variables. The
+    engine gets a process group of its own, ended when it is done, so no EngineCore or worker
+    outlives it."""
     import signal
     import subprocess
     import tempfile
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent), **(env or {})}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_engines"],
                                 stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,

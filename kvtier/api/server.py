@@ -46,6 +46,7 @@ from kvtier.tiers.hbm import on_device
 from kvtier.types import Tier
 
 log = logging.getLogger("kvtier.server")
+STAGE_WAIT_S = 5.0     # longest a get waits for a stage of its namespace in flight
 _PEERCRED = struct.Struct("3i")
 
 
@@ -62,6 +63,7 @@ class Server:
         self._server: asyncio.base_events.Server | None = None
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtier-engine")
         self._tasks: set[asyncio.Task] = set()
+        self._staging: dict[str, asyncio.Task] = {}     # namespace -> its latest stage task
         self._live: set[_Connection] = set()
         self._on_op = on_op
         self.allowed = {os.getuid(), *settings.allowed_uids}
@@ -358,6 +360,12 @@ class Server:
 
     async def _get_slow(self, client: ClientInfo, name: str, keys: bytes, inline: bool,
                         tier: Tier = Tier.HOST, device: int | None = None) -> dict[str, Any]:
+        staging = self._staging.get(name)
+        if staging is not None:
+            # A get of blocks a lookup is staging (the engine's load, a few ms after its
+            # lookup) would read them from disk a second time, beside the stage's read: let
+            # the stage finish first, and the get then copies memory.
+            await asyncio.wait({staging}, timeout=STAGE_WAIT_S)
         # A get from HBM may copy host blocks up to the GPU (the worker's first): off the loop.
         res = await self._run(on_device, device, self.engine.get, name, keys, client.cid, tier)
         return self._get_reply(client, name, keys, res, inline)
@@ -420,9 +428,15 @@ class Server:
             # that the engine's load of them (a few milliseconds later) is a memory copy.
             name, keys = args
             width = self.engine.namespace(name).key_width
-            self._spawn(self._run(self.engine.stage, name, keys[:n * width]),
-                        name=f"stage {name}")
+            task = self._spawn(self._run(self.engine.stage, name, keys[:n * width]),
+                               name=f"stage {name}")
+            self._staging[name] = task
+            task.add_done_callback(lambda t: self._stage_done(name, t))
         return {"n": n, "below": below}
+
+    def _stage_done(self, name: str, task: asyncio.Task) -> None:
+        if self._staging.get(name) is task:
+            del self._staging[name]
 
     @staticmethod
     async def _empty_after(fut: Awaitable[Any]) -> dict[str, Any]:
