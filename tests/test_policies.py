@@ -178,6 +178,39 @@ def test_ghost_is_a_fifo_of_keys_not_taken_back():
     assert not Ghost(0).take(ks).any()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-helper", "numpy"])
+def test_ghost_is_exactly_a_fifo_of_the_last_keys_added(native, monkeypatch):
+    # Both versions (kvtier.coherence._fast's and the numpy rounds) against a plain FIFO:
+    # renewals, takes, batches larger than the ghost and a sequence long enough to wrap.
+    from kvtier.coherence.policies import rings
+    if native and rings._fast is None:
+        pytest.skip("kvtier.coherence._fast was not built here")
+    if not native:
+        monkeypatch.setattr(rings, "_fast", None)
+    size = 300
+    g = Ghost(size)
+    fifo: dict[int, None] = {}
+    rnd = np.random.default_rng(11)
+    universe = rnd.integers(1, 2**63, 2000, dtype=np.int64).astype(np.uint64)
+    for step in range(400):
+        batch = rnd.choice(universe, int(rnd.integers(1, 60 if step % 50 else 400)))
+        if step % 3 == 2:
+            got = g.take(batch)
+            want = []
+            for h in batch.tolist():
+                want.append(h in fifo)
+                fifo.pop(h, None)
+            assert got.tolist() == want
+        else:
+            g.add(batch)
+            for h in batch.tolist()[-size:]:
+                fifo.pop(h, None)
+                fifo[h] = None
+            while len(fifo) > size:
+                del fifo[next(iter(fifo))]
+        assert len(g) == len(fifo)
+
+
 @pytest.mark.parametrize("policy", ["s3fifo", "chain"])
 def test_a_leased_probation_queue_does_not_starve_main(make_engine, policy):
     # CI found this through the stateful test: with every probation entry leased, victims()
