@@ -112,6 +112,8 @@ class PageTable:
     def __init__(self, key_width: int, initial_rows: int = 1024) -> None:
         self.key_width = key_width
         self._spec = _columns(key_width)
+        self._fills = [(name, np.array(fill).astype(dtype) if fill else np.zeros((), dtype))
+                       for name, (dtype, _shape, fill) in self._spec.items()]
         self.capacity = 0
         self.n_rows = 0          # high-water mark of rows ever handed out
         self.live = 0
@@ -145,8 +147,9 @@ class PageTable:
         self.capacity = capacity
 
     def _reset_rows(self, rows: np.ndarray | slice) -> None:
-        for name, (dtype, _shape, fill) in self._spec.items():
-            self.cols[name][rows] = np.array(fill).astype(dtype) if fill else np.zeros((), dtype)
+        cols = self.cols
+        for name, fill in self._fills:
+            cols[name][rows] = fill
 
     # ------------------------------------------------------------------ hashing and probing
 

@@ -12,9 +12,13 @@ or ``tier:value`` pairs), so a tier's policy is its name plus these values.
             queues deepest block first and a chain loses its leaves before its parents, and a
             probation share of 5% (better than 10% or 20% on both traces at nearly every size)
 
-The slot tiers (HBM, host) run the maintained structures of policies.queues; the NVMe tier's
-eviction still ranks its candidates with ``score`` (policies.scores), which the NVMe tier's
-whole-segment eviction replaces.
+The slot tiers (HBM, host) run the maintained structures of policies.queues. The NVMe tier is
+reclaimed by whole segments, oldest first (coherence.space); a policy's ``readmit`` says which of
+a reclaimed segment's blocks are copied forward instead of leaving the cache, from the rows of
+that segment alone (a CLOCK over segments, O(segment) whatever the table holds):
+
+    recency  (lru, chain)   read since it was written to the segment
+    once     (s3fifo)       that, and accessed more than once in all (one-hit blocks leave)
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from kvtier.coherence.policies import scores
 from kvtier.coherence.policies.queues import LruQueue, S3Fifo
 from kvtier.errors import ConfigError
 
@@ -65,7 +68,7 @@ def parse_param(name: str, spec: str) -> Any:
     if name == "ghost":
         ghost_blocks(text, 1)
         return text
-    if name == "leaf_first":
+    if name in ("leaf_first", "inherit"):
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):
@@ -89,27 +92,43 @@ def _lru(st: SlotState, table: PageTable, params: Mapping[str, Any]) -> TierPoli
 
 def _s3fifo(st: SlotState, table: PageTable, params: Mapping[str, Any]) -> TierPolicy:
     return S3Fifo(st, table, params["small"], ghost_blocks(params["ghost"], st.pool.n_slots),
-                  params["freq_max"], params["leaf_first"])
+                  params["freq_max"], params["leaf_first"], params["inherit"])
+
+
+Readmit = Callable[[dict[str, np.ndarray], np.ndarray, np.ndarray], np.ndarray]
+
+
+def read_since_written(cols: dict[str, np.ndarray], rows: np.ndarray,
+                       written: np.ndarray) -> np.ndarray:
+    """rows read since the clock of their write (written, per row)."""
+    return cols["last_access"][rows].astype(np.int64) > written
+
+
+def reused_since_written(cols: dict[str, np.ndarray], rows: np.ndarray,
+                         written: np.ndarray) -> np.ndarray:
+    """read_since_written, for blocks accessed more than once (S3-FIFO's one-hit filter)."""
+    return read_since_written(cols, rows, written) & (cols["freq"][rows] > 1)
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
     name: str
     make: Callable[[Any, Any, Mapping[str, Any]], TierPolicy]
-    score: scores.Scorer                 # ranks NVMe candidates (lower goes first)
+    readmit: Readmit                     # NVMe: which of a reclaimed segment's blocks stay
     defaults: Mapping[str, str]
 
 
-PARAMETERS = ("small", "ghost", "freq_max", "leaf_first")
+PARAMETERS = ("small", "ghost", "freq_max", "leaf_first", "inherit")
 _S3 = {"small": "0.1", "freq_max": "3"}
 POLICIES: dict[str, Policy] = {
-    "lru": Policy("lru", _lru, scores.lru, {}),
-    "s3fifo": Policy("s3fifo", _s3fifo, scores.s3fifo,
-                     {**_S3, "ghost": "0.9x", "leaf_first": "false"}),
-    # The NVMe tier ranks chain's candidates by recency: the one-hit-first score (s3fifo's)
-    # was measured far below LRU on the conversation trace (issue 18: -62% of the gap at 6e6).
-    "chain": Policy("chain", _s3fifo, scores.lru,
-                    {**_S3, "small": "0.05", "ghost": "4x", "leaf_first": "true"}),
+    "lru": Policy("lru", _lru, read_since_written, {}),
+    "s3fifo": Policy("s3fifo", _s3fifo, reused_since_written,
+                     {**_S3, "ghost": "0.9x", "leaf_first": "false", "inherit": "false"}),
+    # The NVMe tier keeps chain's blocks by recency: the one-hit-first ranking (s3fifo's) was
+    # measured far below LRU on the conversation trace (issue 18: -62% of the gap at 6e6).
+    "chain": Policy("chain", _s3fifo, read_since_written,
+                    {**_S3, "small": "0.05", "ghost": "4x", "leaf_first": "true",
+                     "inherit": "false"}),
 }
 
 
