@@ -104,7 +104,7 @@ def _bool(value: Any, name: str) -> bool:
     raise ConfigError(f"{name}: expected true or false, got {value!r}")
 
 
-POLICY_PARAMETERS = ("small", "ghost", "freq_max", "leaf_first", "inherit")
+POLICY_PARAMETERS = ("small", "ghost", "freq_max", "leaf_first")
 
 
 def tier_values(value: str, name: str) -> dict[str, str]:
@@ -200,10 +200,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("eviction_leaf_first", "", _per_tier,
             "s3fifo/chain: a put batch enters the queues deepest block first, so a chain loses "
             "its leaves before its parents (chain: true, s3fifo: false); empty: the policy's own"),
-    Setting("eviction_inherit", "", _per_tier,
-            "s3fifo/chain: in a put batch (one chain, parents first), the blocks after one that "
-            "the ghost remembered skip probation too (chain: true, s3fifo: false); empty: the "
-            "policy's own"),
     Setting("prefetch_blocks", 8, _int,
             "after a get, bring up to this many next blocks of the chain from NVMe to host; "
             "0 disables"),
@@ -279,7 +275,6 @@ class Settings:
     eviction_ghost: str = ""
     eviction_freq_max: str = ""
     eviction_leaf_first: str = ""
-    eviction_inherit: str = ""
     prefetch_blocks: int = 8
     flush_interval: float = 1.0
     segment_bytes: int = 256 << 20

@@ -446,17 +446,17 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         cols["checksum"][rows] = sums
         cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
         self._touch(ns, rows)             # before the copies are placed: a policy counts from here
-        if parents is not None:           # linked first: a policy reads the chain on insert
+        ver = cols["version"][rows]
+        self._set_copy(ns, rows, tier, slots, ver)
+        if host_slots is not None:
+            self._set_copy(ns, rows, Tier.HOST, host_slots, ver)
+        if parents is not None:
             zero = np.zeros(1, dtype=parents.dtype)[0]
             has = parents != zero
             prow = np.full(rows.size, -1, dtype=np.int64)
             if has.any():
                 prow[has] = table.lookup(parents[has])
             table.link(rows, prow)
-        ver = cols["version"][rows]
-        self._set_copy(ns, rows, tier, slots, ver)
-        if host_slots is not None:
-            self._set_copy(ns, rows, Tier.HOST, host_slots, ver)
         return rows
 
     def _set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,

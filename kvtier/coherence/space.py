@@ -4,9 +4,9 @@ and which of its blocks move forward.
 The log is reclaimed by whole segments, as CacheLib's BlockCache reclaims regions: the emptiest
 sealed segment when at most KEEP_SHARE of it is live and its blocks fit in what is left (they
 all move: compaction), else the oldest sealed one of any namespace (FIFO), whose blocks move
-only when they were read since they were written there (re-admission, the NVMe tier's policy:
-a CLOCK over segments), at most KEEP_SHARE of a segment, the most recently read first; the rest
-leave the cache.
+only when the NVMe policy ranks them in the hotter half of the tier (re-admission: for lru and
+chain, accessed more recently than the median of a sample of the tier's rows), at most
+KEEP_SHARE of a segment, the most recently accessed first; the rest leave the cache.
 
 Each segment's rows are kept as they are written (``Members``), with the engine's clock at the
 write, so that a reclaim looks at that segment's rows only: its cost per block does not depend
@@ -61,25 +61,32 @@ class Members:
     """
 
     def __init__(self) -> None:
-        self._chunks: dict[int, list[tuple[np.ndarray, int]]] = {}
+        self._chunks: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def add(self, rows: np.ndarray, segs: np.ndarray, clock: int) -> None:
         if rows.size == 0:
             return
         if segs.size == 1 or (segs == segs[0]).all():
-            self._chunks.setdefault(int(segs[0]), []).append((rows.copy(), clock))
-            return
-        for sid in np.unique(segs).tolist():
-            self._chunks.setdefault(sid, []).append((rows[segs == sid], clock))
+            parts = [(int(segs[0]), rows.copy())]
+        else:
+            parts = [(sid, rows[segs == sid]) for sid in np.unique(segs).tolist()]
+        for sid, r in parts:
+            self._chunks.setdefault(sid, []).append((r, np.full(r.size, clock, dtype=np.int64)))
+
+    def _merged(self, seg_id: int) -> tuple[np.ndarray, np.ndarray]:
+        chunks = self._chunks.get(seg_id)
+        if not chunks:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        if len(chunks) > 1:
+            chunks[:] = [(np.concatenate([c[0] for c in chunks]),
+                          np.concatenate([c[1] for c in chunks]))]
+        return chunks[0]
 
     def of_segment(self, ns: "Namespace", seg_id: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, clock of their write) of the rows whose NVMe copy is in seg_id now, each once
         (its latest write), ascending by row. O(records written to the segment)."""
-        chunks = self._chunks.get(seg_id)
-        if not chunks:
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-        rows = np.concatenate([c[0] for c in chunks]).astype(np.int64, copy=False)
-        when = np.concatenate([np.full(c[0].size, c[1], dtype=np.int64) for c in chunks])
+        rows, when = self._merged(seg_id)
+        rows = rows.astype(np.int64, copy=False)
         cols = ns.table.cols
         ok = rows < ns.table.n_rows
         ok[ok] = ((cols["copy_ver"][rows[ok], Tier.NVME] > 0)
@@ -89,6 +96,27 @@ class Members:
         _, last = np.unique(rows[::-1], return_index=True)
         pick = rows.size - 1 - last
         return rows[pick], when[pick]
+
+    def sample(self, ns: "Namespace", rng: np.random.Generator, segments: int = 4,
+               per: int = 128) -> np.ndarray:
+        """Rows with a current NVMe copy, drawn from a few segments picked at random: the
+        tier's distribution as far as segments stand for it, at O(segments x segment size),
+        never a scan of the table."""
+        ids = list(self._chunks)
+        if not ids:
+            return np.empty(0, dtype=np.int64)
+        out = []
+        for i in rng.choice(len(ids), min(segments, len(ids)), replace=False).tolist():
+            rows, _ = self._merged(ids[i])
+            if rows.size:
+                out.append(rows[rng.integers(0, rows.size, min(per, rows.size))])
+        if not out:
+            return np.empty(0, dtype=np.int64)
+        rows = np.concatenate(out).astype(np.int64, copy=False)
+        cols = ns.table.cols
+        rows = rows[rows < ns.table.n_rows]
+        cur = cols["copy_ver"][rows, Tier.NVME]
+        return rows[(cur > 0) & (cur == cols["version"][rows])]
 
     def drop(self, seg_id: int) -> None:
         self._chunks.pop(seg_id, None)
@@ -100,6 +128,7 @@ class Space:
     def __init__(self, store: "NvmeStore") -> None:
         self.store = store
         self.members: dict[int, Members] = {}    # by namespace id
+        self._rng = np.random.default_rng(0x4b56)
         self.root = Path(store.settings.data_dir)
         self._disk_limited = False       # warned that the disk holds less than the capacity
         self.reclaimed = 0               # segments reclaimed to make room or compact
@@ -261,9 +290,9 @@ class Space:
                  keep_all: bool) -> np.ndarray | None:
         """The live rows of a reclaimed segment that are copied forward (lock held): with
         keep_all every one (None when they do not fit: the segment is left alone), else those
-        read since they were written here (``written``: the clock of each row's write), at
-        most KEEP_SHARE of a segment and within what the capacity has left, the most recently
-        read first. O(rows of the segment)."""
+        the NVMe policy readmits (``written``: the clock of each row's write here), at most
+        KEEP_SHARE of a segment and within what the capacity has left, the most recently
+        accessed first. O(rows of the segment, and of the few segments sampled)."""
         if live.size == 0:
             return live
         cols = ns.table.cols
@@ -272,8 +301,10 @@ class Space:
             return live if cap_rows >= live.size else None
         per = (ns.log.segment_bytes - ns.log.data_start) // ns.log.record_bytes
         cap_rows = min(cap_rows, int(per * KEEP_SHARE) - moving)
+        # The policy's "hotter half of the tier", judged against a sample of the tier.
+        sample = self.members_of(ns).sample(ns, self._rng)
         read = POLICIES[self.store.settings.policy_for(Tier.NVME.label)].readmit(
-            cols, live, written)
+            cols, live, written, sample)
         live = live[read]
         last = cols["last_access"][live]
         if cap_rows <= 0 or live.size == 0:

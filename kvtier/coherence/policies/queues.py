@@ -185,22 +185,16 @@ class S3Fifo(_SlotPolicy):
     SMALL, MAIN = 0, 1
 
     def __init__(self, st: SlotState, table: PageTable, small: float, ghost_blocks: int,
-                 freq_max: int, leaf_first: bool, inherit: bool = False) -> None:
+                 freq_max: int, leaf_first: bool) -> None:
         super().__init__(st, table)
         self.small_target = max(1, int(round(small * self.n_slots)))
         self.freq_max = int(freq_max)
         self.leaf_first = bool(leaf_first)
-        self.inherit = bool(inherit)
         self.ghost = Ghost(ghost_blocks)
         self._rings = (Ring(min(self.n_slots, 1 << 16)), Ring(min(self.n_slots, 1 << 16)))
         self._count = [0, 0]
         self._base = np.zeros(self.n_slots, dtype=np.int64)   # freq column when last looked at
         self._cnt = np.zeros(self.n_slots, dtype=np.int64)    # main queue's aging counter
-        self._linked = np.zeros(self.n_slots, dtype=bool)     # had a parent when inserted
-        self._spared = np.zeros(self.n_slots, dtype=bool)
-        import os
-        self.spare = os.environ.get("KVX_SPARE") == "1"
-        self.orphans = os.environ.get("KVX_ORPHAN") == "1"
         self.ghost_hits = 0
         self._replaced: tuple[np.ndarray, np.ndarray, np.ndarray] = _NO_REPLACED
 
@@ -208,8 +202,7 @@ class S3Fifo(_SlotPolicy):
         return self.table._hash(self.table.cols["key"][self.st.slot_row[slots]])
 
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        order = rows.size > 1 and self.leaf_first
-        if order:
+        if self.leaf_first and rows.size > 1:
             rows, slots = rows[::-1], slots[::-1]
         stale = self._where[slots]
         for q in (self.SMALL, self.MAIN):
@@ -217,8 +210,6 @@ class S3Fifo(_SlotPolicy):
         cols = self.table.cols
         hashes = self.table._hash(cols["key"][rows])
         stamps = self._stamps(slots)
-        self._linked[slots] = cols["parent"][rows] >= 0
-        self._spared[slots] = False
         freq = cols["freq"][rows].astype(np.int64)
         self._base[slots] = freq
         self._cnt[slots] = 0
@@ -236,12 +227,6 @@ class S3Fifo(_SlotPolicy):
         seen = np.zeros(slots.size, dtype=bool)
         seen[fresh] = self.ghost.take(hashes[fresh])
         self.ghost_hits += int(seen.sum())
-        if self.inherit and seen.any():
-            # The batch is a chain, parents first: what follows a remembered block is the
-            # same conversation's next turn, and goes where its prefix goes.
-            chain = seen[::-1] if order else seen
-            after = np.maximum.accumulate(chain)
-            seen = (after[::-1] if order else after) & (where == self.SMALL) & fresh
         where[seen] = self.MAIN
         for q in (self.MAIN, self.SMALL):
             sel = where == q
@@ -284,8 +269,7 @@ class S3Fifo(_SlotPolicy):
         out: list[np.ndarray] = []
         need = n
         budget = (self.freq_max + 2) * (self._count[0] + self._count[1]) + 64
-        cols = self.table.cols
-        freq_col = cols["freq"]
+        freq_col = self.table.cols["freq"]
         # Leased entries seen per queue in this call: once a queue has shown as many as it
         # holds, it has gone round with nothing to give (every entry leased), and the other
         # queue is taken instead, so that a leased probation queue never starves main.
@@ -309,8 +293,7 @@ class S3Fifo(_SlotPolicy):
             budget -= slots.size
             ok = self._valid(slots, stamps, q)
             slots, stamps = slots[ok], stamps[ok]
-            srows = self.st.slot_row[slots]
-            freq = freq_col[srows].astype(np.int64)
+            freq = freq_col[self.st.slot_row[slots]].astype(np.int64)
             acc = freq - self._base[slots]
             held = self._leased(slots)
             if q == self.SMALL:
@@ -319,13 +302,6 @@ class S3Fifo(_SlotPolicy):
             else:
                 cnt = np.minimum(self._cnt[slots] + acc, self.freq_max)
                 keep = (cnt > 0) | held
-            if self.spare and q == self.MAIN:
-                inner = ~keep & (cols["first_child"][srows] >= 0) & ~self._spared[slots]
-                self._spared[slots[inner]] = True
-                keep |= inner
-            if self.orphans:
-                dead = self._linked[slots] & (cols["parent"][srows] < 0) & ~held
-                keep &= ~dead
             # Settle the entries up to the need-th victim, exactly as one at a time would; the
             # rest go back to the head untouched.
             cut = slots.size
