@@ -455,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in POLICY_PARAMETERS:
         ap.add_argument(f"--{name.replace('_', '-')}", action="append",
                         help=f"s3fifo/chain parameter eviction_{name} (see kvtier config); "
-                             "repeat or comma-separate to compare values")
+                             "repeat or comma-separate to compare values (tier:value pairs, "
+                             "such as host:4x,hbm:1x, are one value)")
     ap.add_argument("--block-bytes", type=int, default=4096,
                     help="bytes per block when data is carried")
     ap.add_argument("--metadata-only", action="store_true", help="1-byte blocks: no copying")

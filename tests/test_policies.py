@@ -146,6 +146,23 @@ def test_per_tier_policies_and_parameters(make_engine):
     assert isinstance(eng2.namespace("m").slots[Tier.HOST].policy, LruQueue)
 
 
+def test_chain_runs_lru_in_host_under_an_hbm_tier_unless_host_names_a_policy(make_engine):
+    # Chain's ghost admission cannot see reuse that is read NVMe -> HBM past the host tier
+    # (the tiered replay's cause of chain below LRU, docs/DESIGN-NOTES.md).
+    for host_setting, want in (("", LruQueue), ("chain", S3Fifo)):
+        eng = make_engine(hbm=True, eviction="chain", eviction_host=host_setting)
+        eng.create_namespace("m", BB)
+        eng.put("m", key(0), blocks(1, BB), tier=Tier.HBM)
+        slots = eng.namespace("m").slots
+        assert isinstance(slots[Tier.HOST].policy, want)
+        assert isinstance(slots[Tier.HBM].policy, S3Fifo)
+        eng.close(flush=False)
+    eng = make_engine(eviction="chain")                   # no HBM tier: chain in host
+    eng.create_namespace("m", BB)
+    eng.put("m", key(0), blocks(1, BB))
+    assert isinstance(eng.namespace("m").slots[Tier.HOST].policy, S3Fifo)
+
+
 @pytest.mark.parametrize("name,value", [
     ("eviction", "fifo"), ("eviction_host", "lru_k_lfu"), ("eviction_small", "1.5"),
     ("eviction_small", "host:"), ("eviction_small", "gpu:0.1"), ("eviction_ghost", "many"),

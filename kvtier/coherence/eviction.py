@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.coherence.policies import TierPolicy, make_tier_policy
+from kvtier.coherence.policies import POLICIES, TierPolicy, make_tier_policy
 from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.coherence.transfers import _to_numpy
 from kvtier.types import Tier, lower_tiers
@@ -31,8 +31,12 @@ class Eviction:
         st = ns.slots[tier]
         if st.policy is None:
             label = tier.label
-            st.policy = make_tier_policy(self.settings.policy_for(label), st, ns.table,
-                                         self.settings.policy_params(label))
+            name = self.settings.policy_for(label)
+            instead = POLICIES[name].under_hbm
+            if (tier is Tier.HOST and Tier.HBM in ns.slots and instead
+                    and not self.settings.eviction_host):
+                name = instead
+            st.policy = make_tier_policy(name, st, ns.table, self.settings.policy_params(label))
             held = np.flatnonzero(st.slot_row >= 0)
             if held.size:
                 st.policy.on_insert(st.slot_row[held], held)

@@ -121,6 +121,9 @@ class Policy:
     make: Callable[[Any, Any, Mapping[str, Any]], TierPolicy]
     readmit: Readmit                     # NVMe: which of a reclaimed segment's blocks stay
     defaults: Mapping[str, str]
+    # What the host tier runs instead when an HBM tier sits above it and eviction_host does
+    # not name a policy (None: the same policy). See chain's entry.
+    under_hbm: str | None = None
 
 
 PARAMETERS = ("small", "ghost", "freq_max", "leaf_first")
@@ -131,8 +134,14 @@ POLICIES: dict[str, Policy] = {
                      {**_S3, "ghost": "0.9x", "leaf_first": "false"}),
     # The NVMe tier keeps chain's blocks by recency: the one-hit-first ranking (s3fifo's) was
     # measured far below LRU on the conversation trace (issue 18: -62% of the gap at 6e6).
+    # Chain's admission needs the reuse of what a tier evicted to come back through that tier.
+    # Under an HBM tier it does not for host: gets are served from HBM, a block that leaves
+    # host is read back NVMe -> HBM, and host's main queue fills with the blocks lost from every
+    # tier (measured, docs/DESIGN-NOTES.md: host chain 0.1463, host LRU 0.1618, synthetic
+    # trace, tiered). There the host tier runs exact LRU.
     "chain": Policy("chain", _s3fifo, recency,
-                    {**_S3, "small": "0.05", "ghost": "4x", "leaf_first": "true"}),
+                    {**_S3, "small": "0.05", "ghost": "4x", "leaf_first": "true"},
+                    under_hbm="lru"),
 }
 
 
