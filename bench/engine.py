@@ -22,6 +22,14 @@ hold accessed entries), and eng.evict(host, 64) is timed over rounds: the median
 evicted block should not grow with R. Its baseline, in the same run at the same R, is what the
 policies cost before they kept queues: one argsort of the resident blocks' last-access column
 per eviction batch (the scan and sort every batch paid), per evicted block.
+
+NVMe eviction cost by resident blocks (--nvme-evict-resident 1e5,1e6,1e7): a host tier of R
+1-byte blocks (so the page table holds R rows) over an NVMe tier of a fixed 32,768 records
+(4 KiB each, 9 segments); blocks are flushed to NVMe a segment at a time until the tier has
+reclaimed --nvme-evict-rounds segments, and each reclaim (coherence.space.Space.reclaim: the
+segment's rows, re-admission, eviction from every tier, the file and LMDB deletes) is timed per
+block it evicted. Its baseline, at the same R: the table scan that every reclaim paid before
+segments kept their rows (the rows of one segment found among all R).
 """
 
 from __future__ import annotations
@@ -171,7 +179,7 @@ def evict_cost(resident: list[int], policies: list[str], rounds: int, batch: int
             base = tempfile.mkdtemp(prefix="kvtier-bench-evict-")
             eng = Engine(make_settings({"data_dir": base, "host_capacity": r,
                                         "nvme_capacity": 0, "write_policy": "write_back",
-                                        "eviction": policy}))
+                                        "eviction": policy, **_slots(r)}))
             eng.create_namespace("e", 1)
             ones = np.zeros((chunk, 1), dtype=np.uint8)
             for lo in range(0, r, chunk):
@@ -203,6 +211,73 @@ def evict_cost(resident: list[int], policies: list[str], rounds: int, batch: int
     return out
 
 
+def nvme_evict_cost(resident: list[int], rounds: int, data_dir: str = "") -> dict:
+    """Median microseconds per block evicted by an NVMe reclaim, by resident rows (docstring)."""
+    from kvtier.coherence.space import Space, capacity_for
+    out: dict = {"nvme_evict_records": 32768, "nvme_evict_rounds": rounds,
+                 "nvme_evict_us_per_block": {}, "nvme_scan_us_per_block": {}}
+    nvme_bytes, segment = capacity_for(32768, 1)
+    per_seg = 32768 // 8
+    real = Space.reclaim
+    for r in resident:
+        base = tempfile.mkdtemp(prefix="kvtier-bench-nvme-evict-", dir=data_dir or None)
+        eng = Engine(make_settings({"data_dir": base, "host_capacity": r,
+                                    "nvme_capacity": nvme_bytes, "segment_bytes": segment,
+                                    "write_policy": "write_back", "prefetch_blocks": 0,
+                                    **_slots(r)}))
+        eng.create_namespace("e", 1)
+        ns = eng.namespace("e")
+        chunk = 8192
+        ones = np.zeros((chunk, 1), dtype=np.uint8)
+        for lo in range(0, r, chunk):
+            k = min(chunk, r - lo)
+            eng.put("e", _keys(lo, k), ones[:k])
+        samples: list[float] = []
+        scans: list[float] = []
+
+        def timed(self, ns_, seg, keep_all, _s=samples, _c=scans):
+            before = eng.counters.tiers[Tier.NVME].evictions
+            t0 = time.perf_counter()
+            real(self, ns_, seg, keep_all)
+            dt = time.perf_counter() - t0
+            gone = eng.counters.tiers[Tier.NVME].evictions - before
+            if gone:
+                _s.append(dt / gone)
+                cols, n = ns_.table.cols, ns_.table.n_rows
+                t0 = time.perf_counter()
+                np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
+                               & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
+                _c.append((time.perf_counter() - t0) / gone)
+        Space.reclaim = timed
+        try:
+            lo = 0
+            while len(samples) < rounds and lo < r:
+                rows = ns.table.lookup(_keys(lo, min(per_seg, r - lo)))
+                eng.nvme.flush(ns, rows[rows >= 0], strict=False)
+                lo += per_seg
+        finally:
+            Space.reclaim = real
+        out["nvme_evict_us_per_block"][str(r)] = round(percentiles(samples)["p50"] * 1e6, 3) \
+            if samples else None
+        out["nvme_scan_us_per_block"][str(r)] = round(percentiles(scans)["p50"] * 1e6, 3) \
+            if scans else None
+        out.setdefault("nvme_evict_reclaims", {})[str(r)] = len(samples)
+        eng.close(flush=False)
+        shutil.rmtree(base, ignore_errors=True)
+    v, sc = out["nvme_evict_us_per_block"], out["nvme_scan_us_per_block"]
+    lo_, hi_ = str(resident[0]), str(resident[-1])
+    if v.get(lo_) and v.get(hi_):
+        out["nvme_evict_growth_first_to_last"] = round(v[hi_] / v[lo_], 2)
+    if sc.get(lo_) and sc.get(hi_):
+        out["nvme_scan_growth_first_to_last"] = round(sc[hi_] / sc[lo_], 2)
+    return out
+
+
+def _slots(r: int) -> dict:
+    """Settings that let one namespace hold r 1-byte host slots (24 B of metadata each)."""
+    return {"max_host_slots": max(r, 1 << 20), "max_slot_metadata": max(r * 32, 512 << 20)}
+
+
 def _keys(lo: int, n: int) -> np.ndarray:
     raw = np.zeros((n, 2), dtype=">u8")
     raw[:, 1] = np.arange(lo + 1, lo + n + 1, dtype=np.uint64)
@@ -218,6 +293,10 @@ def main() -> None:
                     help="resident block counts of the eviction-cost runs; empty: skip them")
     ap.add_argument("--evict-policies", default="lru,s3fifo,chain")
     ap.add_argument("--evict-rounds", type=int, default=200)
+    ap.add_argument("--nvme-evict-resident", default="",
+                    help="resident block counts of the NVMe eviction-cost runs (1e5,1e6,1e7); "
+                         "empty: skip them")
+    ap.add_argument("--nvme-evict-rounds", type=int, default=12)
     ap.add_argument("--skip-io", action="store_true", help="only the eviction-cost runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -227,6 +306,10 @@ def main() -> None:
     if args.evict_resident:
         result.update(evict_cost([int(float(x)) for x in args.evict_resident.split(",")],
                                  args.evict_policies.split(","), args.evict_rounds))
+    if args.nvme_evict_resident:
+        result.update(nvme_evict_cost(
+            [int(float(x)) for x in args.nvme_evict_resident.split(",")],
+            args.nvme_evict_rounds, args.data_dir))
     result["machine"] = m
     emit(result, args.json)
 

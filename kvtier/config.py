@@ -185,7 +185,9 @@ SETTINGS: tuple[Setting, ...] = (
             "write_through: a put is on NVMe when acknowledged; write_back: flushed later"),
     Setting("eviction", "chain", _choice(EVICTION_POLICIES),
             "eviction policy of every tier: chain (S3-FIFO for prefix chains), s3fifo, lru"),
-    Setting("eviction_host", "", _str, "host-tier policy; empty: the value of eviction"),
+    Setting("eviction_host", "", _str,
+            "host-tier policy; empty: the value of eviction (chain runs lru in host under an "
+            "HBM tier)"),
     Setting("eviction_nvme", "", _str, "NVMe-tier policy; empty: the value of eviction"),
     Setting("eviction_hbm", "", _str, "HBM-tier policy; empty: the value of eviction"),
     Setting("eviction_small", "", _per_tier,

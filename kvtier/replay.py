@@ -39,7 +39,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvtier.config import EVICTION_POLICIES, POLICY_PARAMETERS, make_settings, parse_size
+from kvtier.config import (EVICTION_POLICIES, POLICY_PARAMETERS, make_settings, parse_size,
+                           tier_values)
 from kvtier.errors import CapacityError, ConfigError, StorageError
 
 TOKENS_PER_BLOCK = 512
@@ -454,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in POLICY_PARAMETERS:
         ap.add_argument(f"--{name.replace('_', '-')}", action="append",
                         help=f"s3fifo/chain parameter eviction_{name} (see kvtier config); "
-                             "repeat or comma-separate to compare values")
+                             "repeat or comma-separate to compare values (tier:value pairs, "
+                             "such as host:4x,hbm:1x, are one value)")
     ap.add_argument("--block-bytes", type=int, default=4096,
                     help="bytes per block when data is carried")
     ap.add_argument("--metadata-only", action="store_true", help="1-byte blocks: no copying")
@@ -531,9 +533,12 @@ def _param_variants(args: argparse.Namespace) -> list[dict[str, str]]:
         given = getattr(args, name)
         if not given:
             continue
-        values = [v for arg in given for v in arg.split(",") if v]
+        # A value of tier:value pairs (host:true,nvme:false) is one value; else commas
+        # separate the values to compare.
+        values = [v for arg in given for v in ([arg] if ":" in arg else arg.split(",")) if v]
         for v in values:
-            parse_param(name, v)
+            for one in tier_values(v, f"eviction_{name}").values():
+                parse_param(name, one)
         variants = [{**d, name: v} for d in variants for v in values]
     return variants
 

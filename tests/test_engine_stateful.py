@@ -58,7 +58,8 @@ class EngineModel(RuleBasedStateMachine):
             "data_dir": self.tmp.name, "host_capacity": 5 * bb, "hbm_capacity": 3 * bb,
             "nvme_capacity": (64 << 20) if self.nvme else 0, "segment_bytes": "1MiB",
             "write_policy": self.write_policy, "eviction": self.eviction,
-            "compact_threshold": 0.5})
+            # named for host too: chain would run LRU there under the HBM tier by default
+            "eviction_host": self.eviction, "compact_threshold": 0.5})
         self._open()
         self.engine.create_namespace("m", bb)
 

@@ -113,3 +113,39 @@ def test_lookups_agree_with_a_dict_on_every_path(width: int, native: bool, monke
     h = t._hash_numpy(t.keys_array(probe.tobytes()))
     assert t._hash(t.keys_array(probe.tobytes())).tolist() == h.tolist()
     assert [t._hash_one(k.tobytes()) for k in probe[:50]] == h[:50].tolist()
+
+
+def _random_table_ops(t: PageTable, seed: int) -> list:
+    """Inserts (with repeats in a batch), links (moves, repeats, unlinks, self-links) and
+    removes at random; returns every row's parent and children list after each round."""
+    rng = np.random.default_rng(seed)
+    live: list[bytes] = []
+    seen = []
+    for _ in range(60):
+        fresh = rng.integers(1, 1 << 62, rng.integers(1, 30), dtype=np.uint64)
+        batch = np.concatenate([fresh, fresh[:rng.integers(0, 3)]])   # some repeated
+        raw = np.zeros((batch.size, 2), dtype=">u8")
+        raw[:, 1] = batch
+        rows, _ = t.insert(raw.tobytes())
+        live = list(dict.fromkeys(live + [r.tobytes() for r in raw]))
+        all_rows = t.lookup(b"".join(live))
+        pick = rng.choice(all_rows, min(40, all_rows.size))
+        parents = rng.choice(np.concatenate([all_rows, [-1]]), pick.size)
+        parents[: min(3, pick.size)] = pick[: min(3, pick.size)]      # self-links are ignored
+        t.link(pick, parents)
+        gone = rng.choice(all_rows, min(5, all_rows.size), replace=False)
+        t.remove(gone)
+        live = [k for k, r in zip(live, all_rows.tolist()) if r not in set(gone.tolist())]
+        rows_now = t.lookup(b"".join(live)) if live else np.empty(0, dtype=np.int64)
+        seen.append([(int(t.cols["parent"][r]), t.children(int(r))) for r in rows_now])
+    return seen
+
+
+def test_c_helper_links_and_removes_exactly_as_numpy_does(monkeypatch):
+    # link_rows, unlink_rows, index_insert and index_remove (kvtier.pagetable._native) must
+    # leave the chain links, children order and index the numpy code leaves.
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    with_c = _random_table_ops(PageTable(16), 7)
+    monkeypatch.setattr(table, "_native", None)
+    assert _random_table_ops(PageTable(16), 7) == with_c

@@ -146,6 +146,23 @@ def test_per_tier_policies_and_parameters(make_engine):
     assert isinstance(eng2.namespace("m").slots[Tier.HOST].policy, LruQueue)
 
 
+def test_chain_runs_lru_in_host_under_an_hbm_tier_unless_host_names_a_policy(make_engine):
+    # Chain's ghost admission cannot see reuse that is read NVMe -> HBM past the host tier
+    # (the tiered replay's cause of chain below LRU, docs/DESIGN-NOTES.md).
+    for host_setting, want in (("", LruQueue), ("chain", S3Fifo)):
+        eng = make_engine(hbm=True, eviction="chain", eviction_host=host_setting)
+        eng.create_namespace("m", BB)
+        eng.put("m", key(0), blocks(1, BB), tier=Tier.HBM)
+        slots = eng.namespace("m").slots
+        assert isinstance(slots[Tier.HOST].policy, want)
+        assert isinstance(slots[Tier.HBM].policy, S3Fifo)
+        eng.close(flush=False)
+    eng = make_engine(eviction="chain")                   # no HBM tier: chain in host
+    eng.create_namespace("m", BB)
+    eng.put("m", key(0), blocks(1, BB))
+    assert isinstance(eng.namespace("m").slots[Tier.HOST].policy, S3Fifo)
+
+
 @pytest.mark.parametrize("name,value", [
     ("eviction", "fifo"), ("eviction_host", "lru_k_lfu"), ("eviction_small", "1.5"),
     ("eviction_small", "host:"), ("eviction_small", "gpu:0.1"), ("eviction_ghost", "many"),
@@ -176,6 +193,39 @@ def test_ghost_is_a_fifo_of_keys_not_taken_back():
     assert not g.take(ks[50:150]).any()
     assert g.take(ks[150:250]).all() and len(g) == 0
     assert not Ghost(0).take(ks).any()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-helper", "numpy"])
+def test_ghost_is_exactly_a_fifo_of_the_last_keys_added(native, monkeypatch):
+    # Both versions (kvtier.coherence._fast's and the numpy rounds) against a plain FIFO:
+    # renewals, takes, batches larger than the ghost and a sequence long enough to wrap.
+    from kvtier.coherence.policies import rings
+    if native and rings._fast is None:
+        pytest.skip("kvtier.coherence._fast was not built here")
+    if not native:
+        monkeypatch.setattr(rings, "_fast", None)
+    size = 300
+    g = Ghost(size)
+    fifo: dict[int, None] = {}
+    rnd = np.random.default_rng(11)
+    universe = rnd.integers(1, 2**63, 2000, dtype=np.int64).astype(np.uint64)
+    for step in range(400):
+        batch = rnd.choice(universe, int(rnd.integers(1, 60 if step % 50 else 400)))
+        if step % 3 == 2:
+            got = g.take(batch)
+            want = []
+            for h in batch.tolist():
+                want.append(h in fifo)
+                fifo.pop(h, None)
+            assert got.tolist() == want
+        else:
+            g.add(batch)
+            for h in batch.tolist()[-size:]:
+                fifo.pop(h, None)
+                fifo[h] = None
+            while len(fifo) > size:
+                del fifo[next(iter(fifo))]
+        assert len(g) == len(fifo)
 
 
 @pytest.mark.parametrize("policy", ["s3fifo", "chain"])

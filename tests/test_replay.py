@@ -142,11 +142,22 @@ def test_garbage_traces_are_refused_with_the_line(tmp_path: Path, body, match):
     (["--capacity", "1e6", "--ghost", "lots"], "eviction_ghost"),
     (["--capacity", "1e6", "--small", "1.5"], "eviction_small"),
     (["--capacity", "1e6", "--leaf-first", "maybe"], "eviction_leaf_first"),
+    (["--capacity", "1e6", "--leaf-first", "host:true,gpu:false"], "eviction_leaf_first"),
+    (["--capacity", "1e6", "--leaf-first", "host:maybe"], "eviction_leaf_first"),
 ])
 def test_bad_options(tmp_path: Path, args, match):
     p = _write(tmp_path, [[1]])
     with pytest.raises(ConfigError, match=match):
         main([str(p), "--no-progress", *args])
+
+
+def test_tier_value_pairs_are_one_variant_and_commas_separate_the_rest():
+    import argparse
+    from kvtier.replay import _param_variants
+    args = argparse.Namespace(small=None, freq_max=None, ghost=["host:2x,hbm:1x", "3x,4x"],
+                              leaf_first=["host:true,nvme:false"])
+    assert _param_variants(args) == [
+        {"ghost": g, "leaf_first": "host:true,nvme:false"} for g in ("host:2x,hbm:1x", "3x", "4x")]
 
 
 def test_missing_trace_file(tmp_path: Path):

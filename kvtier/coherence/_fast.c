@@ -29,6 +29,12 @@
  *       leased version (and below n_rows) lose a reader (never below zero). Returns the number
  *       of slots in out_gone, which the caller hands back to the pool.
  *
+ *   ghost_add(fp u32[sets, 4], seq i64[sets, 4], alive bool[a], state i64[4], hashes u64[n])
+ *   ghost_take(fp, seq, alive, state, hashes, out_found bool[n])
+ *       policies.rings.Ghost's add and take, one key at a time (the numpy version works in
+ *       rounds of ~15 numpy calls, and was a third of the replay's time: issue 18). state is
+ *       (head, tail, live, size); sets and a are powers of two.
+ *
  * No reference to any argument is kept. The GIL is held: these run under the engine lock, on
  * batches that take microseconds.
  */
@@ -201,11 +207,197 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- the ghost (policies.rings) */
+
+typedef struct {
+    uint32_t *fp;
+    int64_t *seq;
+    uint8_t *alive;
+    int64_t *st;                 /* head, tail, live, size */
+    uint64_t set_mask, alive_mask;
+} Ghost;
+
+#define WAYS 4
+
+static inline int counted(const Ghost *g, int64_t s)
+{
+    return s >= g->st[1] && g->alive[(uint64_t)s & g->alive_mask];
+}
+
+static inline void forget(Ghost *g, int64_t s)
+{
+    uint8_t *a = &g->alive[(uint64_t)s & g->alive_mask];
+    if (s >= 0 && *a) {
+        *a = 0;
+        g->st[2]--;
+    }
+}
+
+static inline void split(const Ghost *g, uint64_t h, uint64_t *a, uint64_t *b, uint32_t *fp)
+{
+    *a = h & g->set_mask;
+    *b = (h >> 20) & g->set_mask;
+    *fp = (uint32_t)(h >> 32) | 1u;
+}
+
+/* The entry of fp in set a or b that still counts: its flat index, or -1. */
+static inline int64_t find(const Ghost *g, uint64_t a, uint64_t b, uint32_t fp)
+{
+    uint64_t sets[2] = {a, b};
+    for (int k = 0; k < 2; k++)
+        for (int w = 0; w < WAYS; w++) {
+            int64_t at = (int64_t)(sets[k] * WAYS + w);
+            if (g->fp[at] == fp && counted(g, g->seq[at]))
+                return at;
+        }
+    return -1;
+}
+
+static void advance_to(Ghost *g, int64_t tail)
+{
+    for (int64_t s = g->st[1]; s < tail; s++)
+        forget(g, s);
+    if (tail > g->st[1])
+        g->st[1] = tail;
+}
+
+static int ghost_views(Views *v, PyObject *const *args, Ghost *g, Py_ssize_t *n,
+                       const char *name)
+{
+    Py_ssize_t sets, ways, sets2, ways2, alen, slen;
+    g->fp = view(v, args[0], 4, 1, &sets, &ways, name);
+    if (!g->fp)
+        return -1;
+    g->seq = view(v, args[1], 8, 1, &sets2, &ways2, name);
+    if (!g->seq)
+        return -1;
+    g->alive = view(v, args[2], 1, 1, &alen, NULL, name);
+    if (!g->alive)
+        return -1;
+    g->st = view(v, args[3], 8, 1, &slen, NULL, name);
+    if (!g->st)
+        return -1;
+    if (!view(v, args[4], 8, 0, n, NULL, name))
+        return -1;
+    if (ways != WAYS || ways2 != WAYS || sets2 != sets || (sets & (sets - 1)) || sets == 0
+            || (alen & (alen - 1)) || alen == 0 || slen != 4 || g->st[1] < 0
+            || g->st[0] < g->st[1] || g->st[0] - g->st[1] > alen) {
+        PyErr_Format(PyExc_ValueError, "%s: not a ghost's arrays (see _fast.c)", name);
+        return -1;
+    }
+    g->set_mask = (uint64_t)sets - 1;
+    g->alive_mask = (uint64_t)alen - 1;
+    return 0;
+}
+
+static PyObject *ghost_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Views v = {.n = 0};
+    Ghost g;
+    Py_ssize_t n;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "ghost_add takes 5 arguments");
+        return NULL;
+    }
+    if (ghost_views(&v, args, &g, &n, "ghost_add") < 0) {
+        views_release(&v);
+        return NULL;
+    }
+    const uint64_t *hashes = v.b[4].buf;
+    int64_t size = g.st[3];
+    Py_ssize_t start = size > 0 && n > size ? n - (Py_ssize_t)size : 0;
+    for (Py_ssize_t i = size > 0 ? start : n; i < n; i++) {
+        uint64_t a, b;
+        uint32_t fp;
+        split(&g, hashes[i], &a, &b, &fp);
+        int64_t at = find(&g, a, b, fp);
+        if (at >= 0) {                        /* renewed: its old entry forgotten first */
+            forget(&g, g.seq[at]);
+            g.fp[at] = 0;
+        }
+        int64_t head = g.st[0];
+        if (head + 1 - g.st[1] > (int64_t)(g.alive_mask + 1))
+            advance_to(&g, head + 1 - (int64_t)(g.alive_mask + 1));
+        /* The emptier of the two sets; the way that no longer counts, or the oldest. */
+        int ca = 0, cb = 0;
+        for (int w = 0; w < WAYS; w++) {
+            ca += counted(&g, g.seq[a * WAYS + w]);
+            cb += counted(&g, g.seq[b * WAYS + w]);
+        }
+        uint64_t set = cb < ca ? b : a;
+        int64_t pick = -1, oldest = -1;
+        for (int w = 0; w < WAYS && pick < 0; w++) {
+            int64_t e = (int64_t)(set * WAYS + w);
+            if (!counted(&g, g.seq[e]))
+                pick = e;
+            else if (oldest < 0 || g.seq[e] < g.seq[oldest])
+                oldest = e;
+        }
+        if (pick < 0) {
+            pick = oldest;
+            forget(&g, g.seq[pick]);
+        }
+        g.fp[pick] = fp;
+        g.seq[pick] = head;
+        g.alive[(uint64_t)head & g.alive_mask] = 1;
+        g.st[2]++;
+        g.st[0] = head + 1;
+        /* Over size: the tail moves past the oldest live entries. */
+        while (g.st[2] > size && g.st[1] < g.st[0]) {
+            forget(&g, g.st[1]);
+            g.st[1]++;
+        }
+    }
+    views_release(&v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ghost_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Views v = {.n = 0};
+    Ghost g;
+    Py_ssize_t n, m;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "ghost_take takes 6 arguments");
+        return NULL;
+    }
+    if (ghost_views(&v, args, &g, &n, "ghost_take") < 0) {
+        views_release(&v);
+        return NULL;
+    }
+    uint8_t *out = view(&v, args[5], 1, 1, &m, NULL, "ghost_take");
+    if (!out || m != n) {
+        if (out)
+            PyErr_SetString(PyExc_ValueError, "ghost_take: one output per key");
+        views_release(&v);
+        return NULL;
+    }
+    const uint64_t *hashes = v.b[4].buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t a, b;
+        uint32_t fp;
+        split(&g, hashes[i], &a, &b, &fp);
+        int64_t at = g.st[3] > 0 ? find(&g, a, b, fp) : -1;
+        out[i] = at >= 0;
+        if (at >= 0) {
+            forget(&g, g.seq[at]);
+            g.fp[at] = 0;
+            g.seq[at] = -1;
+        }
+    }
+    views_release(&v);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"lease_rows", (PyCFunction)(void (*)(void))lease_rows, METH_FASTCALL,
      "lease_rows(...): pin and touch a batch of resident rows, or False (see _fast.c)."},
     {"unlease_rows", (PyCFunction)(void (*)(void))unlease_rows, METH_FASTCALL,
      "unlease_rows(...): end a lease's pins; returns how many slots it freed (see _fast.c)."},
+    {"ghost_add", (PyCFunction)(void (*)(void))ghost_add, METH_FASTCALL,
+     "ghost_add(fp, seq, alive, state, hashes): policies.rings.Ghost.add (see _fast.c)."},
+    {"ghost_take", (PyCFunction)(void (*)(void))ghost_take, METH_FASTCALL,
+     "ghost_take(fp, seq, alive, state, hashes, out): policies.rings.Ghost.take."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -279,10 +279,6 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
     def forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
         self._forget_empty(ns, rows)
 
-    def rank(self, ns: Namespace, tier: Tier, rows: np.ndarray, n: int) -> np.ndarray:
-        """The eviction policy's n first victims among rows."""
-        return self._choose(ns, tier, rows, n)
-
     def pin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         add_one(ns.slots[tier].leases, slots)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.coherence.policies import TierPolicy, make_tier_policy, tier_params
+from kvtier.coherence.policies import POLICIES, TierPolicy, make_tier_policy
 from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.coherence.transfers import _to_numpy
 from kvtier.types import Tier, lower_tiers
@@ -31,8 +31,12 @@ class Eviction:
         st = ns.slots[tier]
         if st.policy is None:
             label = tier.label
-            st.policy = make_tier_policy(self.settings.policy_for(label), st, ns.table,
-                                         self.settings.policy_params(label))
+            name = self.settings.policy_for(label)
+            instead = POLICIES[name].under_hbm
+            if (tier is Tier.HOST and Tier.HBM in ns.slots and instead
+                    and not self.settings.eviction_host):
+                name = instead
+            st.policy = make_tier_policy(name, st, ns.table, self.settings.policy_params(label))
             held = np.flatnonzero(st.slot_row >= 0)
             if held.size:
                 st.policy.on_insert(st.slot_row[held], held)
@@ -128,31 +132,6 @@ class Eviction:
         ns.slots[lower].pool.write(dst, _to_numpy(src.pool.read(src_slots[: dst.size])))
         self._set_copy(ns, rows, lower, dst, cols["copy_ver"][rows, tier])
         self.counters.tiers[lower].bytes_written += int(dst.size) * ns.block_bytes
-
-    def _choose(self, ns: Namespace, tier: Tier, rows: np.ndarray, n: int) -> np.ndarray:
-        """The NVMe tier's victims among candidate rows: a scan that ranks every candidate by
-        its policy's score (policies.scores), leaves first when the policy's leaf_first is on."""
-        cols = ns.table.cols
-        score = self.policies[tier].score(cols, rows, self.clock)
-        label = tier.label
-        params = tier_params(self.settings.policy_for(label), self.settings.policy_params(label))
-        if not params.get("leaf_first", False):
-            return rows[np.argsort(score, kind="stable")[:n]]
-        # Leaf-first: a row with a child cached in this tier goes after every leaf.
-        parents = cols["parent"][rows]
-        has_child = np.zeros(ns.table.n_rows, dtype=bool)
-        if tier is Tier.NVME:
-            held = cols["copy_ver"][:ns.table.n_rows, Tier.NVME] > 0
-        else:
-            held = np.zeros(ns.table.n_rows, dtype=bool)
-            held[ns.slots[tier].slot_row[ns.slots[tier].slot_row >= 0]] = True
-        kids = np.flatnonzero(held)
-        kp = cols["parent"][kids]
-        has_child[kp[kp >= 0]] = True
-        del parents
-        inner = has_child[rows]
-        order = np.lexsort((score, inner))
-        return rows[order[:n]]
 
     def _forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
         """Rows that no longer have any current copy lose their block (state LOST -> EMPTY)."""

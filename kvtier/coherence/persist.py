@@ -60,10 +60,10 @@ class Coherence(Protocol):
 
     lock: threading.RLock
     namespaces: dict[str, "Namespace"]
+    clock: int                   # the page table's access clock (last_access is on it)
 
     def drop_copies(self, ns: "Namespace", rows: np.ndarray, tier: Tier) -> None: ...
     def forget_empty(self, ns: "Namespace", rows: np.ndarray) -> None: ...
-    def rank(self, ns: "Namespace", tier: Tier, rows: np.ndarray, n: int) -> np.ndarray: ...
     def pin_slots(self, ns: "Namespace", tier: Tier, slots: np.ndarray) -> None: ...
     def unpin_slots(self, ns: "Namespace", tier: Tier, slots: np.ndarray) -> None: ...
 
@@ -318,6 +318,8 @@ class NvmeStore:
         cols["copy_ver"][rows, Tier.NVME] = versions
         cols["nvme_checksum"][rows] = sums
         ns.log.add_live(segs, +1)
+        self.space.members_of(ns).add(np.asarray(rows, dtype=np.int64),
+                                      np.asarray(segs, dtype=np.int64), self.owner.clock)
 
     def forget(self, ns: "Namespace", rows: np.ndarray) -> list[bytes]:
         """Under the lock: forget rows' NVMe copies (dead bytes in their segments). Returns

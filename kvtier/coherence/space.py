@@ -4,8 +4,13 @@ and which of its blocks move forward.
 The log is reclaimed by whole segments, as CacheLib's BlockCache reclaims regions: the emptiest
 sealed segment when at most KEEP_SHARE of it is live and its blocks fit in what is left (they
 all move: compaction), else the oldest sealed one of any namespace (FIFO), whose blocks move
-only when the NVMe policy ranks them in the hotter half of the tier, at most KEEP_SHARE of a
-segment (re-admission); the rest leave the cache. ``nvme_capacity`` counts the segment files'
+only when the NVMe policy ranks them in the hotter half of the tier (re-admission: for lru and
+chain, accessed more recently than the median of a sample of the tier's rows), at most
+KEEP_SHARE of a segment, the most recently accessed first; the rest leave the cache.
+
+Each segment's rows are kept as they are written (``Members``), with the engine's clock at the
+write, so that a reclaim looks at that segment's rows only: its cost per block does not depend
+on how many blocks the page table holds (issue 18; it scanned every row per reclaim before). ``nvme_capacity`` counts the segment files'
 bytes, headers included, and never more than the disk has room for (capacity_now); one segment
 of it is headroom that only reclaim's copies may use, so that reclaiming never needs space it
 does not have. Every method here is called with the store's writer held.
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.checksums import block_checksums
+from kvtier.coherence.policies import POLICIES
 from kvtier.coherence.records import records_of, same_key
 from kvtier.coherence.states import BlockState, Event, next_states
 from kvtier.errors import StorageError
@@ -46,11 +52,83 @@ def capacity_for(blocks: int, block_bytes: int) -> tuple[int, int]:
     return SMALL_SEGMENTS * seg, seg
 
 
+class Members:
+    """The rows written to each segment of one namespace, each with the clock of its write.
+
+    Appended on every NVMe install (NvmeStore.set_nvme); entries go stale when a row's copy
+    moves or goes, and are checked against the page table when read (of_segment), so a
+    segment's list is never longer than the records written to it. Dropped with the segment.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def add(self, rows: np.ndarray, segs: np.ndarray, clock: int) -> None:
+        if rows.size == 0:
+            return
+        if segs.size == 1 or (segs == segs[0]).all():
+            parts = [(int(segs[0]), rows.copy())]
+        else:
+            parts = [(sid, rows[segs == sid]) for sid in np.unique(segs).tolist()]
+        for sid, r in parts:
+            self._chunks.setdefault(sid, []).append((r, np.full(r.size, clock, dtype=np.int64)))
+
+    def _merged(self, seg_id: int) -> tuple[np.ndarray, np.ndarray]:
+        chunks = self._chunks.get(seg_id)
+        if not chunks:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        if len(chunks) > 1:
+            chunks[:] = [(np.concatenate([c[0] for c in chunks]),
+                          np.concatenate([c[1] for c in chunks]))]
+        return chunks[0]
+
+    def of_segment(self, ns: "Namespace", seg_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, clock of their write) of the rows whose NVMe copy is in seg_id now, each once
+        (its latest write), ascending by row. O(records written to the segment)."""
+        rows, when = self._merged(seg_id)
+        rows = rows.astype(np.int64, copy=False)
+        cols = ns.table.cols
+        ok = rows < ns.table.n_rows
+        ok[ok] = ((cols["copy_ver"][rows[ok], Tier.NVME] > 0)
+                  & (cols["slot"][rows[ok], Tier.NVME] == seg_id))
+        rows, when = rows[ok], when[ok]
+        # A row written twice to the segment: its last write counts (chunks are in order).
+        _, last = np.unique(rows[::-1], return_index=True)
+        pick = rows.size - 1 - last
+        return rows[pick], when[pick]
+
+    def sample(self, ns: "Namespace", rng: np.random.Generator, segments: int = 4,
+               per: int = 128) -> np.ndarray:
+        """Rows with a current NVMe copy, drawn from a few segments picked at random: the
+        tier's distribution as far as segments stand for it, at O(segments x segment size),
+        never a scan of the table."""
+        ids = list(self._chunks)
+        if not ids:
+            return np.empty(0, dtype=np.int64)
+        out = []
+        for i in rng.choice(len(ids), min(segments, len(ids)), replace=False).tolist():
+            rows, _ = self._merged(ids[i])
+            if rows.size:
+                out.append(rows[rng.integers(0, rows.size, min(per, rows.size))])
+        if not out:
+            return np.empty(0, dtype=np.int64)
+        rows = np.concatenate(out).astype(np.int64, copy=False)
+        cols = ns.table.cols
+        rows = rows[rows < ns.table.n_rows]
+        cur = cols["copy_ver"][rows, Tier.NVME]
+        return rows[(cur > 0) & (cur == cols["version"][rows])]
+
+    def drop(self, seg_id: int) -> None:
+        self._chunks.pop(seg_id, None)
+
+
 class Space:
     """Capacity and reclaim for one NvmeStore (its writer held in every call)."""
 
     def __init__(self, store: "NvmeStore") -> None:
         self.store = store
+        self.members: dict[int, Members] = {}    # by namespace id
+        self._rng = np.random.default_rng(0x4b56)
         self.root = Path(store.settings.data_dir)
         self._disk_limited = False       # warned that the disk holds less than the capacity
         self.reclaimed = 0               # segments reclaimed to make room or compact
@@ -145,9 +223,7 @@ class Space:
         cols = ns.table.cols
         log_ = ns.log
         with self.store.owner.lock:
-            n = ns.table.n_rows
-            rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
-                                  & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
+            rows, written = self.of_segment(ns, seg.seg_id)
             cur = cols["copy_ver"][rows, Tier.NVME] == cols["version"][rows]
             # A stale copy under a DIRTY row is the last flushed version, which a crash must
             # find: it always moves. Current copies move when they earn it.
@@ -156,7 +232,7 @@ class Space:
                 log.warning("segment %d of %s not reclaimed: no room to move the %d flushed "
                             "versions of dirty blocks in it", seg.seg_id, ns.name, stale.size)
                 return
-            keep = self._keepers(ns, live, stale.size, keep_all)
+            keep = self._keepers(ns, live, written[cur], stale.size, keep_all)
             if keep is None:
                 return                     # they do not all fit now: the segment stays
             victims = np.setdiff1d(live, keep)
@@ -200,44 +276,51 @@ class Space:
                            sums[good][m])
             orphans += [bytes(x) for x in keys[good][~still]]
             # Whatever still points here (a record that failed to read) is gone with the file.
-            n = ns.table.n_rows
-            left = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
-                                  & (cols["slot"][:n, Tier.NVME] == seg.seg_id))
+            left, _ = self.of_segment(ns, seg.seg_id)
             orphans += self.store.forget(ns, left)
             self.store.owner.forget_empty(ns, left)
             log_.remove(seg.seg_id)
+            self.members_of(ns).drop(seg.seg_id)
             self.store.counters.compactions += 1
             self.reclaimed += 1
             self.copied_forward += int(m.size)
         self.store.delete_now(ns, orphans)
 
-    def _keepers(self, ns: "Namespace", live: np.ndarray, moving: int,
+    def _keepers(self, ns: "Namespace", live: np.ndarray, written: np.ndarray, moving: int,
                  keep_all: bool) -> np.ndarray | None:
         """The live rows of a reclaimed segment that are copied forward (lock held): with
         keep_all every one (None when they do not fit: the segment is left alone), else those
-        the NVMe policy ranks in the hotter half of the tier, at most KEEP_SHARE of a segment
-        and within what the capacity has left."""
+        the NVMe policy readmits (``written``: the clock of each row's write here), at most
+        KEEP_SHARE of a segment and within what the capacity has left, the most recently
+        accessed first. O(rows of the segment, and of the few segments sampled)."""
         if live.size == 0:
             return live
         cols = ns.table.cols
         cap_rows = self.fits(ns, live.size + moving, 0) - moving
         if keep_all:                       # compaction moves every block, or none
             return live if cap_rows >= live.size else None
-        if not keep_all:
-            per = (ns.log.segment_bytes - ns.log.data_start) // ns.log.record_bytes
-            cap_rows = min(cap_rows, int(per * KEEP_SHARE) - moving)
-            n = ns.table.n_rows
-            tier_rows = np.flatnonzero((cols["copy_ver"][:n, Tier.NVME] > 0)
-                                       & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
-            cold = self.store.owner.rank(ns, Tier.NVME, tier_rows, tier_rows.size // 2)
-            live = np.setdiff1d(live, cold)
+        per = (ns.log.segment_bytes - ns.log.data_start) // ns.log.record_bytes
+        cap_rows = min(cap_rows, int(per * KEEP_SHARE) - moving)
+        # The policy's "hotter half of the tier", judged against a sample of the tier.
+        sample = self.members_of(ns).sample(ns, self._rng)
+        read = POLICIES[self.store.settings.policy_for(Tier.NVME.label)].readmit(
+            cols, live, written, sample)
+        live = live[read]
+        last = cols["last_access"][live]
         if cap_rows <= 0 or live.size == 0:
             return live[:0]
         if live.size <= cap_rows:
             return live
-        # Too many: the policy keeps the hottest of them.
-        coldest = self.store.owner.rank(ns, Tier.NVME, live, live.size - cap_rows)
-        return np.setdiff1d(live, coldest)
+        return np.sort(live[np.argsort(-last, kind="stable")[:cap_rows]])
+
+    def members_of(self, ns: "Namespace") -> Members:
+        m = self.members.get(ns.ns_id)
+        if m is None:
+            m = self.members[ns.ns_id] = Members()
+        return m
+
+    def of_segment(self, ns: "Namespace", seg_id: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.members_of(ns).of_segment(ns, seg_id)
 
     def evict_rows(self, ns: "Namespace", rows: np.ndarray) -> list[bytes]:
         """Under the lock: blocks that leave the cache from NVMe leave every local tier (a
@@ -261,11 +344,21 @@ class Space:
         cols = ns.table.cols
         with self.store.writer:
             with self.store.owner.lock:
-                n = ns.table.n_rows
-                cand = np.flatnonzero((cols["state"][:n] == BlockState.CLEAN)
-                                      & (cols["leases"][:n] == 0)
-                                      & (cols["copy_ver"][:n, Tier.NVME] == cols["version"][:n]))
-                victims = self.store.owner.rank(ns, Tier.NVME, cand, count) if cand.size else cand
+                # Oldest segment first (the order reclaim takes them in), within it by
+                # least recent read: O(rows of the segments looked at), not of the table.
+                taken: list[np.ndarray] = []
+                need = count
+                for seg in sorted(ns.log.segments.values(), key=lambda g: g.born):
+                    rows, _ = self.of_segment(ns, seg.seg_id)
+                    rows = rows[(cols["state"][rows] == BlockState.CLEAN)
+                                & (cols["leases"][rows] == 0)
+                                & (cols["copy_ver"][rows, Tier.NVME] == cols["version"][rows])]
+                    rows = rows[np.argsort(cols["last_access"][rows], kind="stable")[:need]]
+                    taken.append(rows)
+                    need -= rows.size
+                    if need <= 0:
+                        break
+                victims = np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
                 keys = self.evict_rows(ns, victims)
             self.store.catalog.delete_records(ns.ns_id, keys)
         return int(victims.size)

@@ -18,6 +18,7 @@ Reservations (two-phase puts) and leases (readers) have their own small tables.
 from __future__ import annotations
 
 from enum import Enum, IntEnum
+from typing import Any
 
 from kvtier.errors import KvtierError
 
@@ -66,14 +67,18 @@ _NEXT: dict[Event, list[int]] = {
 }
 
 
+_NEXT_ARRAYS: dict[Event, Any] = {}
+
+
 def next_states(states, event: Event):  # numpy uint8 array in, array out
     """Batch next_state. Raises IllegalTransition if any row has no legal move."""
-    import numpy as np
-
-    table = np.asarray(_NEXT[event], dtype=np.uint8)
+    table = _NEXT_ARRAYS.get(event)
+    if table is None:
+        import numpy as np
+        table = _NEXT_ARRAYS[event] = np.asarray(_NEXT[event], dtype=np.uint8)
     out = table[states]
-    if (out == _ILLEGAL).any():
-        bad = BlockState(int(states[np.flatnonzero(out == _ILLEGAL)[0]]))
+    if out.size and out.max() == _ILLEGAL:
+        bad = BlockState(int(states[(out == _ILLEGAL).argmax()]))
         raise IllegalTransition(f"no transition from {bad.name} on {event.value}")
     return out
 

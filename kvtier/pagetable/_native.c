@@ -15,7 +15,20 @@
  *       index: int32 open-addressing table of power-of-two size (-1 empty, -2 tombstone,
  *       otherwise a row); keycol: rows * width bytes; keys: n * width bytes; out: n int64,
  *       written with the row of each key or -1. Linear probing from hash & (size - 1).
- * Neither keeps a reference to its arguments; the GIL is released over batches of 256 or more.
+ *   index_insert(index, rows, hashes)
+ *       rows: n int64, hashes: n uint64 (their keys' hashes); each row is stored at the first
+ *       EMPTY or tombstone position of its probe sequence. The caller keeps the load <= 1/2.
+ *   index_remove(index, rows, hashes)
+ *       each row's position (found along its probe sequence) becomes a tombstone (-2).
+ *   link_rows(parent, first_child, next_sib, rows, parents)
+ *       table.py's link: parents[i] (-1: none) becomes rows[i]'s parent; a row listed twice
+ *       keeps its last parent; the new children of a parent go in front of its old list, in
+ *       batch order; a row moving to another parent is detached first (O(siblings)).
+ *   unlink_rows(parent, first_child, next_sib, rows)
+ *       table.py's _unlink of each row: detached from its parent, its children orphaned.
+ * These four replace per-block Python loops and ~10 numpy calls each per batch (issue 18:
+ * the replay spent most of its time there). None keeps a reference to its arguments;
+ * hash_keys and lookup release the GIL over batches of 256 or more.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -168,11 +181,222 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+#define TOMBSTONE (-2)
+
+static int whole_items(Py_buffer *b, Py_ssize_t nbuf, const Py_ssize_t *itemsize,
+                       const int *writable, const char *name)
+{
+    for (Py_ssize_t i = 0; i < nbuf; i++)
+        if (itemsize[i] && b[i].len % itemsize[i]) {
+            release_buffers(b, nbuf, writable);
+            PyErr_Format(PyExc_ValueError, "%s: argument %zd is not a whole number of items",
+                         name, i);
+            return -1;
+        }
+    return 0;
+}
+
+/* index_insert and index_remove: (index int32, rows int64, hashes uint64). */
+static int get_index_args(PyObject *const *args, Py_ssize_t nargs, const char *name,
+                          Py_buffer *b)
+{
+    static const int writable[3] = {1, 0, 0};
+    static const Py_ssize_t isz[3] = {4, 8, 8};
+    if (get_buffers(args, nargs, name, 3, b, writable) < 0
+            || whole_items(b, 3, isz, writable, name) < 0)
+        return -1;
+    Py_ssize_t size = b[0].len / 4;
+    if (size == 0 || (size & (size - 1)) || b[1].len != b[2].len) {
+        release_buffers(b, 3, writable);
+        PyErr_Format(PyExc_ValueError, "%s: an index of power-of-two size and one hash per row",
+                     name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *index_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[3] = {1, 0, 0};
+    Py_buffer b[3];
+    if (get_index_args(args, nargs, "index_insert", b) < 0)
+        return NULL;
+    int32_t *index = b[0].buf;
+    const int64_t *rows = b[1].buf;
+    const uint64_t *h = b[2].buf;
+    Py_ssize_t size = b[0].len / 4, n = b[1].len / 8;
+    uint64_t mask = (uint64_t)size - 1;
+    int full = 0;
+    for (Py_ssize_t i = 0; i < n && !full; i++) {
+        uint64_t pos = h[i] & mask;
+        Py_ssize_t probes = 0;
+        while (index[pos] >= 0 && ++probes < size)
+            pos = (pos + 1) & mask;
+        if (index[pos] >= 0)
+            full = 1;
+        else
+            index[pos] = (int32_t)rows[i];
+    }
+    release_buffers(b, 3, writable);
+    if (full) {
+        PyErr_SetString(PyExc_RuntimeError, "page-table index is full");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *index_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[3] = {1, 0, 0};
+    Py_buffer b[3];
+    if (get_index_args(args, nargs, "index_remove", b) < 0)
+        return NULL;
+    int32_t *index = b[0].buf;
+    const int64_t *rows = b[1].buf;
+    const uint64_t *h = b[2].buf;
+    Py_ssize_t size = b[0].len / 4, n = b[1].len / 8;
+    uint64_t mask = (uint64_t)size - 1;
+    int missing = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t pos = h[i] & mask;
+        Py_ssize_t probes = 0;
+        while (index[pos] != (int32_t)rows[i] && index[pos] != EMPTY && ++probes < size)
+            pos = (pos + 1) & mask;
+        if (index[pos] == (int32_t)rows[i])
+            index[pos] = TOMBSTONE;
+        else
+            missing = 1;
+    }
+    release_buffers(b, 3, writable);
+    if (missing) {
+        PyErr_SetString(PyExc_RuntimeError, "index_remove: a row is not in the index");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static void detach(int32_t *parent, int32_t *first, int32_t *nxt, int64_t row)
+{
+    int32_t par = parent[row];
+    if (first[par] == row) {
+        first[par] = nxt[row];
+    } else {
+        int32_t cur = first[par];
+        while (cur >= 0 && nxt[cur] != row)
+            cur = nxt[cur];
+        if (cur >= 0)
+            nxt[cur] = nxt[row];
+    }
+    nxt[row] = -1;
+    parent[row] = -1;
+}
+
+/* link_rows and unlink_rows: parent, first_child, next_sib (int32 columns), then int64 rows
+ * (and parents), every value checked to be a row of the columns. */
+static int get_link_args(PyObject *const *args, Py_ssize_t nargs, const char *name,
+                         Py_ssize_t want, Py_buffer *b, const int *writable)
+{
+    static const Py_ssize_t isz[5] = {4, 4, 4, 8, 8};
+    if (get_buffers(args, nargs, name, want, b, writable) < 0
+            || whole_items(b, want, isz, writable, name) < 0)
+        return -1;
+    Py_ssize_t rows = b[0].len / 4, n = b[3].len / 8;
+    const int64_t *r = b[3].buf, *p = want == 5 ? b[4].buf : NULL;
+    int bad = b[1].len != b[0].len || b[2].len != b[0].len || (p && b[4].len != b[3].len);
+    for (Py_ssize_t i = 0; i < n && !bad; i++)
+        bad = r[i] < 0 || r[i] >= rows || (p && (p[i] < -1 || p[i] >= rows));
+    if (bad) {
+        release_buffers(b, want, writable);
+        PyErr_Format(PyExc_ValueError, "%s: columns of one length, rows and parents inside "
+                     "them, one parent per row", name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *link_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[5] = {1, 1, 1, 0, 0};
+    Py_buffer b[5];
+    if (get_link_args(args, nargs, "link_rows", 5, b, writable) < 0)
+        return NULL;
+    int32_t *parent = b[0].buf, *first = b[1].buf, *nxt = b[2].buf;
+    const int64_t *rows = b[3].buf, *parents = b[4].buf;
+    Py_ssize_t n = b[3].len / 8;
+    /* Backwards, each new child put in front of its parent's list: the new children end up
+     * in batch order ahead of the old ones, and a row's last occurrence, met first, is the
+     * one that counts (a small open-addressing set of the rows done). */
+    Py_ssize_t cap = 16;
+    while (cap < 2 * n)
+        cap *= 2;
+    int64_t *done = PyMem_Malloc((size_t)cap * sizeof(int64_t));
+    if (!done) {
+        release_buffers(b, 5, writable);
+        return PyErr_NoMemory();
+    }
+    memset(done, 0xff, (size_t)cap * sizeof(int64_t));
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        int64_t row = rows[i], p = parents[i];
+        uint64_t at = ((uint64_t)row * MIX1) & (uint64_t)(cap - 1);
+        while (done[at] >= 0 && done[at] != row)
+            at = (at + 1) & (uint64_t)(cap - 1);
+        if (done[at] == row)
+            continue;
+        done[at] = row;
+        if (parent[row] == p || row == p)
+            continue;
+        if (parent[row] >= 0)
+            detach(parent, first, nxt, row);
+        if (p >= 0) {
+            nxt[row] = first[p];
+            first[p] = (int32_t)row;
+            parent[row] = (int32_t)p;
+        }
+    }
+    PyMem_Free(done);
+    release_buffers(b, 5, writable);
+    Py_RETURN_NONE;
+}
+
+static PyObject *unlink_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[4] = {1, 1, 1, 0};
+    Py_buffer b[4];
+    if (get_link_args(args, nargs, "unlink_rows", 4, b, writable) < 0)
+        return NULL;
+    int32_t *parent = b[0].buf, *first = b[1].buf, *nxt = b[2].buf;
+    const int64_t *rows = b[3].buf;
+    Py_ssize_t n = b[3].len / 8;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t row = rows[i];
+        if (parent[row] >= 0)
+            detach(parent, first, nxt, row);
+        int32_t child = first[row];
+        while (child >= 0) {
+            int32_t following = nxt[child];
+            parent[child] = -1;
+            nxt[child] = -1;
+            child = following;
+        }
+        first[row] = -1;
+    }
+    release_buffers(b, 4, writable);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"hash_keys", (PyCFunction)(void (*)(void))hash_keys, METH_FASTCALL,
      "hash_keys(keys, width, out): table.py's key hash of each key into out (uint64)."},
     {"lookup", (PyCFunction)(void (*)(void))lookup, METH_FASTCALL,
      "lookup(index, keycol, width, keys, out): the row of each key, or -1, into out (int64)."},
+    {"index_insert", (PyCFunction)(void (*)(void))index_insert, METH_FASTCALL,
+     "index_insert(index, rows, hashes): store each row along its probe sequence."},
+    {"index_remove", (PyCFunction)(void (*)(void))index_remove, METH_FASTCALL,
+     "index_remove(index, rows, hashes): each row's index entry becomes a tombstone."},
+    {"link_rows", (PyCFunction)(void (*)(void))link_rows, METH_FASTCALL,
+     "link_rows(parent, first_child, next_sib, rows, parents): table.py's link."},
+    {"unlink_rows", (PyCFunction)(void (*)(void))unlink_rows, METH_FASTCALL,
+     "unlink_rows(parent, first_child, next_sib, rows): table.py's _unlink of each row."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,9 +12,14 @@ or ``tier:value`` pairs), so a tier's policy is its name plus these values.
             queues deepest block first and a chain loses its leaves before its parents, and a
             probation share of 5% (better than 10% or 20% on both traces at nearly every size)
 
-The slot tiers (HBM, host) run the maintained structures of policies.queues; the NVMe tier's
-eviction still ranks its candidates with ``score`` (policies.scores), which the NVMe tier's
-whole-segment eviction replaces.
+The slot tiers (HBM, host) run the maintained structures of policies.queues. The NVMe tier is
+reclaimed by whole segments, oldest first (coherence.space); a policy's ``readmit`` says which of
+a reclaimed segment's blocks are copied forward instead of leaving the cache, from the rows of
+that segment and a sample of the tier (O(segment) whatever the table holds):
+
+    recency         (lru, chain)  accessed more recently than the median of a sample of the
+                                  tier (the "hotter half", as the scan over every row ranked)
+    recency_reused  (s3fifo)      that, and accessed more than once (one-hit blocks leave)
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from kvtier.coherence.policies import scores
 from kvtier.coherence.policies.queues import LruQueue, S3Fifo
 from kvtier.errors import ConfigError
 
@@ -92,24 +96,52 @@ def _s3fifo(st: SlotState, table: PageTable, params: Mapping[str, Any]) -> TierP
                   params["freq_max"], params["leaf_first"])
 
 
+Readmit = Callable[[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def recency(cols: dict[str, np.ndarray], rows: np.ndarray, written: np.ndarray,
+            sample: np.ndarray) -> np.ndarray:
+    """rows in the hotter half of the tier by last access: more recent than the median of a
+    sample of the tier's rows (``written``, the clock of each row's write, is not used)."""
+    last = cols["last_access"][rows]
+    if sample.size == 0:
+        return np.ones(rows.size, dtype=bool)
+    return last > np.median(cols["last_access"][sample])
+
+
+def recency_reused(cols: dict[str, np.ndarray], rows: np.ndarray, written: np.ndarray,
+                   sample: np.ndarray) -> np.ndarray:
+    """recency, for blocks accessed more than once (S3-FIFO's one-hit filter)."""
+    return recency(cols, rows, written, sample) & (cols["freq"][rows] > 1)
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     name: str
     make: Callable[[Any, Any, Mapping[str, Any]], TierPolicy]
-    score: scores.Scorer                 # ranks NVMe candidates (lower goes first)
+    readmit: Readmit                     # NVMe: which of a reclaimed segment's blocks stay
     defaults: Mapping[str, str]
+    # What the host tier runs instead when an HBM tier sits above it and eviction_host does
+    # not name a policy (None: the same policy). See chain's entry.
+    under_hbm: str | None = None
 
 
 PARAMETERS = ("small", "ghost", "freq_max", "leaf_first")
 _S3 = {"small": "0.1", "freq_max": "3"}
 POLICIES: dict[str, Policy] = {
-    "lru": Policy("lru", _lru, scores.lru, {}),
-    "s3fifo": Policy("s3fifo", _s3fifo, scores.s3fifo,
+    "lru": Policy("lru", _lru, recency, {}),
+    "s3fifo": Policy("s3fifo", _s3fifo, recency_reused,
                      {**_S3, "ghost": "0.9x", "leaf_first": "false"}),
-    # The NVMe tier ranks chain's candidates by recency: the one-hit-first score (s3fifo's)
-    # was measured far below LRU on the conversation trace (issue 18: -62% of the gap at 6e6).
-    "chain": Policy("chain", _s3fifo, scores.lru,
-                    {**_S3, "small": "0.05", "ghost": "4x", "leaf_first": "true"}),
+    # The NVMe tier keeps chain's blocks by recency: the one-hit-first ranking (s3fifo's) was
+    # measured far below LRU on the conversation trace (issue 18: -62% of the gap at 6e6).
+    # Chain's admission needs the reuse of what a tier evicted to come back through that tier.
+    # Under an HBM tier it does not for host: gets are served from HBM, a block that leaves
+    # host is read back NVMe -> HBM, and host's main queue fills with the blocks lost from every
+    # tier (measured, docs/DESIGN-NOTES.md: host chain 0.1463, host LRU 0.1618, synthetic
+    # trace, tiered). There the host tier runs exact LRU.
+    "chain": Policy("chain", _s3fifo, recency,
+                    {**_S3, "small": "0.05", "ghost": "4x", "leaf_first": "true"},
+                    under_hbm="lru"),
 }
 
 

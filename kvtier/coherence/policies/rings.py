@@ -16,6 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
+try:
+    from kvtier.coherence import _fast
+except ImportError:                       # not built: the numpy versions below run instead
+    _fast = None
+
 
 class Ring:
     """A deque of (slot int64, stamp int64) pairs; grows by doubling."""
@@ -111,9 +116,16 @@ class Ghost:
         self._seq = np.full((sets, self.WAYS), -1, dtype=np.int64)
         self._mask = np.uint64(sets - 1)
         self._alive = np.zeros(1 << max(4, int(4 * self.size).bit_length()), dtype=bool)
-        self._head = 0           # next sequence number
-        self._tail = 0           # oldest sequence number still counted
-        self._live = 0
+        # head (next sequence number), tail (oldest one still counted), live, size: one array,
+        # which the C versions (kvtier.coherence._fast.ghost_add/take) update in place.
+        self._st = np.array([0, 0, 0, self.size], dtype=np.int64)
+
+    _head = property(lambda self: int(self._st[0]),
+                     lambda self, v: self._st.__setitem__(0, v))
+    _tail = property(lambda self: int(self._st[1]),
+                     lambda self, v: self._st.__setitem__(1, v))
+    _live = property(lambda self: int(self._st[2]),
+                     lambda self, v: self._st.__setitem__(2, v))
 
     def _split(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         h = hashes.astype(np.uint64, copy=False)
@@ -143,8 +155,15 @@ class Ghost:
     def add(self, hashes: np.ndarray) -> None:
         if not self.size or hashes.size == 0:
             return
+        if _fast is not None:
+            _fast.ghost_add(self._fp, self._seq, self._alive, self._st,
+                            np.ascontiguousarray(hashes, dtype=np.uint64))
+            return
         if hashes.size > self.size:
             hashes = hashes[-self.size:]
+        _, last = np.unique(hashes[::-1], return_index=True)
+        if last.size < hashes.size:           # a key repeated in the batch: its last counts
+            hashes = hashes[np.sort(hashes.size - 1 - last)]
         a, b, fp = self._split(hashes)
         n = int(fp.size)
         # A key already remembered is renewed (its old entry forgotten first).
@@ -209,8 +228,18 @@ class Ghost:
         """Which keys are remembered; those are forgotten, as they are resident again."""
         if not self.size or hashes.size == 0:
             return np.zeros(hashes.size, dtype=bool)
+        if _fast is not None:
+            found = np.empty(hashes.size, dtype=bool)
+            _fast.ghost_take(self._fp, self._seq, self._alive, self._st,
+                             np.ascontiguousarray(hashes, dtype=np.uint64), found)
+            return found
         a, b, fp = self._split(hashes)
         hit, sets, ways = self._find(a, b, fp)
+        _, first = np.unique(hashes, return_index=True)
+        if first.size < hashes.size:          # a key repeated in the batch: its first counts
+            again = np.ones(hashes.size, dtype=bool)
+            again[first] = False
+            hit &= ~again
         sets, ways = sets[hit], ways[hit]
         self._forget(self._seq[sets, ways])
         self._fp[sets, ways] = 0
