@@ -97,12 +97,13 @@ def main() -> None:
                 ns.put(b"".join(key(i) for i in range(lo, lo + n)), data[:n], verify=False)
             c.flush()
             ns.put(HOT, data[:1])
-            # A lease held for the whole run keeps the hot block in the host tier, whatever
-            # the readers' bring-ups evict around it.
-            pin = ns.get_leased(HOT)
             probe(ns, 200)                                   # warm the probe's path
             s0 = c.stats()["tiers"]
             for k in [int(x) for x in args.readers.split(",") if x]:
+                # A lease held through the condition keeps the hot block in the host tier,
+                # whatever the readers' bring-ups evict around it (one per condition: a lease
+                # lives lease_timeout, and a slow machine's whole run can outlast it).
+                pin = ns.get_leased(HOT)
                 alone = probe(ns, args.samples)
                 stop, q = ctx.Event(), ctx.Queue()
                 readys = [ctx.Event() for _ in range(k)]
@@ -119,6 +120,7 @@ def main() -> None:
                 rl = [x for _ in procs for x in q.get(timeout=300)]
                 for p in procs:
                     p.join(60)
+                pin.release()
                 pa, pb = percentiles(alone), percentiles(beside)
                 out["conditions"][str(k)] = {
                     "alone_p50_us": round(pa["p50"] * 1e6, 1),
@@ -128,7 +130,6 @@ def main() -> None:
                     "p99_ratio": round(pb["p99"] / pa["p99"], 3),
                     "reader_gets": len(rl),
                     "reader_p50_ms": round(percentiles(rl)["p50"] * 1e3, 2) if rl else None}
-            pin.release()
             s1 = c.stats()["tiers"]
             read = s1["nvme"]["bytes_read"] - s0["nvme"]["bytes_read"]
             out["reader_nvme_share"] = round(read / max(
