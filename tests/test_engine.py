@@ -202,6 +202,18 @@ def test_versions_keep_rising_after_a_delete_an_eviction_and_a_restart(make_engi
     assert int(eng.put("m", key(1), blocks(1, BB, 7))[0]) > after
 
 
+def test_a_version_lost_unflushed_in_a_crash_is_not_given_out_again(make_engine):
+    eng = make_engine(write_policy="write_back")
+    eng.create_namespace("m", BB)
+    eng.put("m", key(1), blocks(1, BB, 1))
+    eng.flush()
+    assert eng.put("m", key(1), blocks(1, BB, 2)).tolist() == [2]      # never flushed
+    eng.close(flush=False)                                             # as a crash would
+    eng = make_engine(write_policy="write_back")
+    assert _entry(eng, key(1))["version"] == 1                         # the flushed one
+    assert int(eng.put("m", key(1), blocks(1, BB, 3))[0]) > 2
+
+
 def test_parent_links_survive_restart(make_engine):
     eng = make_engine()
     eng.create_namespace("m", BB)

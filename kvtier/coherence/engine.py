@@ -117,10 +117,12 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
 
     def _start_epoch(self) -> None:
         """Versions keep rising per key across deletes, evictions and restarts. Each start
-        takes the next epoch (one LMDB write): every key first put in this run, or put again
-        after it was removed, starts above epoch x 2^32, which is above every version given
-        out in earlier runs (a run that reaches its ceiling takes another epoch first). So a
-        version number a client or the remote tier still holds never matches a new block."""
+        takes the next epoch (one LMDB write): every put of this run gives a version above
+        epoch x 2^32, which is above every version given out in earlier runs (a run that
+        reaches its ceiling takes another epoch first), including those a crash lost before
+        they were flushed. Within a run a rewrite is +1, and a key put again after it was
+        removed starts above the table's version_floor. So a version number a client or the
+        remote tier still holds never matches a new block."""
         epoch = self.catalog.meta("version_epoch")
         self.epoch = epoch if isinstance(epoch, int) and epoch >= 0 else 0
         self.catalog.set_meta("version_epoch", self.epoch + 1)
@@ -469,7 +471,10 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             self._drop_copies(ns, rows, t)
         if created.any():
             cols["version"][rows[created]] = table.version_floor
-        cols["version"][rows] += 1
+        # A row restart brought back (or the remote tier filled) holds a version of an earlier
+        # run, which may have gone on past it unflushed: its next version is above them all.
+        cols["version"][rows] = np.maximum(cols["version"][rows],
+                                           np.uint64(self.epoch << EPOCH_BITS)) + np.uint64(1)
         cols["leases"][rows] = 0          # readers of the old version hold old slots, not this
         cols["size"][rows] = ns.block_bytes
         cols["checksum"][rows] = sums
