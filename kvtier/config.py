@@ -209,7 +209,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("segment_bytes", "256MiB", _size, "size at which an NVMe segment file rolls over",
             "bytes"),
     Setting("compact_threshold", 0.5, _float,
-            "compact a segment when its live fraction falls below this", "fraction"),
+            "compact a segment when its live fraction falls below this (once the NVMe tier is "
+            "3/4 full)", "fraction"),
     Setting("reserve_timeout", 30.0, _float, "a put reservation not committed by then is reclaimed",
             "s"),
     Setting("lease_timeout", 600.0, _float, "a get lease not released by then is reclaimed", "s"),

@@ -177,6 +177,43 @@ def test_restart_serves_every_flushed_version(make_engine):
     assert [_entry(eng, key(i))["version"] for i in range(5)] == [1] * 5
 
 
+def test_versions_keep_rising_after_a_delete_an_eviction_and_a_restart(make_engine):
+    # A version number once given out never names another block: a key deleted, or evicted
+    # from every tier, and put again goes on above its last version, and so does a key first
+    # put after a restart (even one that no tier kept: the host-only tier below).
+    eng = make_engine(nvme_capacity=0, host_capacity=4 * BB)
+    eng.create_namespace("m", BB)
+    assert eng.put("m", key(1), blocks(1, BB, 1)).tolist() == [1]
+    assert eng.put("m", key(1), blocks(1, BB, 2)).tolist() == [2]
+    eng.delete("m", key(1))
+    assert eng.put("m", key(1), blocks(1, BB, 3)).tolist() == [3]
+    eng.put("m", keys(range(2, 6)), blocks(4, BB, 4))          # key 1 evicted from every tier
+    assert eng.entry("m", key(1)) is None
+    v = int(eng.put("m", key(1), blocks(1, BB, 5))[0])
+    assert v > 3
+    eng.close(flush=False)
+    eng = make_engine(nvme_capacity=0, host_capacity=4 * BB)   # nothing kept across it
+    after = int(eng.put("m", key(1), blocks(1, BB, 6))[0])
+    assert after > v
+    found, out = eng.read("m", key(1))
+    assert found[0] and (out[0] == blocks(1, BB, 6)[0]).all()
+    eng.close(flush=False)
+    eng = make_engine(nvme_capacity=0, host_capacity=4 * BB)
+    assert int(eng.put("m", key(1), blocks(1, BB, 7))[0]) > after
+
+
+def test_a_version_lost_unflushed_in_a_crash_is_not_given_out_again(make_engine):
+    eng = make_engine(write_policy="write_back")
+    eng.create_namespace("m", BB)
+    eng.put("m", key(1), blocks(1, BB, 1))
+    eng.flush()
+    assert eng.put("m", key(1), blocks(1, BB, 2)).tolist() == [2]      # never flushed
+    eng.close(flush=False)                                             # as a crash would
+    eng = make_engine(write_policy="write_back")
+    assert _entry(eng, key(1))["version"] == 1                         # the flushed one
+    assert int(eng.put("m", key(1), blocks(1, BB, 3))[0]) > 2
+
+
 def test_parent_links_survive_restart(make_engine):
     eng = make_engine()
     eng.create_namespace("m", BB)

@@ -8,7 +8,8 @@ deletes, evictions, flushes and restarts, on capacities of a few blocks so that 
   miss is allowed; never a stale version, never torn bytes;
 - bytes under a lease never change, even when the key is rewritten or deleted meanwhile;
 - after a restart every key whose version was known flushed is served, with a version at least
-  that one and bytes that were committed under that version.
+  that one and bytes that were committed under that version;
+- a key's versions only rise, across deletes, evictions from every tier and restarts.
 
 The concurrent variants add two threads that get (every block's bytes checked against what was
 ever put under its key, and against the checksum served with it) and flush while the rules
@@ -48,6 +49,8 @@ class EngineModel(RuleBasedStateMachine):
         self.flushed: dict[bytes, int] = {}
         self.history: dict[bytes, list[tuple[int, bytes]]] = {}
         self.held: list[tuple[int, list[tuple[int, bytes]]]] = []
+        # The highest version each key was ever given, kept across deletes and restarts.
+        self.ever: dict[bytes, int] = {}
 
     @initialize()
     def start(self) -> None:
@@ -101,6 +104,8 @@ class EngineModel(RuleBasedStateMachine):
             self.latest[k] = (v, b)
         for k in set(ks):
             v, b = self.latest[k]
+            assert v > self.ever.get(k, 0), "a version number was given out twice for one key"
+            self.ever[k] = v
             self.history.setdefault(k, []).append((v, b))
             if self.write_policy == "write_through" and self.nvme:
                 self.flushed[k] = v

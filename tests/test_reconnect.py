@@ -49,7 +49,8 @@ def test_the_first_get_and_put_after_a_restart_succeed(svc: Service, sig: int):
         assert found.all() and (out == data[:4]).all()
         assert c.generation == first + 1                   # a new connection, a new mapping
         restart(svc, sig)
-        assert ns.put(keys(range(4, 8)), data[4:]).tolist() == [1] * 4
+        # New keys, so their first versions: above every version of the earlier runs (epochs).
+        assert (ns.put(keys(range(4, 8)), data[4:]) > 1).all()
         found, out = ns.get(keys(range(8)))
         assert found.all() and (out == data).all()
         restart(svc, sig)
@@ -67,7 +68,7 @@ def test_inline_get_and_put_after_a_restart(svc: Service):
         found, out = ns.get(keys(range(3)))
         assert found.all() and (out == data).all()
         restart(svc, signal.SIGTERM)
-        assert ns.put(keys([9]), data[:1]).tolist() == [1]
+        assert (ns.put(keys([9]), data[:1]) > 1).all()
 
 
 def test_a_call_that_finds_the_connection_lost_retries_only_safe_ops(svc: Service):
@@ -133,7 +134,7 @@ def test_async_client_first_calls_after_a_restart_succeed(svc: Service):
             found, out = await ns.get(keys(range(3)))
             assert found.all() and (out == data[:3]).all()
             restart(svc, signal.SIGTERM)
-            assert (await ns.put(keys(range(3, 6)), data[3:])).tolist() == [1] * 3
+            assert ((await ns.put(keys(range(3, 6)), data[3:])) > 1).all()
             restart(svc, signal.SIGTERM)
             assert (await c.stats())["leases"] == 0
             found, out = await ns.get(keys(range(6)))

@@ -203,3 +203,37 @@ def test_admin_eviction_from_nvme_drops_blocks_for_good(tmp_path: Path):
     found, _ = eng.read("m", keys(range(8)))
     assert found.sum() == 5
     eng.close(flush=False)
+
+
+def test_concurrent_write_through_puts_share_one_flush(tmp_path: Path):
+    # Three puts arrive while a flush is in flight (the writer held): the next holder writes
+    # all three as one batch (one append, one LMDB transaction), and each put returns only
+    # once that batch is durable: after a restart that flushes nothing, all three are there.
+    settings = make_settings({"data_dir": str(tmp_path), "nvme_capacity": "16MiB"})
+    eng = Engine(settings)
+    eng.create_namespace("g", 4096)
+    before = eng.stats()["flushes"]
+    acked: list[int] = []
+    eng.nvme.writer.acquire()
+    puts = [threading.Thread(target=lambda i=i: (eng.put("g", keys(range(i * 4, i * 4 + 4)),
+                                                         blocks(4, 4096, i)), acked.append(i)))
+            for i in range(3)]
+    for t in puts:
+        t.start()
+    for _ in range(1000):                         # until all three have queued their rows
+        if len(eng.nvme._queue.get("g", [])) == 3:
+            break
+        threading.Event().wait(0.01)
+    assert acked == []                            # none acknowledged before its flush
+    eng.nvme.writer.release()
+    for t in puts:
+        t.join(30)
+    assert sorted(acked) == [0, 1, 2]
+    assert eng.stats()["flushes"] - before == 1
+    assert all(eng.entry("g", key(i))["state"] == "clean" for i in range(12))
+    eng.close(flush=False)
+    eng = Engine(settings)
+    found, out = eng.read("g", keys(range(12)))
+    assert found.all()
+    assert all((out[i * 4:i * 4 + 4] == blocks(4, 4096, i)).all() for i in range(3))
+    eng.close(flush=False)

@@ -66,6 +66,7 @@ log = logging.getLogger("kvtier.engine")
 PoolFactory = Callable[[str, int, int], SlotPool]
 MAX_BLOCK_BYTES = 1 << 30
 MAX_KEY_WIDTH = 64
+EPOCH_BITS = 32             # versions of one run: below (epoch + 1) << EPOCH_BITS
 
 
 def _trusted(checksums: np.ndarray | None, n: int) -> np.ndarray:
@@ -107,9 +108,32 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                          for t in (Tier.HBM, Tier.HOST, Tier.NVME)}
         self.remote = remote if remote is not None else remote_from_settings(settings)
         self.nvme = NvmeStore(self, self.catalog, settings, self.counters, self.backend)
+        self._start_epoch()
         for rec in self.catalog.namespaces():
             ns = self._open_namespace(rec)
             self.nvme.load(ns)
+
+    # ------------------------------------------------------------------ version epochs
+
+    def _start_epoch(self) -> None:
+        """Versions keep rising per key across deletes, evictions and restarts. Each start
+        takes the next epoch (one LMDB write): every put of this run gives a version above
+        epoch x 2^32, which is above every version given out in earlier runs (a run that
+        reaches its ceiling takes another epoch first), including those a crash lost before
+        they were flushed. Within a run a rewrite is +1, and a key put again after it was
+        removed starts above the table's version_floor. So a version number a client or the
+        remote tier still holds never matches a new block."""
+        epoch = self.catalog.meta("version_epoch")
+        self.epoch = epoch if isinstance(epoch, int) and epoch >= 0 else 0
+        self.catalog.set_meta("version_epoch", self.epoch + 1)
+        self.version_ceiling = (self.epoch + 1) << EPOCH_BITS
+
+    def _next_epoch(self, top: int) -> None:
+        """A version reached this run's ceiling (2^32 puts of one key): later runs must start
+        above it. Written under the lock, once per 2^32 puts."""
+        self.epoch = max(self.epoch + 1, top >> EPOCH_BITS)
+        self.catalog.set_meta("version_epoch", self.epoch + 1)
+        self.version_ceiling = (self.epoch + 1) << EPOCH_BITS
 
     # ------------------------------------------------------------------ namespaces
 
@@ -125,6 +149,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             slots[Tier.HBM] = SlotState.for_pool(pool)
         ns = Namespace(rec.name, rec.ns_id, rec.block_bytes, rec.key_width, rec.layout,
                        PageTable(rec.key_width), slots, self.nvme.open_log(rec))
+        ns.table.version_floor = self.epoch << EPOCH_BITS
         self.namespaces[rec.name] = ns
         return ns
 
@@ -437,16 +462,23 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                  host_slots: np.ndarray | None) -> np.ndarray:
         table = ns.table
         cols = table.cols
-        rows, _created = table.insert(karr)
+        rows, created = table.insert(karr)
         for t in list(ns.slots):
             self._drop_copies(ns, rows, t)
-        cols["version"][rows] += 1
+        if created.any():
+            cols["version"][rows[created]] = table.version_floor
+        # A row restart brought back (or the remote tier filled) holds a version of an earlier
+        # run, which may have gone on past it unflushed: its next version is above them all.
+        cols["version"][rows] = np.maximum(cols["version"][rows],
+                                           np.uint64(self.epoch << EPOCH_BITS)) + np.uint64(1)
         cols["leases"][rows] = 0          # readers of the old version hold old slots, not this
         cols["size"][rows] = ns.block_bytes
         cols["checksum"][rows] = sums
         cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
         self._touch(ns, rows)             # before the copies are placed: a policy counts from here
         ver = cols["version"][rows]
+        if int(ver.max()) >= self.version_ceiling:
+            self._next_epoch(int(ver.max()))
         self._set_copy(ns, rows, tier, slots, ver)
         if host_slots is not None:
             self._set_copy(ns, rows, Tier.HOST, host_slots, ver)

@@ -13,6 +13,8 @@ does disk I/O under the engine lock. Each operation runs in three steps:
 
 Writers (flushes, reclaims, record deletes) take ``writer`` first and one at a time, so that the
 LMDB records of a key change in version order; the engine lock is only ever taken inside it.
+Flush calls that arrive while it is held are written together by the next holder (group commit:
+one append and one LMDB transaction for all of them, see flush()).
 
 Flush order, per batch (the crash-safety argument rests on it):
 
@@ -97,6 +99,18 @@ class _Batch:
     views: list[memoryview]
     host_slots: np.ndarray      # per row, the host slot pinned for the write (-1: staged)
     cut: int = 0                # rows left out for want of room
+    cut_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+
+@dataclass(slots=True)
+class _FlushCall:
+    """One flush() call waiting for its group (coherence.persist's group commit)."""
+
+    rows: np.ndarray | None     # None: every dirty row of the namespace
+    strict: bool
+    done: bool = False
+    written: int = 0
+    error: BaseException | None = None
 
 
 class NvmeStore:
@@ -111,6 +125,8 @@ class NvmeStore:
         self.backend = backend
         self.capacity = settings.nvme_capacity
         self.writer = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._queue: dict[str, list[_FlushCall]] = {}     # flush calls waiting, by namespace
         self._wanted: dict[str, list[np.ndarray]] = {}
         self.space = Space(self)
 
@@ -175,59 +191,99 @@ class NvmeStore:
 
     def flush(self, ns: "Namespace", rows: np.ndarray | None = None,
               strict: bool = False) -> int:
-        """Write the DIRTY rows among ``rows`` (all of ns's when None). Returns how many
-        reached NVMe. Called without the engine lock.
+        """Write the DIRTY rows among ``rows`` (all of ns's when None). Returns how many of
+        them reached NVMe. Called without the engine lock.
+
+        Group commit: a call that finds another flush in flight queues its rows and waits;
+        the next one to take ``writer`` writes the rows of every call queued for the namespace
+        as one batch (one append, one fdatasync per segment, one LMDB transaction), and each
+        call returns when its own rows are durable. Concurrent write_through puts so share
+        the syncs that dominate a small put (three device flushes: the segment's fdatasync
+        and LMDB's data and meta syncs, about 4 ms each on the dev VM).
 
         NVMe full or failing: with strict=False (background flushes, write-downs) the rows stay
         dirty in the upper tiers and ``nvme_full`` counts it; with strict=True (a write_through
-        put, an explicit flush) StorageError is raised unless every row picked was written.
+        put, an explicit flush) StorageError is raised unless every row of this call that was
+        picked was written.
         """
         if ns.log is None:
             return 0
+        req = _FlushCall(None if rows is None else np.asarray(rows, dtype=np.int64), strict)
+        with self._queue_lock:
+            self._queue.setdefault(ns.name, []).append(req)
         with self.writer:
-            with self.owner.lock:
-                batch = self._pick(ns, rows)
-            if batch is None:
-                return 0
-            for attempt in range(2):
-                room = self.space.make_room(ns, batch.rows.size)
-                if room < batch.rows.size:
-                    self.counters.nvme_full += 1
-                    self._cut(ns, batch, room)
+            if not req.done:
+                with self._queue_lock:
+                    group = self._queue.pop(ns.name, [])
                 try:
-                    if room == 0:
-                        raise StorageError(
-                            f"the NVMe tier is full ({self.space.capacity_now()} bytes, "
-                            f"{self.used_bytes()} used) and nothing can be reclaimed; raise "
-                            "nvme_capacity")
-                    segs, offs = ns.log.append(batch.views)
-                    batch.records["seg"], batch.records["off"] = segs, offs
-                    self.catalog.put_records(ns.ns_id, batch.keys, batch.records)
-                    break
-                except StorageError as exc:
-                    if attempt == 0 and room and self._disk_full(ns, room):
-                        continue            # the capacity is now what the disk holds: reclaim
-                    with self.owner.lock:
-                        self._unpin(ns, batch)
-                    self.counters.nvme_full += 1
-                    if strict:
-                        raise
-                    log.warning("flush of %d blocks of %s failed (%s); they stay dirty",
-                                batch.rows.size, ns.name, exc)
-                    return 0
-            with self.owner.lock:
-                self._unpin(ns, batch)
-                orphans = self._apply_flush(ns, batch, segs, offs)
-            self.delete_now(ns, orphans)
-            self.counters.flushes += 1
-            self.counters.flushed_blocks += int(batch.rows.size)
-            self.counters.tiers[Tier.NVME].bytes_written += int(batch.rows.size) * ns.block_bytes
-            self.space.compact(ns)
-        if strict and batch.cut:
-            raise StorageError(f"{batch.cut} blocks of {ns.name!r} stay dirty: the NVMe tier "
-                               f"is full ({self.space.capacity_now()} bytes); raise nvme_capacity "
-                               "or free disk space")
-        return int(batch.rows.size)
+                    self._flush_group(ns, group)
+                except BaseException as exc:
+                    for r in group:
+                        if not r.done:
+                            r.done, r.error = True, exc
+                    raise
+        if req.error is not None:
+            raise req.error
+        return req.written
+
+    def _flush_group(self, ns: "Namespace", group: list["_FlushCall"]) -> None:
+        """One batch for the queued calls of ns (writer held); sets each call's outcome."""
+        wanted = [r.rows for r in group]
+        rows = None if any(w is None for w in wanted) else np.concatenate(wanted)
+        with self.owner.lock:
+            batch = self._pick(ns, rows)
+        if batch is None:
+            for r in group:
+                r.done = True
+            return
+        for attempt in range(2):
+            room = self.space.make_room(ns, batch.rows.size)
+            if room < batch.rows.size:
+                self.counters.nvme_full += 1
+                self._cut(ns, batch, room)
+            try:
+                if room == 0:
+                    raise StorageError(
+                        f"the NVMe tier is full ({self.space.capacity_now()} bytes, "
+                        f"{self.used_bytes()} used) and nothing can be reclaimed; raise "
+                        "nvme_capacity")
+                segs, offs = ns.log.append(batch.views)
+                batch.records["seg"], batch.records["off"] = segs, offs
+                self.catalog.put_records(ns.ns_id, batch.keys, batch.records)
+                break
+            except StorageError as exc:
+                if attempt == 0 and room and self._disk_full(ns, room):
+                    continue            # the capacity is now what the disk holds: reclaim
+                with self.owner.lock:
+                    self._unpin(ns, batch)
+                self.counters.nvme_full += 1
+                log.warning("flush of %d blocks of %s failed (%s); they stay dirty",
+                            batch.rows.size, ns.name, exc)
+                for r in group:
+                    r.done = True
+                    if r.strict:
+                        r.error = StorageError(str(exc))
+                return
+        with self.owner.lock:
+            self._unpin(ns, batch)
+            orphans = self._apply_flush(ns, batch, segs, offs)
+        self.delete_now(ns, orphans)
+        self.counters.flushes += 1
+        self.counters.flushed_blocks += int(batch.rows.size)
+        self.counters.tiers[Tier.NVME].bytes_written += int(batch.rows.size) * ns.block_bytes
+        self.space.compact(ns)
+        for r in group:
+            r.done = True
+            if r.rows is None:
+                r.written, cut = int(batch.rows.size), batch.cut
+            else:
+                r.written = int(np.isin(r.rows, batch.rows).sum())
+                cut = int(np.isin(r.rows, batch.cut_rows).sum())
+            if r.strict and cut:
+                r.error = StorageError(
+                    f"{cut} blocks of {ns.name!r} stay dirty: the NVMe tier is full "
+                    f"({self.space.capacity_now()} bytes); raise nvme_capacity or free disk "
+                    "space")
 
     def _disk_full(self, ns: "Namespace", n: int) -> bool:
         """After a failed append: True when the file system has no room for n more records
@@ -283,6 +339,7 @@ class NvmeStore:
         with self.owner.lock:
             self.owner.unpin_slots(ns, Tier.HOST, gone[gone >= 0])
         batch.cut = int(batch.rows.size - room)
+        batch.cut_rows = batch.rows[room:]
         batch.host_slots = batch.host_slots[:room]
         batch.rows, batch.keys = batch.rows[:room], batch.keys[:room]
         batch.versions, batch.sums = batch.versions[:room], batch.sums[:room]

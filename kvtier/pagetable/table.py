@@ -117,6 +117,10 @@ class PageTable:
         self.capacity = 0
         self.n_rows = 0          # high-water mark of rows ever handed out
         self.live = 0
+        # At least the highest version any removed row held: a key put again after it was
+        # deleted or evicted from every tier starts above it, so that a version number once
+        # handed out never names another block (coherence raises it across restarts too).
+        self.version_floor = 0
         self._free_rows: list[int] = []
         self.cols: dict[str, np.ndarray] = {}
         self._grow(max(16, initial_rows))
@@ -385,6 +389,7 @@ class PageTable:
         rows = np.unique(np.asarray(rows, dtype=np.int64))
         if rows.size == 0:
             return
+        self.version_floor = max(self.version_floor, int(self.cols["version"][rows].max()))
         karr = self.cols["key"][rows]
         h = self._hash(karr)
         if _native is not None:
