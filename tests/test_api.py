@@ -199,6 +199,8 @@ def test_typed_errors_for_bad_requests(service):
             c._call("get", ns="m")
         with pytest.raises(BadRequest, match="key width"):
             c._call("get", ns="m", keys=b"123")
+        with pytest.raises(BadRequest, match="argument 'stage' must be bool"):
+            c._call("match_prefix", ns="m", keys=keys([1]), stage="yes")
         with pytest.raises(BadRequest, match="expected n x 16 and n x 4096"):
             c._call("put", ns="m", keys=keys([1]), data=b"short")
         with pytest.raises(ProtocolError, match="protocol version"):

@@ -58,6 +58,7 @@ def _settings(socket: Path | str, **extra) -> ConnectorSettings:
     ({"namespace_prefix": "a/b"}, "namespace_prefix"),
     ({"namespace_prefix": ""}, "namespace_prefix"),
     ({"engine_id": "x" * 101}, "engine_id"),
+    ({"background_loads": "yes please"}, "background_loads: expected true or false"),
 ])
 def test_garbage_connector_settings_are_refused_at_start(extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
