@@ -395,6 +395,31 @@ def test_lookup_counts_the_hit_below_memory_and_stage_brings_it_up(make_engine):
     assert not eng.leases                                      # staged copies are not leased
 
 
+def test_a_stage_whose_disk_read_fails_gives_its_slots_back(make_engine, monkeypatch):
+    # A disk read that raises (EIO) cannot be produced for real here: the segment log's read
+    # is replaced for one call. Its pinned host slots must come back, and nothing is installed.
+    eng = make_engine(host_capacity=4 * BB, prefetch_blocks=0)
+    eng.create_namespace("m", BB)
+    data = blocks(4, BB)
+    eng.put("m", keys(range(4)), data)
+    eng.evict(Tier.HOST, 4)
+    log_ = eng.namespace("m").log
+
+    def broken(*_a, **_k):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(log_, "read", broken)
+    with pytest.raises(OSError):
+        eng.stage("m", keys(range(4)))
+    monkeypatch.undo()
+    st = eng.namespace("m").slots[Tier.HOST]
+    assert int(st.leases.sum()) == 0 and st.pool.free_count == st.pool.n_slots
+    assert eng.lookup_prefix("m", keys(range(4))) == (4, 4)        # still on NVMe only
+    assert eng.stage("m", keys(range(4))) == 4
+    found, got = eng.read("m", keys(range(4)))
+    assert found.all() and (got == data).all()
+
+
 def _state(eng: Engine, ks: list[bytes]) -> dict:
     """What a get and a release may change, for the keys ks."""
     ns = eng.namespace("m")

@@ -201,17 +201,21 @@ class Transfers:
         """Read a planned NVMe -> host promotion into dst (pinned by the caller) without the
         lock, then install it, unleased, under the lock: prefetch_after's and stage's end."""
         st = ns.slots[Tier.HOST]
-        self.nvme.run_read(plan, st.pool)
-        with self.lock:
-            pos = np.arange(dst.size)
-            slots = np.full(dst.size, -1, dtype=np.int64)
-            found = np.ones(dst.size, dtype=bool)
-            self._install_read(plan, Tier.HOST, pos, plan.rows, slots, found)
-            self._unpin(ns, Tier.HOST, slots[found])       # a promoted copy is not leased
-            moved = int(found.sum())
-            self.counters.tiers[Tier.HOST].misses -= int((~found).sum())
-            self.counters.tiers[Tier.HOST].prefetched += moved
-            self.counters.tiers[Tier.HOST].promotions += moved
+        try:
+            self.nvme.run_read(plan, st.pool)
+        finally:
+            # Installed (or, after a read that raised, given back: finish_read then keeps
+            # nothing) in every case, so that the pinned slots are never lost to the tier.
+            with self.lock:
+                pos = np.arange(dst.size)
+                slots = np.full(dst.size, -1, dtype=np.int64)
+                found = np.ones(dst.size, dtype=bool)
+                self._install_read(plan, Tier.HOST, pos, plan.rows, slots, found)
+                self._unpin(ns, Tier.HOST, slots[found])       # a promoted copy is not leased
+                moved = int(found.sum())
+                self.counters.tiers[Tier.HOST].misses -= int((~found).sum())
+                self.counters.tiers[Tier.HOST].prefetched += moved
+                self.counters.tiers[Tier.HOST].promotions += moved
         self.nvme.after_read(plan)
         return moved
 
