@@ -167,7 +167,8 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
                        src[torch.as_tensor(order, device="cuda")]):
         raise WrongBytes(f"onboard of {name} returned wrong bytes")
     h = ns.get_async(kb, out=out, rows=rows, stream=stream)
-    methods = sorted(h.methods) + (["staged"] if h.staged else [])
+    methods = sorted(h.methods) + (["staged"] if h.staged else []) + (
+        ["batched"] if h.batched else [])
     h.wait()
     on = med(get, reps)
     put = lambda: ns.put_async(kb, out, rows=rows, stream=stream).wait()   # noqa: E731
@@ -371,6 +372,27 @@ def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:
         t1 = med(lambda: cupy.cuda.runtime.memcpyAsync(dev.data_ptr(), base, n * bb, 4, stream),
                  reps)
         out[f"one_copy_ratio_2g_{name}"] = round(n * bb / t1 / 1e9 / ceil["pinned_h2d_gbps"], 3)
+    from kvtier.gpu.device import batch_available, copy_batch
+    from kvtier.gpu.streams import Stream
+    if batch_available():
+        st = Stream.resolve(torch.cuda.Stream(), 0)
+        host = pinned.data_ptr() + bb * src_rows.astype(np.uint64)
+        devs = dev.data_ptr() + bb * dst_rows.astype(np.uint64)
+        sizes = np.full(n, bb, np.uint64)
+
+        def timed(fn) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            st.event().synchronize()
+            return time.perf_counter() - t0
+        for per in (16, 128, 1024):
+            for way, (d_, s_, ceil_) in (("h2d", (devs, host, "pinned_h2d_gbps")),
+                                         ("d2h", (host, devs, "pinned_d2h_gbps"))):
+                timed(lambda: copy_batch(d_, s_, sizes, st, per))
+                t = float(np.median([timed(lambda: copy_batch(d_, s_, sizes, st, per))
+                                     for _ in range(reps)]))
+                out[f"raw_batch_ratio_2m_{way}_{per}"] = round(n * bb / t / 1e9 / ceil[ceil_], 3)
     for knob in ("enabled", "shmem_enabled"):
         try:
             with open(f"/sys/kernel/mm/transparent_hugepage/{knob}") as fh:
@@ -421,7 +443,12 @@ def single_get(c, reps: int) -> dict:
         t0 = time.perf_counter()
         ns.get_async(keys[i % 64], out=out).wait()
         ta.append((time.perf_counter() - t0) * 1e6)
-    return {"single_cuda_get_p50_us": round(p["p50"], 1), "single_cuda_get_p99_us":
+    tp = []
+    for _ in range(200):
+        tp.append(c.ping() * 1e6)
+    busy = c.stats().get("busy_poll")
+    return {"single_ping_p50_us": round(float(np.median(tp)), 1), "service_busy_poll": busy,
+            "single_cuda_get_p50_us": round(p["p50"], 1), "single_cuda_get_p99_us":
             round(p["p99"], 1), "single_host_get_p50_us": round(float(np.median(th)), 1),
             "single_cuda_get_async_p50_us": round(float(np.median(ta)), 1),
             "single_cuda_get_profile": profile_single(ns, keys[0], out)}
@@ -471,7 +498,8 @@ def main() -> None:
     svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="6GiB",
                   nvme_capacity="0", hbm_capacity="2200MiB").start()
     from kvtier.gpu.plan import TransferPolicy as TP
-    v2m = {"kernel": TP(copy_engine_bytes=1 << 40)}
+    v2m = {"kernel": TP(copy_engine_bytes=1 << 40), "copy_per_call": TP(batch_copies=0),
+           "batch_16": TP(batch_copies=16), "batch_1024": TP(batch_copies=1024)}
     v64k = {"direct_kernel": TP(staged=False),
             "kernel_without_priority": TP(kernel_priority=False),
             "copy_engines_only": TP(copy_engine_bytes=0),

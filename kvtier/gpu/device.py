@@ -14,8 +14,8 @@ import numpy as np
 
 from kvtier.errors import BadRequest, KvtierError
 from kvtier.gpu import kernels
-from kvtier.gpu.plan import (MAX_VECTORS, Method, PageTable, TransferPolicy, copy_runs,
-                             kernel_launches, uniform_runs, vector_bytes)
+from kvtier.gpu.plan import (MAX_VECTORS, Method, PageTable, TransferPolicy, copy_arrays,
+                             copy_runs, kernel_launches, uniform_runs, vector_bytes)
 from kvtier.gpu.slots import DeviceSlots, SlotRange
 from kvtier.gpu.streams import Lanes, Stream, can_wait_value, own, settle, wait_value
 _H2D, _D2H, _DEFAULT = 1, 2, 4       # cudaMemcpyHostToDevice, DeviceToHost, Default
@@ -181,6 +181,66 @@ def copy_one(slots: DeviceSlots, table: PageTable, stream: Stream, slot: int, ro
         cupy.cuda.runtime.memcpyAsync(dst, src, int(table.size[p]), _DEFAULT, stream.ptr)
 
 
+class _Batch:
+    """cuMemcpyBatchAsync (the CUDA 13 driver's, without failIdx: cuMemcpyBatchAsync_v2) through
+    ctypes: many 1-D copies handed to the driver in one call, each in stream order. None where
+    the driver lacks it (copies then go one cudaMemcpyAsync each)."""
+
+    class Attrs(ctypes.Structure):
+        _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_type", ctypes.c_int),
+                    ("src_loc_id", ctypes.c_int), ("dst_loc_type", ctypes.c_int),
+                    ("dst_loc_id", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+    _fn: list[Any] = []
+
+    @classmethod
+    def fn(cls) -> Any:
+        if not cls._fn:
+            fn = None
+            try:
+                fn = ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync_v2
+                vp, sz = ctypes.c_void_p, ctypes.c_size_t
+                fn.argtypes = [vp, vp, vp, sz, vp, vp, sz, vp]   # dsts srcs sizes count attrs
+                fn.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                fn = None
+            cls._fn.append(fn)
+        return cls._fn[0]
+
+
+_ATTRS = _Batch.Attrs(1, 0, 0, 0, 0, 0)      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, no hints
+_ATTR_IDX = (ctypes.c_size_t * 1)(0)
+
+
+def batch_available() -> bool:
+    return _Batch.fn() is not None
+
+
+def copy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Stream,
+               per_call: int) -> None:
+    """The copies dst[i] <- src[i] (sizes[i] bytes), in stream order on stream (not the legacy
+    default stream: the driver refuses it), per_call to a driver call; within a call the
+    copies run in any order, so no two may write the same bytes. The first call is short, so the copy engines start while the rest are
+    handed over. Raises KvtierError on a driver error (the transfer then fails)."""
+    fn = _Batch.fn()
+    dst = np.ascontiguousarray(dst, dtype=np.uint64)
+    src = np.ascontiguousarray(src, dtype=np.uint64)
+    sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+    n = dst.size
+    lo = 0
+    step = max(1, min(per_call, 8))
+    while lo < n:
+        hi = min(n, lo + step)
+        rc = fn(dst.ctypes.data + 8 * lo, src.ctypes.data + 8 * lo, sizes.ctypes.data + 8 * lo,
+                hi - lo, ctypes.addressof(_ATTRS), ctypes.addressof(_ATTR_IDX), 1,
+                ctypes.c_void_p(stream.ptr))
+        if rc != 0:
+            raise KvtierError(f"cuMemcpyBatchAsync failed with CUDA error {rc} (copies "
+                              f"{lo}..{hi} of {n}); set batch_copies=0 in the transfer policy "
+                              "to copy one call per block")
+        lo, step = hi, per_call
+
+
 class Mover:
     """Enqueues the copies of one transfer, ordered on its stream (plan.py's methods; the side
     streams of kvtier.gpu.streams are forked from it and joined back)."""
@@ -193,6 +253,7 @@ class Mover:
         self.methods: set[Method] = set()
         self.one_launch = False         # move_layers moved every layer in one launch
         self.staged = False             # a host->GPU move went through the staging ring
+        self.batched = False            # copies went through cuMemcpyBatchAsync
         self._pending: list[Stream] = []    # side streams to join before the next event
         self._kernel_stream = stream        # where the last kernel ran
         self._ring: list[list[Any]] = []    # staging buffers: [address, bytes, last reader]
@@ -283,6 +344,18 @@ class Mover:
         stream, 0.815 on two, 0.799 on four.)"""
         import cupy
         self.methods.add(Method.COPY_ENGINE)
+        # The driver refuses batches on the legacy default stream (torch's unless the engine
+        # runs on a stream of its own): there, one call per copy.
+        if (self.policy.batch_copies and local.size > self.policy.small_batch_copies
+                and self.stream.ptr != 0 and batch_available()):
+            arrays = copy_arrays(local, rows, self.table, self.slots.block_bytes, a, b)
+            if arrays is not None:
+                seg, dev, sizes = arrays
+                seg = seg + np.uint64(rng.base)
+                src, dst = (dev, seg) if to_seg else (seg, dev)
+                copy_batch(dst, src, sizes, self.stream, self.policy.batch_copies)
+                self.batched = True
+                return
         st = self.stream.ptr
         for c in copy_runs(local, rows, self.table, self.slots.block_bytes, a, b):
             seg = rng.base + c.seg_off

@@ -8,8 +8,9 @@ is to complete layer by layer (``split_rows``: each row cut into L equal pages).
 
 Two methods, chosen by ``TransferPolicy.method`` (bench/gpu.py measured both on the H200):
 
-- ``COPY_ENGINE``: one cudaMemcpyAsync (or cudaMemcpy2DAsync over a run of consecutive slots
-  and blocks) per page. The copy engines leave every SM to the model (a bf16 matmul beside them
+- ``COPY_ENGINE``: one copy per page (or one cudaMemcpy2DAsync over a run of consecutive slots
+  and blocks), handed to the driver ``batch_copies`` at a time through cuMemcpyBatchAsync where
+  every copy is 1-D, else one cudaMemcpyAsync each. The copy engines leave every SM to the model (a bf16 matmul beside them
   kept 792 of 796 TFLOP/s) and reach the PCIe ceiling once a copy is ~1 MiB; below that each
   copy's fixed cost dominates (16 KiB copies: 1.6 GB/s). Also used for tiny batches, where one
   copy is cheaper than a kernel launch plus its index upload.
@@ -50,11 +51,13 @@ class TransferPolicy:
     kernel_priority: bool = True      # the kernel on a high-priority stream (streams.py)
     one_launch_layers: bool = True    # a per-layer get by one kernel launch (move_layers)
     staged: bool = True               # host->GPU kernel moves through device staging
+    batch_copies: int = 128           # copies per cuMemcpyBatchAsync call; 0: one call each
 
     def __post_init__(self) -> None:
-        if self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0:
-            raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1 and "
-                             "gpu_device_kernel_blocks >= 0")
+        if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
+                or self.batch_copies < 0):
+            raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
+                             "gpu_device_kernel_blocks >= 0 and batch_copies >= 0")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
@@ -205,6 +208,31 @@ def copy_runs(slots: np.ndarray, rows: np.ndarray, table: PageTable, block_bytes
                 yield Copy(so + off, base + r * stride, size * h, 1, stride, block_bytes)
             else:
                 yield Copy(so + off, base + r * stride, size, h, stride, block_bytes)
+
+
+def copy_arrays(slots: np.ndarray, rows: np.ndarray, table: PageTable, block_bytes: int,
+                lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """copy_runs' calls as three arrays (slot-region offsets, device addresses, bytes), page
+    after page, for a batched submission; None where one of them would be a 2-D copy (a run of
+    consecutive blocks of a page narrower than its stride)."""
+    slots = np.asarray(slots, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    empty = np.zeros(0, np.int64)
+    if slots.size == 0:
+        return empty.astype(np.uint64), empty.astype(np.uint64), empty
+    brk = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
+    starts = np.concatenate([[0], brk]).astype(np.int64)
+    heights = np.diff(np.concatenate([starts, [slots.size]]))
+    segs, devs, sizes = [], [], []
+    for p in range(lo, hi):
+        stride, size = int(table.stride[p]), int(table.size[p])
+        if not (stride == size == block_bytes) and (heights > 1).any():
+            return None
+        segs.append(slots[starts] * block_bytes + int(table.offset[p]))
+        devs.append(rows[starts] * stride + int(table.base[p]))
+        sizes.append(heights * size)
+    return (np.concatenate(segs).astype(np.uint64), np.concatenate(devs).astype(np.uint64),
+            np.concatenate(sizes))
 
 
 def check_rows(rows: np.ndarray, n: int, num_blocks: int) -> np.ndarray:

@@ -77,6 +77,7 @@ class Transfer:
         self._staging = staging
         self.one_launch = False         # every layer of a per-layer get moved by one launch
         self.staged = False             # host->GPU through device staging (device.Mover)
+        self.batched = False            # copies through cuMemcpyBatchAsync (device.copy_batch)
         self._finished = False
         self._error: BaseException | None = None
         self.result: Any = None
@@ -319,7 +320,7 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
             GetTransfer(ns, [], staging, mover.methods, found, leases, table.device)._finish()
             raise error
         t = GetTransfer(ns, events, staging, mover.methods, found, leases, table.device)
-        t.one_launch, t.staged = mover.one_launch, mover.staged
+        t.one_launch, t.staged, t.batched = mover.one_launch, mover.staged, mover.batched
     ns._inflight.append(t)
     return t
 
@@ -414,6 +415,7 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
         t = PutTransfer(ns, events, staging, mover.methods,
                         [(lo, hi, rid, ev) for (lo, hi, rid, _s), ev in zip(parts, ends)],
                         n, sums, hashed, table.device)
+        t.batched = mover.batched
     ns._inflight.append(t)
     return t
 
