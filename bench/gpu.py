@@ -208,9 +208,8 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
         try:
             t = med(get, reps)
             row = {"onboard_ratio": round(nbytes / t / 1e9 / ceil["pinned_h2d_gbps"], 3)}
-            if tag == "2m":
-                row["offload_ratio"] = round(nbytes / med(put, reps) / 1e9 /
-                                             ceil["pinned_d2h_gbps"], 3)
+            row["offload_ratio"] = round(nbytes / med(put, reps) / 1e9 /
+                                         ceil["pinned_d2h_gbps"], 3)
             tf, gbps, _ = beside(mm, mm_alone, get, nbytes, 3)
             row["matmul_ratio_beside"] = round(tf / mm_alone, 3)
             row["onboard_ratio_beside"] = round(gbps / ceil["pinned_h2d_gbps"], 3)
@@ -295,6 +294,12 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     res.update(overlap(ns, keys, dst, rows, reps))
     from kvtier.gpu import transfer
     from kvtier.gpu.plan import TransferPolicy
+    transfer.set_policy(TransferPolicy(staged=False))
+    try:                                # the offload by the kernel into mapped host memory
+        res["offload_ratio_layers_direct_kernel"] = round(
+            nbytes / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)
+    finally:
+        transfer.set_policy(None)
     for name, pol in (("one_launch", TransferPolicy(staged=False)),
                       ("launch_per_layer", TransferPolicy(staged=False, one_launch_layers=False))):
         transfer.set_policy(pol)

@@ -117,35 +117,89 @@ def test_scattered_rows_of_a_paged_cache(gpu_service, method):
 def test_both_kernels_move_exactly_the_named_pages(words: int, method):
     # Even widths take the 16-byte kernel, odd ones the 8-byte one; pages not named keep their
     # poison, in both directions. (The layout tests below cover many blocks per page group.)
-    import mmap
-    rng = np.random.default_rng(words)
-    region = mmap.mmap(-1, 300 * words * 8)                  # page-aligned, as a segment is
-    host = np.frombuffer(region, np.uint8).reshape(300, words * 8)
-    seg = MappedSegment(host)
+    rng, host, seg, dev = _segment_case(words, 300, 400, words)
     try:
-        host[:] = rng.integers(0, 256, host.shape, dtype=np.uint8)
-        dev = torch.full((400, words * 8), 0xAB, dtype=torch.uint8, device="cuda")
-        table = target_table(dev, words * 8)
-        st = Stream.resolve(None, 0)
         # 2048: a dense run of slots, in any order (staged where the policy stages);
         # 513: slots scattered over the segment (the kernel reads them in place)
         slots = 50 + rng.permutation(150) if words == 2048 else rng.permutation(300)[:160]
         rows = rng.permutation(400)[:slots.size]
+        _both_ways(seg, host, dev, Stream.resolve(None, 0), slots, rows, 50)
+    finally:
+        seg.close()
+
+
+def _segment_case(words: int, n_slots: int, n_rows: int, seed: int):
+    """A mapped host segment of n_slots random blocks and a poisoned CUDA tensor of n_rows."""
+    import mmap
+    rng = np.random.default_rng(seed)
+    region = mmap.mmap(-1, n_slots * words * 8)              # page-aligned, as a segment is
+    host = np.frombuffer(region, np.uint8).reshape(n_slots, words * 8)
+    host[:] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+    dev = torch.full((n_rows, words * 8), 0xAB, dtype=torch.uint8, device="cuda")
+    return rng, host, MappedSegment(host), dev
+
+
+def _both_ways(seg, host: np.ndarray, dev, st: Stream, slots: np.ndarray, rows: np.ndarray,
+               back: int) -> Mover:
+    """Slots into rows (unnamed rows keep dev's poison 0xAB), then the first ``back`` rows
+    into their slots of a host poisoned with 0x11 (unnamed slots keep it)."""
+    staging = Staging(st)
+    mover = Mover(seg, target_table(dev, host.shape[1]), st, transfer.policy(), staging)
+    mover.move(slots, rows, 0, 1, False)
+    mover.event().synchronize()
+    got = dev.cpu().numpy()
+    assert (got[rows] == host[slots]).all()
+    assert (got[np.setdiff1d(np.arange(dev.shape[0]), rows)] == 0xAB).all()
+    host[:] = 0x11
+    mover.move(slots[:back], rows[:back], 0, 1, True)
+    mover.event().synchronize()
+    assert (host[slots[:back]] == got[rows[:back]]).all()
+    assert (host[np.setdiff1d(np.arange(host.shape[0]), slots[:back])] == 0x11).all()
+    staging.release()
+    return mover
+
+
+def test_a_staged_offload_writes_only_its_own_slots(monkeypatch):
+    # Slots in three runs with other blocks' slots between them (a put into a fragmented
+    # tier), pieces of 8 blocks so that each run is several pieces and both staging buffers
+    # are reused: the named slots get their rows' bytes, every other slot keeps its bytes.
+    from kvtier.gpu import device
+    monkeypatch.setattr(device, "OUT_STAGE_BYTES", 8 * 4096)
+    transfer.set_policy(TransferPolicy(copy_engine_bytes=1 << 40))
+    rng, host, seg, dev = _segment_case(512, 200, 120, 4)
+    try:
+        dev.random_(0, 255)
+        slots = rng.permutation(np.r_[10:40, 60:61, 100:150])
+        rows = rng.permutation(120)[:slots.size]
+        before = host.copy()
+        st = Stream.resolve(torch.cuda.Stream(), 0)
+        st.wait(Stream.resolve(None, 0).event())             # dev is written first
         staging = Staging(st)
-        mover = Mover(seg, table, st, transfer.policy(), staging)
-        mover.move(slots, rows, 0, 1, False)
+        mover = Mover(seg, target_table(dev, 4096), st, transfer.policy(), staging)
+        mover.move(slots, rows, 0, 1, True)
         mover.event().synchronize()
-        got = dev.cpu().numpy()
-        assert (got[rows] == host[slots]).all()
-        assert (got[np.setdiff1d(np.arange(400), rows)] == 0xAB).all()
-        host[:] = 0x11
-        mover = Mover(seg, table, st, transfer.policy(), staging)
-        mover.move(slots[:50], rows[:50], 0, 1, True)
-        mover.event().synchronize()
-        assert (host[slots[:50]] == got[rows[:50]]).all()
-        assert (host[np.setdiff1d(np.arange(300), slots[:50])] == 0x11).all()
+        assert mover.staged
+        assert (host[slots] == dev.cpu().numpy()[rows]).all()
+        others = np.setdiff1d(np.arange(200), slots)
+        assert (host[others] == before[others]).all()
         staging.release()
     finally:
+        transfer.set_policy(None)
+        seg.close()
+
+
+def test_batched_copies_move_exactly_the_named_blocks():
+    # Copy-engine pages on a stream of the caller's: the copies go to the driver in batches,
+    # scattered slots to scattered rows and back; unnamed rows and slots keep their poison.
+    transfer.set_policy(TransferPolicy(copy_engine_bytes=0, batch_copies=16))
+    rng, host, seg, dev = _segment_case(512, 300, 400, 5)
+    try:
+        slots, rows = rng.permutation(300)[:150], rng.permutation(400)[:150]
+        st = Stream.resolve(torch.cuda.Stream(), 0)
+        st.wait(Stream.resolve(None, 0).event())             # the poison is written first
+        assert _both_ways(seg, host, dev, st, slots, rows, 70).batched
+    finally:
+        transfer.set_policy(None)
         seg.close()
 
 

@@ -21,6 +21,7 @@ from kvtier.gpu.streams import Lanes, Stream, can_wait_value, own, settle, wait_
 _H2D, _D2H, _DEFAULT = 1, 2, 4       # cudaMemcpyHostToDevice, DeviceToHost, Default
 THREADS = 1024
 STAGE_BYTES = 256 << 20       # the largest staging buffer of a host->GPU move (two in turn)
+OUT_STAGE_BYTES = 64 << 20    # the pieces of a staged GPU->host move (two buffers in turn)
 _sm_counts: dict[int, int] = {}
 
 
@@ -132,8 +133,9 @@ class Staging:
         self._off = 0
         self._keep: list[Any] = []
 
-    def upload(self, a: np.ndarray) -> int:
-        """Device address of a copy of a (int64), valid on the stream from now on."""
+    def upload(self, a: np.ndarray, stream: Stream | None = None) -> int:
+        """Device address of a copy of a (int64), valid on the stream (default: the
+        transfer's) from now on."""
         import cupy
         a = np.ascontiguousarray(a, dtype=np.int64)
         nbytes = max(8, a.nbytes)
@@ -145,7 +147,8 @@ class Staging:
             np.ctypeslib.as_array((ctypes.c_int64 * a.size).from_address(addr))[:] = a
         dev = cupy.empty(nbytes // 8, dtype=cupy.int64)
         self._keep.append(dev)
-        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, addr, nbytes, _H2D, self.stream.ptr)
+        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, addr, nbytes, _H2D,
+                                      (stream or self.stream).ptr)
         self._off += -(-nbytes // 256) * 256
         return int(dev.data.ptr)
 
@@ -258,6 +261,9 @@ class Mover:
         self._kernel_stream = stream        # where the last kernel ran
         self._ring: list[list[Any]] = []    # staging buffers: [address, bytes, last reader]
         self._turn = 0
+        self._out_ring: list[list[Any]] = []    # the same for GPU->host: [.., last copy out]
+        self._out_turn = 0
+        self._gather: Stream | None = None      # the stream of offload gathers (_staged_out)
 
     def event(self) -> Any:
         """An event of the transfer's stream covering everything enqueued so far (the side
@@ -286,7 +292,8 @@ class Mover:
                 size = int(self.table.size[a])
                 if self.policy.method(size, local.size * (b - a), d2d) is Method.COPY_ENGINE:
                     self._copy(rng, local, r, a, b, to_seg)
-                elif to_seg or d2d or not self._staged(rng, local, r, a, b):
+                elif d2d or not (self._staged_out if to_seg else self._staged)(
+                        rng, local, r, a, b):
                     self._launch(rng.base, self.slots.block_bytes, local, r, a, b, to_seg, d2d)
 
     def _one(self, slot: int, row: int, lo: int, hi: int, to_seg: bool) -> None:
@@ -324,6 +331,85 @@ class Mover:
         self._launch(buf[0] - off, width, local - smin, rows, a, b, False, False, fork)
         buf[2] = self._kernel_stream.event()
         return True
+
+    def _staged_out(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int,
+                    b: int) -> bool:
+        """GPU to host through device memory, the reverse of _staged: per piece of at most
+        OUT_STAGE_BYTES of consecutive slots, the kernel gathers the blocks' pages a..b into a
+        staging buffer laid out as those slots (device to device, on the kernel stream), then
+        one copy-engine copy (2-D where the pages are part of a block) moves the buffer into
+        the slots. Two buffers in turn: the gather of one piece runs while the copy of the
+        one before moves. Only slots of this transfer are written: pieces never span a gap.
+        False (nothing enqueued) where the slots are not a few runs of consecutive ones, or
+        the move is under three pieces: one piece is a gather and then its copy, one after
+        the other, where the kernel writing host memory directly starts at once (H200, one
+        run: 1,024 blocks of 32 per-layer 64 KiB pages 0.916 of D2H staged against 0.845
+        direct; 64 MiB chunks of 64 and 16 KiB rows 0.646 and 0.249 staged against 0.665 and
+        0.278 direct)."""
+        import cupy
+        off = int(self.table.offset[a])
+        width = int(self.table.offset[b - 1] + self.table.size[b - 1]) - off
+        if not self.policy.staged or local.size * width <= 2 * OUT_STAGE_BYTES:
+            return False
+        order = np.argsort(local, kind="stable")
+        sl = local[order]
+        brk = np.flatnonzero(np.diff(sl) != 1) + 1
+        if brk.size > max(8, local.size // 32):
+            return False
+        self.staged = True
+        self.methods.update((Method.COPY_ENGINE, Method.KERNEL))
+        bb = self.slots.block_bytes
+        per = max(1, OUT_STAGE_BYTES // width)
+        starts = np.concatenate([[0], brk, [sl.size]]).tolist()
+        pieces = [(p0, min(r1, p0 + per)) for r0, r1 in zip(starts[:-1], starts[1:])
+                  for p0 in range(r0, r1, per)]
+        gather = self._gather_stream()
+        # Every piece's indices in one upload, on the gather stream: the gathers then wait
+        # for their buffers only, never for copies out already on the transfer's stream.
+        rel = sl - np.repeat(sl[[p0 for p0, _p1 in pieces]], [p1 - p0 for p0, p1 in pieces])
+        src = rows[order]
+        idx = self.staging.upload(np.concatenate(
+            [part for p0, p1 in pieces for part in (rel[p0:p1], src[p0:p1])]), gather)
+        for p0, p1 in pieces:
+            buf = self._out_buffer((p1 - p0) * width, gather)
+            s0 = int(sl[p0])
+            self._launch(buf[0] - off, width, rel[p0:p1], src[p0:p1], a, b, True, False,
+                         on=gather, idx=idx + 16 * p0)
+            self.stream.wait(gather.event())
+            dst = rng.base + s0 * bb + off
+            if width == bb:
+                cupy.cuda.runtime.memcpyAsync(dst, buf[0], (p1 - p0) * bb, _DEFAULT,
+                                              self.stream.ptr)
+            else:
+                cupy.cuda.runtime.memcpy2DAsync(dst, bb, buf[0], width, width, p1 - p0,
+                                                _DEFAULT, self.stream.ptr)
+            buf[2] = self.stream.event()
+        return True
+
+    def _gather_stream(self) -> Stream:
+        """The stream of this transfer's offload gathers: forked from the transfer's stream
+        once, at the first (after the sources were written and the page table uploaded)."""
+        if self._gather is None:
+            if not self._tab:
+                self._tab = self.staging.upload(self.table.staged())
+            self._gather = own(self.table.device, "gather-1",
+                               high_priority=self.policy.kernel_priority)
+            Lanes(self.stream, [self._gather])
+        if self._gather not in self._pending:
+            self._pending.append(self._gather)
+        return self._gather
+
+    def _out_buffer(self, nbytes: int, gather: Stream) -> list[Any]:
+        """The next buffer of the offload ring; gather waits until its last copy has run."""
+        if len(self._out_ring) < 2:
+            self._out_ring.append([0, 0, None])
+        buf = self._out_ring[self._out_turn % 2]
+        self._out_turn += 1
+        if buf[2] is not None:
+            gather.wait(buf[2])
+        if buf[1] < nbytes:
+            buf[0], buf[1] = self.staging.device(-(-nbytes // 8)), nbytes
+        return buf
 
     def _buffer(self, nbytes: int) -> list[Any]:
         """The next staging buffer of the ring, once its last reader has run."""
@@ -457,10 +543,12 @@ class Mover:
         return events
 
     def _launch(self, base: int, bb: int, local: np.ndarray, rows: np.ndarray, a: int, b: int,
-                to_seg: bool, d2d: bool, fork: bool = True) -> None:
+                to_seg: bool, d2d: bool, fork: bool = True, on: Stream | None = None,
+                idx: int = 0) -> None:
         """The kernel over pages a..b: slot i at base + local[i] * bb + offset, on the
         high-priority kernel stream (forked now, joined at the next event(): the next chunk's
-        copy runs meanwhile) or, fork=False, the caller's."""
+        copy runs meanwhile), fork=False: the caller's, or on: that stream, ordered by the
+        caller, reading local and rows from idx (uploaded by the caller: n slots, n rows)."""
         n = local.size
         if n == 0:
             return
@@ -470,12 +558,13 @@ class Mover:
             self._tab = self.staging.upload(table.staged())
         vec = vector_bytes(base, bb, table, a, b)
         vecs = int(table.size[a]) // vec
-        idx = self.staging.upload(np.concatenate([local, rows]))
+        if on is None:
+            idx = self.staging.upload(np.concatenate([local, rows]))
         k = kernels.get("move_pages8" if vec == 8 else
                         "move_pages16_deep" if d2d else "move_pages16")
         cap = self.policy.blocks(d2d, sm_count(table.device))
-        st = self.stream
-        if self.policy.kernel_priority and fork:    # forked after the uploads it reads
+        st = on or self.stream
+        if on is None and self.policy.kernel_priority and fork:  # after the uploads it reads
             st = own(table.device, f"kernel-{int(to_seg)}", high_priority=True)
             Lanes(self.stream, [st])
             if st not in self._pending:
