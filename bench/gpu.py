@@ -476,7 +476,21 @@ def hbm_case(c, reps: int, ceil: dict, n: int) -> dict:
     t_ctl = med(lambda: c._call("release", lease=c._call("get", ns=ns.name, keys=keys,
                                                         tier="hbm")["lease"]), reps)
     gbps = n * bb / t / 1e9
-    return {"hbm_onboard_gbps_2m": round(gbps, 2),
+    from kvtier.gpu import transfer
+    from kvtier.gpu.plan import TransferPolicy
+    variants = {}
+    for name, pol in (("copy_engines_batched", TransferPolicy(device_copy_engines=True)),
+                      ("copy_engines_per_call", TransferPolicy(device_copy_engines=True,
+                                                               batch_copies=0))):
+        transfer.set_policy(pol)
+        try:
+            get()
+            if not torch.equal(out[torch.as_tensor(rows, device="cuda")], src):
+                raise WrongBytes(f"the HBM tier returned wrong bytes ({name})")
+            variants[name] = round(n * bb / med(get, reps) / 1e9 / ceil["d2d_gbps"], 3)
+        finally:
+            transfer.set_policy(None)
+    return {"hbm_onboard_gbps_2m": round(gbps, 2), "hbm_variants_2m": variants,
             "hbm_onboard_ratio_2m": round(gbps / ceil["d2d_gbps"], 3),
             "hbm_onboard_ms_2m": round(t * 1e3, 3), "hbm_control_ms_2m": round(t_ctl * 1e3, 3)}
 

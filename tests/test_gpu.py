@@ -471,10 +471,15 @@ def test_large_cuda_batches_round_trip_in_pipelined_chunks(gpu_service, put_chun
         assert c.stats()["leases"] == 0
 
 
-def test_hbm_slots_over_the_socket_by_cuda_ipc(tmp_path: Path):
+@pytest.mark.parametrize("policy", [TransferPolicy(),
+                                    TransferPolicy(copy_engine_bytes=0, device_copy_engines=True)],
+                         ids=["kernel", "copy_engines"])
+def test_hbm_slots_over_the_socket_by_cuda_ipc(tmp_path: Path, policy: TransferPolicy):
     # A service with an HBM tier hands its pools to the worker by CUDA IPC: puts and gets with
-    # tier="hbm" move blocks device to device, the commit writes them through to host, and a
+    # tier="hbm" move blocks device to device (by the kernel, or by batched copy-engine copies
+    # forked off the legacy default stream), the commit writes them through to host, and a
     # later host-tier rewrite makes the HBM copy stale, so the next HBM get brings it up again.
+    transfer.set_policy(policy)
     svc = Service(tmp_path / "svc", admin=False, host_capacity="64MiB", nvme_capacity="256MiB",
                   hbm_capacity="64MiB").start()
     try:
@@ -483,8 +488,9 @@ def test_hbm_slots_over_the_socket_by_cuda_ipc(tmp_path: Path):
             src = torch.randint(0, 255, (300, BB), dtype=torch.uint8, device="cuda")
             assert ns.put(keys(range(300)), src, tier="hbm").tolist() == [1] * 300
             out = torch.zeros_like(src)
-            found, _ = ns.get(keys(range(300)), out=out, tier="hbm")
-            assert found.all() and torch.equal(out, src)
+            dest = np.random.default_rng(8).permutation(300)          # scattered rows
+            found, _ = ns.get(keys(range(300)), out=out, rows=dest, tier="hbm")
+            assert found.all() and torch.equal(out[torch.as_tensor(dest, device="cuda")], src)
             host = np.empty((300, BB), np.uint8)
             assert ns.get(keys(range(300)), out=host)[0].all()       # written through
             assert (host == src.cpu().numpy()).all()
@@ -495,6 +501,7 @@ def test_hbm_slots_over_the_socket_by_cuda_ipc(tmp_path: Path):
             c.ping()
             assert c.stats()["leases"] == 0
     finally:
+        transfer.set_policy(None)
         svc.stop()
 
 

@@ -222,7 +222,7 @@ def batch_available() -> bool:
 def copy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Stream,
                per_call: int) -> None:
     """The copies dst[i] <- src[i] (sizes[i] bytes), in stream order on stream (not the legacy
-    default stream: the driver refuses it), per_call to a driver call; within a call the
+    default stream: the driver refuses it; Mover forks), per_call to a driver call; within a call the
     copies run in any order, so no two may write the same bytes. The first call is short, so the copy engines start while the rest are
     handed over. Raises KvtierError on a driver error (the transfer then fails)."""
     fn = _Batch.fn()
@@ -430,16 +430,23 @@ class Mover:
         stream, 0.815 on two, 0.799 on four.)"""
         import cupy
         self.methods.add(Method.COPY_ENGINE)
-        # The driver refuses batches on the legacy default stream (torch's unless the engine
-        # runs on a stream of its own): there, one call per copy.
         if (self.policy.batch_copies and local.size > self.policy.small_batch_copies
-                and self.stream.ptr != 0 and batch_available()):
+                and batch_available()):
             arrays = copy_arrays(local, rows, self.table, self.slots.block_bytes, a, b)
             if arrays is not None:
                 seg, dev, sizes = arrays
                 seg = seg + np.uint64(rng.base)
                 src, dst = (dev, seg) if to_seg else (seg, dev)
-                copy_batch(dst, src, sizes, self.stream, self.policy.batch_copies)
+                st = self.stream
+                if st.ptr == 0:
+                    # The driver refuses batches on the legacy default stream (torch's unless
+                    # the engine runs on a stream of its own): forked onto kvtier's, joined
+                    # back at the next event().
+                    st = own(self.table.device, "copies")
+                    Lanes(self.stream, [st])
+                    if st not in self._pending:
+                        self._pending.append(st)
+                copy_batch(dst, src, sizes, st, self.policy.batch_copies)
                 self.batched = True
                 return
         st = self.stream.ptr

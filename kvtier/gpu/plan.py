@@ -52,6 +52,7 @@ class TransferPolicy:
     one_launch_layers: bool = True    # a per-layer get by one kernel launch (move_layers)
     staged: bool = True               # host->GPU kernel moves through device staging
     batch_copies: int = 128           # copies per cuMemcpyBatchAsync call; 0: one call each
+    device_copy_engines: bool = False  # HBM-tier pages >= copy_engine_bytes by copy engines
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
@@ -69,7 +70,7 @@ class TransferPolicy:
         """The method for ``copies`` page copies of page_bytes each."""
         if copies <= self.small_batch_copies:
             return Method.COPY_ENGINE
-        if device_to_device:
+        if device_to_device and not self.device_copy_engines:
             return Method.KERNEL
         return Method.COPY_ENGINE if page_bytes >= self.copy_engine_bytes else Method.KERNEL
 
