@@ -222,9 +222,10 @@ def batch_available() -> bool:
 def copy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Stream,
                per_call: int) -> None:
     """The copies dst[i] <- src[i] (sizes[i] bytes), in stream order on stream (not the legacy
-    default stream: the driver refuses it; Mover forks), per_call to a driver call; within a call the
-    copies run in any order, so no two may write the same bytes. The first call is short, so the copy engines start while the rest are
-    handed over. Raises KvtierError on a driver error (the transfer then fails)."""
+    default stream, which the driver refuses: Mover forks off it), per_call to a driver call.
+    Within a call the copies run in any order, so no two may write the same bytes. The first
+    call is short, so the copy engines start while the rest are handed over. Raises
+    KvtierError on a driver error (the transfer then fails)."""
     fn = _Batch.fn()
     dst = np.ascontiguousarray(dst, dtype=np.uint64)
     src = np.ascontiguousarray(src, dtype=np.uint64)
@@ -239,8 +240,8 @@ def copy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Stre
                 ctypes.c_void_p(stream.ptr))
         if rc != 0:
             raise KvtierError(f"cuMemcpyBatchAsync failed with CUDA error {rc} (copies "
-                              f"{lo}..{hi} of {n}); set batch_copies=0 in the transfer policy "
-                              "to copy one call per block")
+                              f"{lo}..{hi} of {n}); kvtier.gpu.transfer.set_policy("
+                              "TransferPolicy(batch_copies=0)) copies one call per block")
         lo, step = hi, per_call
 
 
@@ -336,7 +337,7 @@ class Mover:
                     b: int) -> bool:
         """GPU to host through device memory, the reverse of _staged: per piece of at most
         OUT_STAGE_BYTES of consecutive slots, the kernel gathers the blocks' pages a..b into a
-        staging buffer laid out as those slots (device to device, on the kernel stream), then
+        staging buffer laid out as those slots (device to device, on the gather stream), then
         one copy-engine copy (2-D where the pages are part of a block) moves the buffer into
         the slots. Two buffers in turn: the gather of one piece runs while the copy of the
         one before moves. Only slots of this transfer are written: pieces never span a gap.

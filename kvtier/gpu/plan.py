@@ -10,10 +10,11 @@ Two methods, chosen by ``TransferPolicy.method`` (bench/gpu.py measured both on 
 
 - ``COPY_ENGINE``: one copy per page (or one cudaMemcpy2DAsync over a run of consecutive slots
   and blocks), handed to the driver ``batch_copies`` at a time through cuMemcpyBatchAsync where
-  every copy is 1-D, else one cudaMemcpyAsync each. The copy engines leave every SM to the model (a bf16 matmul beside them
-  kept 792 of 796 TFLOP/s) and reach the PCIe ceiling once a copy is ~1 MiB; below that each
-  copy's fixed cost dominates (16 KiB copies: 1.6 GB/s). Also used for tiny batches, where one
-  copy is cheaper than a kernel launch plus its index upload.
+  every copy is 1-D, else one cudaMemcpyAsync each. The copy engines leave every SM to the
+  model (a bf16 matmul beside them kept 792 of 796 TFLOP/s) and reach the PCIe ceiling once a
+  copy is ~1 MiB (batched: 0.98-1.00 of it for 2 MiB copies, 0.92 one call each); below that
+  each copy's fixed cost dominates (16 KiB copies: 1.6 GB/s). Also used for tiny batches,
+  where one copy is cheaper than a kernel launch plus its index upload.
 - ``KERNEL``: one launch of a gather/scatter kernel over mapped pinned memory for all pages of a
   page group, bounded to ``kernel_blocks`` thread blocks (so to that many SMs) in a grid-stride
   loop. An unbounded launch (one block per row) took the matmul from 796 to 175 TFLOP/s.
