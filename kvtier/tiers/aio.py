@@ -11,10 +11,11 @@ helper ``_aio.c`` (built by setup.py, the GIL released) and otherwise in Python,
 syscalls through libc's syscall(); the Python loop costs 20-40 us a completion on the
 development VM, though bench/nvme.py was disk-bound there either way. Only on x86-64 and aarch64 Linux; elsewhere
 ``Aio.available()`` is False and the tier uses threads.
-Thread-safety: run() serialises on the context's lock. Every segment log of the process shares
-one context (acquire_shared): each namespace used to set up its own, 256 events of the host-wide
-fs.aio-max-nr (65,536 by default), so ~256 namespaces exhausted it for every process on the host
-(issue 20).
+Thread-safety: Aio.run() serialises on the context's lock. Every segment log of the process
+shares one AioSet of up to 4 contexts (acquire_shared), so that up to 4 batches (concurrent gets,
+a put's write) are in flight at once: each namespace used to set up its own context, 256 events
+of the host-wide fs.aio-max-nr (65,536 by default), so ~256 namespaces exhausted it for every
+process on the host (issue 20).
 """
 
 from __future__ import annotations
@@ -199,32 +200,100 @@ class Aio:
         self.close()
 
 
-_shared: Aio | None = None
+class AioSet:
+    """A few AIO contexts that threads share: run() takes a free one (making it on first
+    need, up to ``width``) or waits for one. One context serialised every NVMe read of the
+    process behind the batch in flight, a write's included (issue 17: concurrent gets queued
+    one behind the other, and a randrw job's reads waited for its puts' writes)."""
+
+    def __init__(self, depth: int = 256, width: int = 4) -> None:
+        self.depth = depth
+        self.width = width
+        self._free: list[Aio] = [Aio(depth)]      # the first at once: availability is known
+        self._made = 1
+        self._cv = threading.Condition()
+
+    @property
+    def alive(self) -> bool:
+        with self._cv:
+            return self._made > 0
+
+    def run(self, opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]],
+            window: int | None = None) -> np.ndarray:
+        """Aio.run on a free context of the set."""
+        aio = self._take()
+        try:
+            return aio.run(opcode, requests, window)
+        finally:
+            self._give(aio)
+
+    def _take(self) -> Aio:
+        with self._cv:
+            while True:
+                if self._made == 0:
+                    raise OSError(errno.EBADF, "this AIO context set is closed")
+                if self._free:
+                    return self._free.pop()
+                if self._made < self.width:
+                    try:
+                        aio = Aio(self.depth)
+                    except OSError:
+                        self.width = self._made     # the host-wide limit: share what exists
+                    else:
+                        self._made += 1
+                        return aio
+                    continue
+                self._cv.wait()
+
+    def _give(self, aio: Aio) -> None:
+        with self._cv:
+            if aio._ctx.value:
+                self._free.append(aio)
+            else:                                   # closed after a failed reap
+                self._made -= 1
+                if self._made == 0:
+                    for a in self._free:
+                        a.close()
+                    self._free.clear()
+            self._cv.notify()
+
+    def close(self) -> None:
+        """Destroy the contexts (their users are done: release_shared's last one)."""
+        with self._cv:
+            for a in self._free:
+                a.close()
+            self._free.clear()
+            self._made = 0
+            self._cv.notify_all()
+
+
+_shared: AioSet | None = None
 _shared_users = 0
 _shared_lock = threading.Lock()
 
 
-def acquire_shared(depth: int = 256) -> Aio | None:
-    """The process's one AIO context, set up on first use; None where native AIO is missing or
-    the host-wide limit is reached (io_setup: EAGAIN), and the caller then uses threads. Give
+def acquire_shared(depth: int = 256) -> AioSet | None:
+    """The process's AIO contexts (an AioSet of up to 4, each ``depth`` events of the
+    host-wide fs.aio-max-nr), set up on first use; None where native AIO is missing or the
+    host-wide limit is reached (io_setup: EAGAIN), and the caller then uses threads. Give
     it back with release_shared()."""
     global _shared, _shared_users
     with _shared_lock:
-        if _shared is None or not _shared._ctx.value:
+        if _shared is None or not _shared.alive:
             try:
-                _shared = Aio(depth)
+                _shared = AioSet(depth)
             except OSError:
                 return None
         _shared_users += 1
         return _shared
 
 
-def release_shared(aio: Aio) -> None:
-    """One user fewer; the context is destroyed with its last user."""
+def release_shared(aio: AioSet) -> None:
+    """One user fewer; the contexts are destroyed with their last user."""
     global _shared, _shared_users
     with _shared_lock:
         if aio is not _shared:
-            aio.close()              # a context replaced after a failure: this was its user
+            aio.close()              # a set replaced after a failure: this was its user
             return
         _shared_users -= 1
         if _shared_users == 0:
