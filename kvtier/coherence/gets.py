@@ -36,6 +36,7 @@ class Gets:
                 p = cast(_PendingGet, out)
                 if p.plan is None:
                     res = self._finish_get(p)
+            raced = False
             if p.plan is not None:
                 try:
                     self.nvme.run_read(p.plan, p.ns.slots[tier].pool)
@@ -43,12 +44,17 @@ class Gets:
                     with self.lock:
                         res = self._finish_get(p)
                 self.nvme.after_read(p.plan)
-            if not self.nvme.wanted():
+                # Read and verified, yet not installed: the block was rewritten meanwhile.
+                # Its new version is in the host tier now (a put lands there), so one more try
+                # serves it rather than a miss (issue 17: randrw jobs, rewrites beside reads).
+                raced = p.plan.ok is not None and not res.found[p.plan_pos[p.plan.ok]].all()
+            wanted = self.nvme.wanted()
+            if wanted:
+                self.nvme.drain()
+            if attempt or not (raced or (p.short and wanted)):
                 break
-            self.nvme.drain()
-            if attempt or not p.short:
-                break
-            # Room for the bring-up needed dirty blocks written down first: now they are.
+            # Room for the bring-up needed dirty blocks written down first (now they are), or
+            # a block moved on under the read: again, once.
             self.release(res.lease_id, owner)
         return res
 
