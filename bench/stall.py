@@ -12,6 +12,11 @@ the ratio of its p99 to that alone phase's p99 (target <= 2). The readers' own g
 the share of their blocks served from NVMe are reported beside it, so that the readers are
 seen to have been reading the disk.
 
+A get here is what a worker's get is: ``ns.get(keys, out=buf)``, one round trip, the bytes
+copied out and the lease released with the next request. Until issue 17's second session the
+probe and the readers used get_leased and a release that waits for its reply, two round trips
+per get, and the probe timed both; --leased measures that form.
+
 --nice N runs the service and the probe N steps above the default priority (the readers stay at
 the default): on the shared 2-core dev VM other sessions' processes otherwise decide the probe's
 tail (alone p50 4 ms, p99 12-34 ms in one such run) and no ratio says anything about kvtier.
@@ -45,30 +50,38 @@ def key(i: int) -> bytes:
     return (i + 2).to_bytes(16, "big")
 
 
-def reader(sock: str, cold: int, batch: int, stop: "mp.Event", ready: "mp.Event",
-           out: "mp.Queue") -> None:
+def reader(sock: str, cold: int, batch: int, leased: bool, stop: "mp.Event",
+           ready: "mp.Event", out: "mp.Queue") -> None:
     import kvtier
     os.setpriority(os.PRIO_PROCESS, 0, 0)     # the default, whatever the probe runs at
     rng = np.random.default_rng(os.getpid())
     lat: list[float] = []
     with kvtier.Client(sock, timeout=120, name="stall-reader") as c:
         ns = c.namespace("stall")
+        buf = np.empty((batch, ns.block_bytes), dtype=np.uint8)
         ready.set()
         while not stop.is_set():
-            ks = rng.choice(cold, batch, replace=False)
+            ks = b"".join(key(int(k)) for k in rng.choice(cold, batch, replace=False))
             t0 = time.perf_counter()
-            with ns.get_leased(b"".join(key(int(k)) for k in ks)):
-                pass
+            if leased:
+                with ns.get_leased(ks):
+                    pass
+            else:
+                ns.get(ks, out=buf)
             lat.append(time.perf_counter() - t0)
     out.put(lat)
 
 
-def probe(ns, samples: int) -> list[float]:
+def probe(ns, samples: int, leased: bool) -> list[float]:
     lat = []
+    buf = np.empty((1, ns.block_bytes), dtype=np.uint8)
     for _ in range(samples):
         t0 = time.perf_counter()
-        with ns.get_leased(HOT) as lease:
-            ok = bool(lease.found[0])
+        if leased:
+            with ns.get_leased(HOT) as lease:
+                ok = bool(lease.found[0])
+        else:
+            ok = bool(ns.get(HOT, out=buf)[0][0])
         lat.append(time.perf_counter() - t0)
         if not ok:
             raise SystemExit("the hot key left the host tier; raise --host-capacity")
@@ -85,6 +98,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2000, help="probe gets per phase")
     ap.add_argument("--nice", type=int, default=0,
                     help="raise the service's and the probe's priority by this (see above)")
+    ap.add_argument("--leased", action="store_true",
+                    help="get_leased + release (two round trips) instead of get (one)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/stall.py")
@@ -102,7 +117,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     out: dict = {"block_bytes": args.block_bytes, "batch": args.batch,
                  "cold_blocks": args.cold_blocks, "host_capacity": args.host_capacity,
-                 "nice": args.nice,
+                 "nice": args.nice, "leased": args.leased,
                  "conditions": {}}
     try:
         with kvtier.Client(svc.socket, timeout=120, name="stall-probe") as c:
@@ -114,25 +129,25 @@ def main() -> None:
                 ns.put(b"".join(key(i) for i in range(lo, lo + n)), data[:n], verify=False)
             c.flush()
             ns.put(HOT, data[:1])
-            probe(ns, 200)                                   # warm the probe's path
+            probe(ns, 200, args.leased)                     # warm the probe's path
             s0 = c.stats()["tiers"]
             for k in [int(x) for x in args.readers.split(",") if x]:
                 # A lease held through the condition keeps the hot block in the host tier,
                 # whatever the readers' bring-ups evict around it (one per condition: a lease
                 # lives lease_timeout, and a slow machine's whole run can outlast it).
                 pin = ns.get_leased(HOT)
-                alone = probe(ns, args.samples)
+                alone = probe(ns, args.samples, args.leased)
                 stop, q = ctx.Event(), ctx.Queue()
                 readys = [ctx.Event() for _ in range(k)]
                 procs = [ctx.Process(target=reader, args=(str(svc.socket), args.cold_blocks,
-                                                          args.batch, stop, r, q))
+                                                          args.batch, args.leased, stop, r, q))
                          for r in readys]
                 for p in procs:
                     p.start()
                 for r in readys:
                     r.wait(120)
                 time.sleep(0.5)                              # the readers are in their loops
-                beside = probe(ns, args.samples)
+                beside = probe(ns, args.samples, args.leased)
                 stop.set()
                 rl = [x for _ in procs for x in q.get(timeout=300)]
                 for p in procs:
