@@ -128,3 +128,42 @@ def test_a_header_with_a_bad_data_start_is_not_a_segment(tmp_path: Path):
     (tmp_path / "seg-00000001.kvt").write_bytes(raw)
     with pytest.raises(DataDirError, match="not a kvtier segment"):
         SegmentLog(tmp_path, 1, 65536, 1 << 20)
+
+
+def test_reads_and_pins_do_not_wait_for_an_append_in_its_fdatasync(tmp_path: Path):
+    """An append's writes and sync run outside the segment lock: a reader pins, reads and
+    unpins while another thread's append is held inside its fdatasync (the test's gate; a
+    slow disk's sync, made to last). Before, pin() waited for the whole append, and the engine
+    holds its own lock around pin()."""
+    import threading
+    from kvtier.tiers.nvme import PosixBackend
+
+    class SlowSync(PosixBackend):
+        def __init__(self) -> None:
+            self.syncing, self.gate = threading.Event(), threading.Event()
+
+        def sync(self, fd: int) -> None:
+            if not self.gate.is_set():
+                self.syncing.set()
+                self.gate.wait(10)
+            super().sync(fd)
+
+    disk = SlowSync()
+    disk.gate.set()
+    log = SegmentLog(tmp_path, 1, 4096, 1 << 20, backend=disk)
+    first = np.full((2, 4096), 7, dtype=np.uint8)
+    segs, offs = log.append([memoryview(b) for b in first])
+    disk.gate.clear()
+    writer = threading.Thread(target=log.append,
+                              args=([memoryview(np.ones(4096, dtype=np.uint8))],))
+    writer.start()
+    assert disk.syncing.wait(10)                  # the second append is inside its sync
+    held = log.pin(segs)
+    out = np.zeros((2, 4096), dtype=np.uint8)
+    assert log.read(segs, offs, [memoryview(o) for o in out]).all()
+    log.unpin(held)
+    assert writer.is_alive()                      # all of that while the sync was held
+    assert (out == first).all()
+    disk.gate.set()
+    writer.join(10)
+    log.close()
