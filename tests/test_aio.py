@@ -106,3 +106,28 @@ def test_a_closed_context_raises_instead_of_submitting(tmp_path: Path):
     aio.close()
     with pytest.raises(OSError, match="closed"):
         aio.run(IOCB_CMD_PREADV, [])
+
+
+def test_a_set_hands_concurrent_runs_their_own_contexts_and_makes_at_most_width():
+    """Two batches in flight at once get two contexts (one used to serialise every NVMe read
+    of the process); a third caller waits for one to come back, never makes a fifth."""
+    import threading
+    s = aio_mod.AioSet(depth=8, width=2)
+    a, b = s._take(), s._take()
+    assert a is not b and s._made == 2
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(s._take()))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and s._made == 2          # waiting: the set is at its width
+    s._give(a)
+    t.join(5)
+    assert got == [a]
+    a.close()                                      # a context that failed its reap
+    s._give(a)
+    assert s._made == 1 and s.alive
+    s._give(b)
+    s.close()
+    assert not s.alive
+    with pytest.raises(OSError):
+        s.run(IOCB_CMD_PREADV, [])
