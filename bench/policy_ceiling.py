@@ -86,7 +86,7 @@ def access_classes(trace: Trace, capacity: int) -> tuple[np.ndarray, np.ndarray]
 
 def ceiling(trace: Trace, capacity: int) -> dict[str, Any]:
     """The best hits (see the module docstring) with at most ``capacity`` blocks resident on
-    average, and the cutoffs (in capacities) of the classes that keep anything."""
+    average, that average, and how many classes keep anything."""
     cls, nxt = access_classes(trace, capacity)
     n = cls.size
     grid = np.concatenate([[0.0], np.geomspace(1, 50 * capacity, CUTOFFS)])
@@ -98,21 +98,21 @@ def ceiling(trace: Trace, capacity: int) -> dict[str, Any]:
         at = np.searchsorted(finite, grid, side="right")       # reuses within each cutoff
         occ = csum[at] + grid * (d.size - at)                  # sum of min(d, cutoff)
         curves.append((int(c), occ, at.astype(float)))
-    best: tuple[float, float, dict[int, float]] = (0.0, 0.0, {})    # keep nothing: fits
-    for price in np.geomspace(1e-8, 1.0, 800):
-        hits = occ_total = 0.0
-        cut: dict[int, float] = {}
-        for c, occ, hit in curves:
-            j = int(np.argmax(hit - price * occ))
-            hits += hit[j]
-            occ_total += occ[j]
-            if grid[j] > 0:
-                cut[c] = float(grid[j] / capacity)
-        if occ_total / n <= capacity and hits > best[0]:
-            best = (hits, occ_total / n, cut)
-    return {"hits": int(best[0]), "hit_ratio": float(best[0] / n),
-            "occupancy_blocks": float(best[1]),
-            "classes_kept": len(best[2])}
+    prices = np.geomspace(1e-8, 1.0, 800)
+    hits = np.zeros(prices.size)
+    occupancy = np.zeros(prices.size)
+    choice = []
+    for _, occ, hit in curves:          # each class's best cutoff at every price at once
+        j = np.argmax(hit[None, :] - prices[:, None] * occ[None, :], axis=1)
+        hits += hit[j]
+        occupancy += occ[j]
+        choice.append(j)
+    fits = occupancy / n <= capacity    # the highest prices keep nothing, which always fits
+    at = int(np.flatnonzero(fits)[np.argmax(hits[fits])]) if fits.any() else -1
+    best = (float(hits[at]), float(occupancy[at] / n),
+            sum(1 for j in choice if grid[j[at]] > 0)) if at >= 0 else (0.0, 0.0, 0)
+    return {"hits": int(best[0]), "hit_ratio": best[0] / n, "occupancy_blocks": best[1],
+            "classes_kept": best[2]}
 
 
 def part(trace: Trace, i: int, k: int) -> Trace:

@@ -300,3 +300,25 @@ def test_the_ceiling_never_falls_with_capacity_nor_passes_every_reuse():
     hits = [ceiling(trace, c)["hits"] for c in (4, 16, 64, 256, 10_000)]
     assert hits == sorted(hits)
     assert 0 < hits[0] and hits[-1] <= reuses
+
+
+def test_the_ceiling_script_runs_on_a_small_trace_and_reports_each_part(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    trace = tmp_path / "t.jsonl"
+    rnd = random.Random(5)
+    trace.write_text("".join(
+        json.dumps({"hash_ids": [0, *sorted(rnd.sample(range(1, 60), 4))]}) + "\n"
+        for _ in range(80)))
+    out = subprocess.run(
+        [sys.executable, "bench/policy_ceiling.py", str(trace), "--capacity", "4096",
+         "--split", "2", "--no-engine", "--json"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["machine"]["cores"] >= 1 and len(r["parts"]) == 2
+    for row in r["whole"]:
+        assert 0 <= row["lru"] <= row["belady"] and 0 <= row["ceiling"] <= 1
+        assert "chain" not in row
