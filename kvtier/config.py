@@ -192,7 +192,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("eviction_hbm", "", _str, "HBM-tier policy; empty: the value of eviction"),
     Setting("eviction_small", "", _per_tier,
             "s3fifo/chain: the probation queue's share of the tier; one value, or tier:value "
-            "pairs (host:0.1,hbm:0.2); empty: the policy's own (chain 0.05, s3fifo 0.1)",
+            "pairs (host:0.1,hbm:0.2); empty: the policy's own (chain 0.02, s3fifo 0.1)",
             "fraction"),
     Setting("eviction_ghost", "", _per_tier,
             "s3fifo/chain: evicted keys remembered, as a multiple of the tier (4x) or in blocks "

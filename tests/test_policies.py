@@ -115,6 +115,26 @@ def test_s3fifo_as_published_loses_the_root_of_a_batch_first(make_engine):
     assert _host_keys(eng) == {1, 2, 3, 4}
 
 
+@pytest.mark.parametrize("small,main_kept", [(None, 98), ("0.05", 95)])
+def test_chains_probation_of_2_percent_lets_a_burst_through_without_touching_main(
+        make_engine, small, main_kept):
+    # 100 slots. 0..97 are evicted, then put again while remembered: they are in the main
+    # queue, 2 newer blocks on probation. A burst of 300 new blocks then passes through
+    # probation; with the default 2% (2 slots) none of it is taken from main, with 5% (5
+    # slots) probation first grows to its share at main's expense.
+    kw = {} if small is None else {"eviction_small": small}
+    eng = _engine(make_engine, 100, eviction="chain", **kw)
+    for k in range(200):
+        eng.put("m", key(k), blocks(1, BB))
+    for k in range(98):
+        eng.put("m", key(k), blocks(1, BB))
+    assert eng.namespace("m").slots[Tier.HOST].policy.small_target == (2 if small is None
+                                                                       else 5)
+    for k in range(200, 500):
+        eng.put("m", key(k), blocks(1, BB))
+    assert len(_host_keys(eng) & set(range(98))) == main_kept
+
+
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_a_leased_block_is_never_evicted(make_engine, policy):
     eng = _engine(make_engine, 4, eviction=policy)
@@ -244,3 +264,61 @@ def test_a_leased_probation_queue_does_not_starve_main(make_engine, policy):
     assert 4 in _host_keys(eng) and 5 in _host_keys(eng)
     assert len(_host_keys(eng) & {0, 1, 2}) == 2
     eng.release(lease.lease_id)
+
+
+# ------------------------------------------------- bench/policy_ceiling.py: what the classes buy
+
+def _trace(ids):
+    from kvtier.replay import Trace
+    return Trace([list(r) for r in ids], [512 * len(r) for r in ids])
+
+
+def test_the_ceiling_keeps_the_block_whose_class_is_reused_and_drops_the_rest():
+    """0 is asked for every other request, 1000.. never again. Its first reuse shares a class
+    (first access, no history, depth 0) with the one-off blocks, so keeping it costs as much
+    as keeping them all and is not taken; every later reuse is (2 slots)."""
+    from bench.policy_ceiling import ceiling
+    ids = [[0] if i % 2 == 0 else [1000 + i] for i in range(40)]
+    got = ceiling(_trace(ids), 2)
+    assert got["hits"] == 20 - 2
+    assert got["occupancy_blocks"] <= 2
+
+
+def test_the_ceiling_never_falls_with_capacity_nor_passes_every_reuse():
+    from bench.policy_ceiling import ceiling
+    rnd = random.Random(3)
+    convs = [[0]]
+    ids = []
+    for i in range(300):               # conversations that grow by a block or two per turn
+        if rnd.random() < 0.4 or len(convs) < 3:
+            convs.append([0, 10_000 + i])
+        c = rnd.choice(convs)
+        c.extend(20_000 + 10 * i + j for j in range(rnd.randint(1, 2)))
+        ids.append(list(c))
+    trace = _trace(ids)
+    reuses = sum(len(r) for r in ids) - len({b for r in ids for b in r})
+    hits = [ceiling(trace, c)["hits"] for c in (4, 16, 64, 256, 10_000)]
+    assert hits == sorted(hits)
+    assert 0 < hits[0] and hits[-1] <= reuses
+
+
+def test_the_ceiling_script_runs_on_a_small_trace_and_reports_each_part(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    trace = tmp_path / "t.jsonl"
+    rnd = random.Random(5)
+    trace.write_text("".join(
+        json.dumps({"hash_ids": [0, *sorted(rnd.sample(range(1, 60), 4))]}) + "\n"
+        for _ in range(80)))
+    out = subprocess.run(
+        [sys.executable, "bench/policy_ceiling.py", str(trace), "--capacity", "4096",
+         "--split", "2", "--no-engine", "--json"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["machine"]["cores"] >= 1 and len(r["parts"]) == 2
+    for row in r["whole"]:
+        assert 0 <= row["lru"] <= row["belady"] and 0 <= row["ceiling"] <= 1
+        assert "chain" not in row
