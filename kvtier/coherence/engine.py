@@ -67,6 +67,8 @@ PoolFactory = Callable[[str, int, int], SlotPool]
 MAX_BLOCK_BYTES = 1 << 30
 MAX_KEY_WIDTH = 64
 EPOCH_BITS = 32             # versions of one run: below (epoch + 1) << EPOCH_BITS
+_LOCAL_TIERS = tuple(t for t in SERVE_ORDER if t is not Tier.REMOTE)
+_MEMORY_TIERS = (Tier.HBM, Tier.HOST)
 
 
 def _trusted(checksums: np.ndarray | None, n: int) -> np.ndarray:
@@ -532,19 +534,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         with self.lock:
             ns = self.namespace(namespace)
             karr = ns.table.keys_array(keys)
-            rows = ns.table.lookup(karr)
-            cols = ns.table.cols
-            ok = rows >= 0
-            r = rows[ok]
-            ver = cols["version"][r, None]
-            local = [t for t in SERVE_ORDER if t is not Tier.REMOTE]
-            cur = (cols["copy_ver"][r][:, local] == ver).any(axis=1)
-            mem = np.zeros(karr.size, dtype=bool)
-            mem[ok] = (cols["copy_ver"][r][:, [Tier.HBM, Tier.HOST]] == ver).any(axis=1)
-            ok[ok] = cur & (cols["version"][r] > 0)
-            miss = np.flatnonzero(~ok)
-            n = int(miss[0]) if miss.size else int(ok.size)
-            below = n - int(mem[:n].sum())
+            n, below = ns.table.current_prefix(karr, _LOCAL_TIERS, _MEMORY_TIERS)
             if self.remote is not None and n < karr.size:
                 there = self.remote.exists_many(ns.name, [bytes(k) for k in karr[n:]])
                 gap = np.flatnonzero(~there)
