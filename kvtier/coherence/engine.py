@@ -52,7 +52,8 @@ from kvtier.coherence.leases import Holds
 from kvtier.coherence.policies import POLICIES
 from kvtier.coherence.persist import NvmeStore
 from kvtier.coherence.transfers import Transfers, remote_from_settings
-from kvtier.coherence.states import BlockState, Event, HoldState, next_states
+from kvtier.coherence.states import (BlockState, Event, HoldState, next_states,
+                                     transition_array)
 from kvtier.config import Settings
 from kvtier.errors import (BadRequest, CapacityError, LeaseError, NamespaceError,
                            StorageError)
@@ -61,6 +62,11 @@ from kvtier.pagetable.table import PageTable
 from kvtier.tiers.host import SlotPool
 from kvtier.tiers.nvme import Backend, make_backend
 from kvtier.types import SERVE_ORDER, Tier
+
+try:        # the C helper (setup.py builds it where a compiler is present); numpy otherwise
+    from kvtier.coherence import _fast
+except ImportError:
+    _fast = None
 
 log = logging.getLogger("kvtier.engine")
 PoolFactory = Callable[[str, int, int], SlotPool]
@@ -289,8 +295,25 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                 self.host_used -= gone.size * ns.block_bytes
 
     def _drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier) -> None:
-        """Forget rows' copies in a slot tier (freeing or retiring their slots)."""
+        """Forget rows' copies in a slot tier (freeing or retiring their slots). Rows are
+        distinct. With the C helper: two calls around the policy's on_remove."""
         cols = ns.table.cols
+        if _fast is not None:
+            rows = np.ascontiguousarray(rows, dtype=np.int64)
+            held = np.empty(rows.size, dtype=np.int64)
+            k = _fast.copy_slots(cols["copy_ver"], cols["slot"], rows, int(tier), held)
+            if k == 0:
+                return
+            self._tier_policy(ns, tier).on_remove(held[:k])
+            st = ns.slots[tier]
+            free = np.empty(rows.size, dtype=np.int64)
+            k = _fast.release_copies(cols["copy_ver"], cols["slot"], st.slot_row, st.leases,
+                                     st.retired, rows, int(tier), free)
+            if k:
+                st.pool.free(free[:k])
+                if tier is Tier.HOST:
+                    self.host_used -= k * ns.block_bytes
+            return
         has = rows[cols["copy_ver"][rows, tier] > 0]
         if has.size:
             self._free_slots(ns, tier, cols["slot"][has, tier].astype(np.int64))
@@ -467,22 +490,26 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         rows, created = table.insert(karr)
         for t in list(ns.slots):
             self._drop_copies(ns, rows, t)
-        if created.any():
+        if _fast is None and created.any():
             cols["version"][rows[created]] = table.version_floor
         # A row restart brought back (or the remote tier filled) holds a version of an earlier
         # run, which may have gone on past it unflushed: its next version is above them all.
-        cols["version"][rows] = np.maximum(cols["version"][rows],
-                                           np.uint64(self.epoch << EPOCH_BITS)) + np.uint64(1)
-        cols["leases"][rows] = 0          # readers of the old version hold old slots, not this
-        cols["size"][rows] = ns.block_bytes
-        cols["checksum"][rows] = sums
-        cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
-        self._touch(ns, rows)             # before the copies are placed: a policy counts from here
-        ver = cols["version"][rows]
-        if int(ver.max()) >= self.version_ceiling:
-            self._next_epoch(int(ver.max()))
-        self._set_copy(ns, rows, tier, slots, ver)
+        if _fast is not None:
+            top = self._install_native(ns, rows, created, tier, slots, sums)
+        else:
+            cols["version"][rows] = np.maximum(cols["version"][rows],
+                                               np.uint64(self.epoch << EPOCH_BITS)) + np.uint64(1)
+            cols["leases"][rows] = 0      # readers of the old version hold old slots, not this
+            cols["size"][rows] = ns.block_bytes
+            cols["checksum"][rows] = sums
+            cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
+            self._touch(ns, rows)         # before the copies are placed: a policy counts from here
+            top = int(cols["version"][rows].max())
+            self._set_copy(ns, rows, tier, slots, cols["version"][rows])
+        if top >= self.version_ceiling:
+            self._next_epoch(top)
         if host_slots is not None:
+            ver = cols["version"][rows]
             self._set_copy(ns, rows, Tier.HOST, host_slots, ver)
         if parents is not None:
             zero = np.zeros(1, dtype=parents.dtype)[0]
@@ -492,6 +519,28 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                 prow[has] = table.lookup(parents[has])
             table.link(rows, prow)
         return rows
+
+    def _install_native(self, ns: Namespace, rows: np.ndarray, created: np.ndarray, tier: Tier,
+                        slots: np.ndarray, sums: np.ndarray) -> int:
+        """_install's columns in one C call: versions (above the floor for new rows, above
+        this run's epoch), readers reset, size, checksum, the COMMIT transition, the touch
+        (before the copies are placed: a policy counts from here) and the copy in tier; then
+        the policy is told. Returns the highest new version."""
+        c = ns.table.cols
+        st = ns.slots[tier]
+        n = rows.size
+        top = _fast.install_rows(
+            c["version"], c["leases"], c["size"], c["checksum"], c["state"], c["last_access"],
+            c["prev_access"], c["freq"], c["slot"], c["copy_ver"], st.slot_row, rows,
+            np.ascontiguousarray(created), np.ascontiguousarray(slots, dtype=np.int64),
+            np.ascontiguousarray(sums, dtype=np.uint64), transition_array(Event.COMMIT),
+            int(tier), ns.table.version_floor, self.epoch << EPOCH_BITS, self.clock,
+            ns.block_bytes)
+        if top < 0:
+            next_states(c["state"][rows], Event.COMMIT)      # raises IllegalTransition
+        self.clock += n
+        self._placed(ns, tier, rows, slots)
+        return top
 
     def _set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
                   versions: np.ndarray) -> None:
