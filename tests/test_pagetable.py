@@ -181,3 +181,21 @@ def test_c_remove_and_prefix_match_leave_what_numpy_leaves(monkeypatch):
     with_c = _removes_and_prefixes(PageTable(16), 11)
     monkeypatch.setattr(table, "_native", None)
     assert _removes_and_prefixes(PageTable(16), 11) == with_c
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-helper", "numpy"])
+def test_key_flags_name_a_zero_key_and_a_repeat(native: bool, monkeypatch):
+    # What a put's reserve learns in one pass: an all-zero key (refused), and whether the
+    # commit must look for repeated keys (the last write of a key wins).
+    if native and table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    if not native:
+        monkeypatch.setattr(table, "_native", None)
+    t = PageTable(16)
+    flags = lambda ids: t.key_flags(t.keys_array(b"".join(  # noqa: E731
+        i.to_bytes(16, "big") for i in ids)))
+    assert flags([1, 2, 3]) == (False, False)
+    assert flags([1, 2, 1]) == (False, True)
+    assert flags([4, 0, 5]) == (True, False)
+    assert flags([0, 0]) == (True, True)
+    assert flags([7]) == (False, False)

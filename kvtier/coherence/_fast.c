@@ -162,6 +162,28 @@ fail:
     return NULL;
 }
 
+/* Every slot inside a pool of np_ slots; else ValueError naming fn. */
+static int slots_in_pool(const int64_t *slots, Py_ssize_t n, Py_ssize_t np_, const char *fn)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= np_) {
+            PyErr_Format(PyExc_ValueError, "%s: a slot past the pool", fn);
+            return -1;
+        }
+    return 0;
+}
+
+/* One pin of slot s less (never below zero): 1 when that was the last pin of a retired slot,
+ * which is un-retired for the caller to free. */
+static inline int unpin_one(uint32_t *pool, uint8_t *retired, int64_t s)
+{
+    if (pool[s] > 0 && --pool[s] == 0 && retired[s]) {
+        retired[s] = 0;
+        return 1;
+    }
+    return 0;
+}
+
 static PyObject *unlease_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 9) {
@@ -184,18 +206,12 @@ static PyObject *unlease_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "unlease_rows: array lengths do not agree");
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (slots[i] < 0 || slots[i] >= np_) {
-            PyErr_SetString(PyExc_ValueError, "unlease_rows: a slot past the pool");
-            goto fail;
-        }
+    if (slots_in_pool(slots, n, np_, "unlease_rows") < 0)
+        goto fail;
     Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t s = slots[i];
-        if (pool[s] > 0 && --pool[s] == 0 && retired[s]) {
-            retired[s] = 0;
-            gone[k++] = s;
-        }
+        if (unpin_one(pool, retired, slots[i]))
+            gone[k++] = slots[i];
         int64_t r = rows[i];
         if (r >= 0 && r < n_rows && version[r] == vers[i] && leases[r] > 0)
             leases[r] -= 1;
@@ -387,6 +403,40 @@ static PyObject *ghost_take(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     views_release(&v);
     Py_RETURN_NONE;
+}
+
+/* unpin_slots(pool_leases u32[p], retired bool[p], slots i64[n], out_gone i64[n]) -> k:
+ * Engine._unpin: one pin less per listed slot (never below zero); a retired slot whose last
+ * pin this was is un-retired and written to out_gone once, for the caller to free. */
+static PyObject *unpin_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "unpin_slots takes 4 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t np_, nr, n, no;
+    uint32_t *pool = view(&v, args[0], 4, 1, &np_, NULL, "pool_leases");
+    uint8_t *retired = pool ? view(&v, args[1], 1, 1, &nr, NULL, "retired") : NULL;
+    int64_t *slots = retired ? view(&v, args[2], 8, 0, &n, NULL, "slots") : NULL;
+    int64_t *gone = slots ? view(&v, args[3], 8, 1, &no, NULL, "out_gone") : NULL;
+    if (gone == NULL)
+        goto fail;
+    if (nr != np_ || no < n) {
+        PyErr_SetString(PyExc_ValueError, "unpin_slots: array lengths do not agree");
+        goto fail;
+    }
+    if (slots_in_pool(slots, n, np_, "unpin_slots") < 0)
+        goto fail;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (unpin_one(pool, retired, slots[i]))
+            gone[k++] = slots[i];
+    views_release(&v);
+    return PyLong_FromSsize_t(k);
+fail:
+    views_release(&v);
+    return NULL;
 }
 
 /* ---------------------------------------------------------------- a put's rows (engine.py) */
@@ -641,6 +691,8 @@ static PyMethodDef methods[] = {
      "ghost_add(fp, seq, alive, state, hashes): policies.rings.Ghost.add (see _fast.c)."},
     {"ghost_take", (PyCFunction)(void (*)(void))ghost_take, METH_FASTCALL,
      "ghost_take(fp, seq, alive, state, hashes, out): policies.rings.Ghost.take."},
+    {"unpin_slots", (PyCFunction)(void (*)(void))unpin_slots, METH_FASTCALL,
+     "unpin_slots(pool_leases, retired, slots, out_gone) -> k: Engine._unpin (see _fast.c)."},
     {"install_rows", (PyCFunction)(void (*)(void))install_rows, METH_FASTCALL,
      "install_rows(...): a commit's columns, touch and copy placement (see _fast.c)."},
     {"copy_slots", (PyCFunction)(void (*)(void))copy_slots, METH_FASTCALL,

@@ -285,6 +285,15 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
 
     def _unpin(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         st = ns.slots[tier]
+        if _fast is not None:
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
+            gone = np.empty(slots.size, dtype=np.int64)
+            k = _fast.unpin_slots(st.leases, st.retired, slots, gone)
+            if k:
+                st.pool.free(gone[:k] if k == 1 else np.sort(gone[:k]))   # as np.unique
+                if tier is Tier.HOST:
+                    self.host_used -= k * ns.block_bytes
+            return
         add_one(st.leases, slots, -1)
         gone = slots[(st.leases[slots] == 0) & st.retired[slots]]
         if gone.size:
@@ -346,6 +355,18 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             _refuse_zero_key(karr)
         return karr
 
+    def _put_keys(self, ns: Namespace, keys: Any) -> tuple[np.ndarray, bool]:
+        """A put's keys, checked (not empty, no all-zero key), and whether some key may be
+        repeated in the batch (exact without the C helper; with it, a hash collision also
+        says so, and the commit's exact path then finds no repeat)."""
+        karr = ns.table.keys_array(keys)
+        if karr.size == 0:
+            raise BadRequest("empty key batch; send at least one key")
+        zero, repeats = ns.table.key_flags(karr)
+        if zero:
+            _refuse_zero_key(karr)
+        return karr, repeats
+
     def reserve(self, namespace: str, keys: Any, parents: Any = None, tier: Tier = Tier.HOST,
                 owner: int = 0) -> Reservation:
         """Phase one of a put: fresh slots for each key, pinned until commit or abort.
@@ -373,7 +394,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
     def _reserve(self, namespace: str, keys: Any, parents: Any, tier: Tier,
                  owner: int) -> Reservation:
         ns = self.namespace(namespace)
-        karr = self._check_keys(ns, keys)
+        karr, repeats = self._put_keys(ns, keys)
         parr = None
         if parents is not None:
             parr = ns.table.keys_array(parents)
@@ -391,7 +412,8 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                 self._evict(ns, Tier.HOST, short)
         rid = self._new_id()
         res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
-                          slots, owner, time.monotonic() + self.settings.reserve_timeout)
+                          slots, owner, time.monotonic() + self.settings.reserve_timeout,
+                          repeats=repeats)
         self.reservations[rid] = res
         return res
 
@@ -428,7 +450,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             res = self._take_reservation(rid, owner)
             ns, tier, slots, karr = res.ns, res.tier, res.slots, res.keys
             # Within one batch, the last write of a key wins; earlier duplicates are dropped.
-            keep = _last_occurrences(ns.table, karr)
+            keep = _last_occurrences(ns.table, karr) if res.repeats else np.arange(karr.size)
             host_slots = None
             try:
                 given_sums = _trusted(checksums, karr.size)[keep] if trusted else None
@@ -512,12 +534,8 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             ver = cols["version"][rows]
             self._set_copy(ns, rows, Tier.HOST, host_slots, ver)
         if parents is not None:
-            zero = np.zeros(1, dtype=parents.dtype)[0]
-            has = parents != zero
-            prow = np.full(rows.size, -1, dtype=np.int64)
-            if has.any():
-                prow[has] = table.lookup(parents[has])
-            table.link(rows, prow)
+            # The all-zero parent (none) is never a row: puts refuse the zero key.
+            table.link(rows, table.lookup(parents))
         return rows
 
     def _install_native(self, ns: Namespace, rows: np.ndarray, created: np.ndarray, tier: Tier,

@@ -37,6 +37,9 @@
  *       tuple of one row's bytes each; every listed row of every column is set to its fill.
  *   current_prefix(index, keycol, width, keys, version, copy_ver, local_mask, mem_mask)
  *       -> (n, below): Engine.lookup_prefix's local part in one pass (see the function).
+ *   key_flags(keys, width) -> bits: 1 an all-zero key, 2 two keys of one hash.
+ *   insert_keys(index, keycol, width, keys, free, nfree, n_rows, out_rows, out_created)
+ *       -> (n_rows', nfree', created): table.py's insert in one pass (see the function).
  * These replace per-block Python loops and ~10 numpy calls each per batch (issue 18:
  * the replay spent most of its time there). None keeps a reference to its arguments;
  * hash_keys and lookup release the GIL over batches of 256 or more.
@@ -611,6 +614,148 @@ static PyObject *current_prefix(PyObject *self, PyObject *const *args, Py_ssize_
     return Py_BuildValue("nn", done, below);
 }
 
+/* insert_keys(index, keycol, width, keys, free, nfree, n_rows, out_rows, out_created)
+ *     -> (n_rows', nfree', created): table.py's insert in one pass. Each key found along its
+ *     probe sequence gets its row; a missing one takes the top of the free-row stack (else
+ *     row n_rows, which grows), its key is written and its row stored at the first free or
+ *     tombstone position of its probe sequence, so that a repeat later in the batch finds it
+ *     (one row per distinct key, created marked at its first occurrence). The caller has made
+ *     room: the key column holds n_rows + len(keys) rows, the index stays at most half full,
+ *     and the rows past n_rows are already reset. */
+static PyObject *insert_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[9] = {1, 1, -1, 0, 0, -1, -1, 1, 1};
+    static const Py_ssize_t isz[9] = {4, 1, 0, 1, 8, 0, 0, 8, 1};
+    Py_buffer b[9];
+    if (get_buffers(args, nargs, "insert_keys", 9, b, writable) < 0
+            || whole_items(b, 9, isz, writable, "insert_keys") < 0)
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t nfree = PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[5]);
+    Py_ssize_t n_rows = PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[6]);
+    Py_ssize_t size = b[0].len / 4, n = width > 0 ? b[3].len / width : 0;
+    Py_ssize_t cap = width > 0 ? b[1].len / width : 0;
+    const char *bad = NULL;
+    if (PyErr_Occurred() || width <= 0 || nfree < 0 || n_rows < 0 || b[3].len % width)
+        bad = "width, nfree and n_rows must be positive; keys whole keys of width";
+    else if (size == 0 || (size & (size - 1)))
+        bad = "an index of power-of-two size";
+    else if (n_rows + n > cap || nfree > b[4].len / 8 || b[7].len / 8 < n || b[8].len < n)
+        bad = "no room made for the batch, or outputs shorter than the keys";
+    for (Py_ssize_t i = 0; i < nfree && !bad; i++)
+        if (((int64_t *)b[4].buf)[i] < 0 || ((int64_t *)b[4].buf)[i] >= n_rows)
+            bad = "a free row outside the table";
+    if (bad) {
+        release_buffers(b, 9, writable);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "insert_keys: %s", bad);
+        return NULL;
+    }
+    int32_t *index = b[0].buf;
+    uint8_t *keycol = b[1].buf;
+    const uint8_t *keys = b[3].buf;
+    const int64_t *freelist = b[4].buf;
+    int64_t *out = b[7].buf;
+    uint8_t *created = b[8].buf;
+    uint64_t mask = (uint64_t)size - 1;
+    Py_ssize_t made = 0;
+    int corrupt = 0;
+    for (Py_ssize_t i = 0; i < n && !corrupt; i++) {
+        const uint8_t *key = keys + i * width;
+        uint64_t pos = hash_one(key, width) & mask, spot = UINT64_MAX;
+        int64_t row = -1;
+        for (uint64_t probes = 0; probes <= mask; probes++) {
+            int32_t r = index[pos];
+            if (r == EMPTY) {
+                if (spot == UINT64_MAX)
+                    spot = pos;
+                break;
+            }
+            if (r == TOMBSTONE) {
+                if (spot == UINT64_MAX)
+                    spot = pos;
+            } else if (r >= n_rows) {
+                corrupt = 1;
+                break;
+            } else if (memcmp(keycol + (Py_ssize_t)r * width, key, (size_t)width) == 0) {
+                row = r;
+                break;
+            }
+            pos = (pos + 1) & mask;
+        }
+        created[i] = 0;
+        if (row < 0 && !corrupt) {
+            if (spot == UINT64_MAX) {
+                corrupt = 1;                       /* a full index: the caller made no room */
+                break;
+            }
+            row = nfree > 0 ? freelist[--nfree] : n_rows++;
+            memcpy(keycol + row * width, key, (size_t)width);
+            index[spot] = (int32_t)row;
+            created[i] = 1;
+            made++;
+        }
+        out[i] = row;
+    }
+    release_buffers(b, 9, writable);
+    if (corrupt) {
+        PyErr_SetString(PyExc_RuntimeError, "insert_keys: the index and the table disagree, "
+                        "or the index is full");
+        return NULL;
+    }
+    return Py_BuildValue("nnn", n_rows, nfree, made);
+}
+
+/* key_flags(keys, width) -> bits: 1 when some key is all zeros (reserved: it means "no
+ * parent"), 2 when two keys share a hash (a repeat, or a collision: the caller's exact path
+ * settles which). One pass over a batch, a small open-addressing set of the hashes. */
+static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[2] = {0, -1};
+    Py_buffer b[2];
+    if (get_buffers(args, nargs, "key_flags", 2, b, writable) < 0)
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
+    if (width <= 0 || PyErr_Occurred() || b[0].len % width) {
+        release_buffers(b, 2, writable);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "key_flags: whole keys of a positive width");
+        return NULL;
+    }
+    Py_ssize_t n = b[0].len / width, cap = 16;
+    while (cap < 2 * n)
+        cap *= 2;
+    uint64_t *set = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
+    uint8_t *used = PyMem_Calloc((size_t)cap, 1);
+    if (!set || !used) {
+        PyMem_Free(set);
+        PyMem_Free(used);
+        release_buffers(b, 2, writable);
+        return PyErr_NoMemory();
+    }
+    const uint8_t *keys = b[0].buf;
+    long flags = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *key = keys + i * width;
+        Py_ssize_t j = 0;
+        while (j < width && key[j] == 0)
+            j++;
+        if (j == width)
+            flags |= 1;
+        uint64_t h = hash_one(key, width), at = h & (uint64_t)(cap - 1);
+        while (used[at] && set[at] != h)
+            at = (at + 1) & (uint64_t)(cap - 1);
+        if (used[at])
+            flags |= 2;
+        used[at] = 1;
+        set[at] = h;
+    }
+    PyMem_Free(set);
+    PyMem_Free(used);
+    release_buffers(b, 2, writable);
+    return PyLong_FromLong(flags);
+}
+
 static PyMethodDef methods[] = {
     {"hash_keys", (PyCFunction)(void (*)(void))hash_keys, METH_FASTCALL,
      "hash_keys(keys, width, out): table.py's key hash of each key into out (uint64)."},
@@ -628,6 +773,10 @@ static PyMethodDef methods[] = {
      "remove_rows(index, keycol, width, parent, first, next, version, rows, free, nfree)."},
     {"reset_rows", (PyCFunction)(void (*)(void))reset_rows, METH_FASTCALL,
      "reset_rows(columns, fills, rows): each column's rows set to its fill."},
+    {"key_flags", (PyCFunction)(void (*)(void))key_flags, METH_FASTCALL,
+     "key_flags(keys, width) -> bits: 1 an all-zero key, 2 a repeated hash."},
+    {"insert_keys", (PyCFunction)(void (*)(void))insert_keys, METH_FASTCALL,
+     "insert_keys(index, keycol, width, keys, free, nfree, n_rows, rows, created)."},
     {"current_prefix", (PyCFunction)(void (*)(void))current_prefix, METH_FASTCALL,
      "current_prefix(index, keycol, width, keys, version, copy_ver, local, mem) -> (n, below)."},
     {NULL, NULL, 0, NULL},

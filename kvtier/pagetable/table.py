@@ -310,6 +310,17 @@ class PageTable:
             return eq
         return same
 
+    def key_flags(self, karr: np.ndarray) -> tuple[bool, bool]:
+        """(some key is all zeros, some two keys may be equal): one C call with the helper;
+        the second is exact without it, and with it may be a hash collision (a caller that
+        sees it takes its exact path)."""
+        if _native is not None:
+            bits = _native.key_flags(np.ascontiguousarray(karr), self.key_width)
+            return bool(bits & 1), bool(bits & 2)
+        raw = karr.view(np.uint8).reshape(karr.size, -1)
+        return (not raw.any(axis=1).all(),
+                karr.size > 1 and bool(np.unique(raw, axis=0).shape[0] < karr.size))
+
     def current_prefix(self, karr: np.ndarray, local: tuple[int, ...],
                        memory: tuple[int, ...]) -> tuple[int, int]:
         """(n, below): the n leading keys whose row has a version > 0 held by a copy in one
@@ -341,6 +352,8 @@ class PageTable:
         every copy absent; the caller fills them in.
         """
         karr = self.keys_array(keys)
+        if _native is not None:
+            return self._insert_native(karr)
         h = self._hash(karr)
         rows = self._rows_of(karr, h)
         created = np.zeros(rows.size, dtype=bool)
@@ -356,7 +369,11 @@ class PageTable:
         else:
             _, first, inverse = np.unique(mk.view(np.uint8).reshape(-1, self.key_width),
                                           axis=0, return_index=True, return_inverse=True)
-            inverse = inverse.reshape(-1)
+            # New rows in order of first occurrence, as the C helper hands them out.
+            order = np.argsort(first, kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            first, inverse = first[order], rank[inverse.reshape(-1)]
         # Grow the index before the new rows exist, so that a rebuild does not index them twice.
         self._ensure_index_room(first.size)
         new_rows = self._alloc_rows(first.size)
@@ -365,6 +382,28 @@ class PageTable:
         rows[missing] = new_rows[inverse]
         created[missing[first]] = True
         self.live += first.size
+        return rows, created
+
+    def _insert_native(self, karr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """insert with the C helper: room for the whole batch made first (index, columns, the
+        fresh rows reset), then one pass."""
+        n = karr.shape[0]
+        self._ensure_index_room(n)
+        fresh = max(0, n - self._nfree)
+        if self.n_rows + n > self.capacity:
+            cap = self.capacity
+            while self.n_rows + n > cap:
+                cap *= 2
+            self._grow(cap)
+        if fresh:
+            self._reset_rows(slice(self.n_rows, self.n_rows + fresh))
+        rows = np.empty(n, dtype=np.int64)
+        created = np.empty(n, dtype=bool)
+        self.n_rows, self._nfree, made = _native.insert_keys(
+            self._index, self.cols["key"], self.key_width, np.ascontiguousarray(karr),
+            self._free, self._nfree, self.n_rows, rows, created)
+        self._index_used += made
+        self.live += made
         return rows, created
 
     def _alloc_rows(self, n: int) -> np.ndarray:
