@@ -74,6 +74,9 @@ class Eviction:
                 if slots.size == 0:
                     break
                 rows = st.slot_row[slots]
+                if not lowers:             # the lowest tier: every victim can go as it is
+                    done += self._drop_victims(ns, tier, rows, lowers)
+                    continue
                 covered = self._covered(cols, rows, tier, lowers)
                 done += self._drop_victims(ns, tier, rows[covered], lowers)
                 slots, rows = slots[~covered], rows[~covered]

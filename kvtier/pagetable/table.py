@@ -111,6 +111,7 @@ class PageTable:
 
     def __init__(self, key_width: int, initial_rows: int = 1024) -> None:
         self.key_width = key_width
+        self._kdtype = np.dtype(f"V{key_width}")
         self._spec = _columns(key_width)
         self._fills = [(name, np.array(fill).astype(dtype) if fill else np.zeros((), dtype))
                        for name, (dtype, _shape, fill) in self._spec.items()]
@@ -171,8 +172,10 @@ class PageTable:
 
     def keys_array(self, keys: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
         """Packed keys (a buffer of n x key_width bytes) as a V{w} array, validated."""
+        if isinstance(keys, np.ndarray) and keys.dtype == self._kdtype and keys.ndim == 1:
+            return keys                   # the common case: a batch already in key form
         arr = np.frombuffer(keys, dtype=np.uint8) if not isinstance(keys, np.ndarray) else keys
-        if arr.dtype != np.dtype(f"V{self.key_width}"):
+        if arr.dtype != self._kdtype:
             arr = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
             if arr.size % self.key_width:
                 from kvtier.errors import BadRequest
