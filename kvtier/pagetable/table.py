@@ -159,14 +159,15 @@ class PageTable:
             for name, (dtype, shape, fill) in self._spec.items())
         self._col_tuple = tuple(self.cols[name] for name in self._spec)
 
-    def _reset_rows(self, rows: np.ndarray | slice) -> None:
+    def _reset_rows(self, rows: np.ndarray | slice, keys: bool = True) -> None:
         if _native is not None and isinstance(rows, np.ndarray):
             _native.reset_rows(self._col_tuple, self._row_fills,
                                np.ascontiguousarray(rows, dtype=np.int64))
             return
         cols = self.cols
         for name, fill in self._fills:
-            cols[name][rows] = fill
+            if keys or name != "key":
+                cols[name][rows] = fill
 
     # ------------------------------------------------------------------ hashing and probing
 
@@ -392,19 +393,19 @@ class PageTable:
         fresh rows reset), then one pass."""
         n = karr.shape[0]
         self._ensure_index_room(n)
-        fresh = max(0, n - self._nfree)
         if self.n_rows + n > self.capacity:
             cap = self.capacity
             while self.n_rows + n > cap:
                 cap *= 2
             self._grow(cap)
-        if fresh:
-            self._reset_rows(slice(self.n_rows, self.n_rows + fresh))
         rows = np.empty(n, dtype=np.int64)
         created = np.empty(n, dtype=bool)
+        old = self.n_rows
         self.n_rows, self._nfree, made = _native.insert_keys(
             self._index, self.cols["key"], self.key_width, np.ascontiguousarray(karr),
             self._free, self._nfree, self.n_rows, rows, created)
+        if self.n_rows > old:             # fresh rows: every column but the keys just written
+            self._reset_rows(slice(old, self.n_rows), keys=False)
         self._index_used += made
         self.live += made
         return rows, created
