@@ -1,4 +1,5 @@
-/* kvtier.coherence._fast: the bookkeeping of a resident batch get, and of its release, in C.
+/* kvtier.coherence._fast: the bookkeeping of a resident batch get and of its release, and of
+ * a put's rows, in C.
  *
  * Why. A get of 64 resident keys spent ~40 us in Engine._get and ~17 us in release_many on the
  * dev VM: about 30 numpy calls of a microsecond each over 64-element arrays, for work that is
@@ -34,6 +35,34 @@
  *       policies.rings.Ghost's add and take, one key at a time (the numpy version works in
  *       rounds of ~15 numpy calls, and was a third of the replay's time: issue 18). state is
  *       (head, tail, live, size); sets and a are powers of two.
+ *
+ *   unpin_slots(pool_leases u32[p], retired bool[p], slots i64[n], out_gone i64[n]) -> int
+ *       Engine._unpin: unlease_rows's slot half.
+ *
+ * A put's rows (issue 18: a request of ~25 keys paid ~500 Python and numpy calls, each a
+ * microsecond or more on the dev VM, for work of a few hundred nanoseconds; issue 16: the
+ * service's commit of 4,096 keys). engine.py and eviction.py keep their numpy versions as the
+ * fallback; tests/test_engine.py runs one workload both ways and compares every column.
+ *
+ *   install_rows(version, leases, size, checksum, state, last_access, prev_access, freq,
+ *                slot i32[c, s], copy_ver u64[c, t], slot_row i64[p], rows i64[n],
+ *                created bool[n], slots i64[n], sums u64[n], commit_next u8[k], tier,
+ *                floor, base, clock, block_size) -> top
+ *       Engine._install's columns for distinct rows: a created row starts at floor; every
+ *       version becomes max(version, base) + 1; readers 0, size, checksum; the state moves
+ *       by commit_next (states.transition_array(COMMIT)); the touch as _touch does (clock +
+ *       i + 1); the copy in tier placed (slot, copy_ver, slot_row). Returns the highest new
+ *       version, or -1 with nothing written when some row's state has no COMMIT move.
+ *   copy_slots(copy_ver, slot, rows, tier, out i64[n]) -> k
+ *       The slots of the rows' copies in tier (copy_ver > 0), for the policy's on_remove.
+ *   release_copies(copy_ver, slot, slot_row, pool_leases, retired, rows, tier, out_free) -> k
+ *       Those copies forgotten (slot -1, copy_ver 0), their slots un-owned, retired while
+ *       pinned, else written to out_free for the pool.
+ *   empty_rows(version, copy_ver, state, checksum, nvme_checksum, rows, lost_next, nvme,
+ *              clean, out_drop) -> k
+ *       Eviction's _forget_empty: a row with a version and no current copy in any tier falls
+ *       back to an older NVMe copy (version, checksum, state clean) or is written to out_drop
+ *       for removal; -1 with nothing written when some such row has no LOST move.
  *
  * No reference to any argument is kept. The GIL is held: these run under the engine lock, on
  * batches that take microseconds.
