@@ -20,13 +20,17 @@ requests, kvtier.gpu.transfer.put_async), without a GPU: one batch of 4,096 keys
 reserved and committed with trusted checksums (the GPU's), over the socket, timed at the
 client, median over --control-rounds:
 
-    reserve_us_per_key_4096    reserve of the same 4,096 keys again (each a rewrite: fresh
-    commit_us_per_key_4096     slots, then the old copies freed at commit; no eviction), as
-                               bench/gpu.py's offload rewrites its batch; the host tier runs
-                               lru, as it does under an HBM tier (the GPU host's case)
-    reserve_us_per_key_4096_new / commit_us_per_key_4096_new
-                               4,096 new keys into a full host tier (reserve evicts 4,096)
-    ..._chain                  the same with the host tier's default policy, chain
+    api_reserve_us_per_key_4096  reserve of the same 4,096 keys again (each a rewrite: fresh
+    api_commit_us_per_key_4096   slots, then the old copies freed at commit; no eviction), as
+                                 bench/gpu.py's offload rewrites its batch; the host tier runs
+                                 lru, as it does under an HBM tier (the GPU host's case)
+    api_reserve_us_per_key_4096_new / api_commit_us_per_key_4096_new
+                                 4,096 new keys into a full host tier (reserve evicts 4,096)
+    ..._chain                    the same with the host tier's default policy, chain
+    hello_rtt_p50_us (above)     the round trip every one of these requests also pays
+
+bench/engine.py reports the engine's own share of the same requests (reserve_us_per_key_4096,
+commit_us_per_key_4096, ...), without the socket.
 
     python bench/api.py --control-only --json     (only these, no redis-server)
 
@@ -235,7 +239,7 @@ def control_path(rounds: int, policy: str) -> dict:
         svc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     sfx = "" if policy == "lru" else f"_{policy}"
-    out = {f"{k.split('_')[0]}_us_per_key_4096{'_new' if k.endswith('_new') else ''}{sfx}":
+    out = {f"api_{k.split('_')[0]}_us_per_key_4096{'_new' if k.endswith('_new') else ''}{sfx}":
            round(float(np.median(v)), 3) for k, v in times.items() if not k.endswith("_warm")}
     out["control_rounds"] = rounds
     return out
