@@ -1,8 +1,9 @@
 """Only the optional C helpers live here; everything else is in pyproject.toml.
 
-kvtier.pagetable._native (hashing and probing of the page table's index), kvtier.coherence._fast
-(the lease bookkeeping of a resident get), kvtier._xxh (batch hashing through the system's
-libxxhash) and kvtier.tiers._aio (the NVMe tier's AIO loop) are built when a C compiler and the
+kvtier.pagetable._native (the page table's index: hashing, probing, inserts and
+removals), kvtier.coherence._fast (the lease bookkeeping of a resident get, a put's rows and
+eviction's), kvtier._xxh (batch hashing through the system's libxxhash) and kvtier.tiers._aio
+(the NVMe tier's AIO loop) are built when a C compiler and the
 Python headers are present; where they fail to build, the package installs anyway and the
 Python implementations run instead (the same results, slower).
 """

@@ -15,6 +15,25 @@ For 64 KiB blocks in batches of 64, from a client process over the Unix socket:
     busy_poll_us               the service's busy-polling window (its default, or
                                KVTIER_BUSY_POLL_US from the environment; 0 turns it off)
 
+The service's control path of a GPU offload (issue 16: the CUDA put's reserve and commit
+requests, kvtier.gpu.transfer.put_async), without a GPU: one batch of 4,096 keys of 16 KiB
+reserved and committed with trusted checksums (the GPU's), over the socket, timed at the
+client, median over --control-rounds:
+
+    api_reserve_us_per_key_4096  reserve of the same 4,096 keys again (each a rewrite: fresh
+    api_commit_us_per_key_4096   slots, then the old copies freed at commit; no eviction), as
+                                 bench/gpu.py's offload rewrites its batch; the host tier runs
+                                 lru, as it does under an HBM tier (the GPU host's case)
+    api_reserve_us_per_key_4096_new / api_commit_us_per_key_4096_new
+                                 4,096 new keys into a full host tier (reserve evicts 4,096)
+    ..._chain                    the same with the host tier's default policy, chain
+    hello_rtt_p50_us (above)     the round trip every one of these requests also pays
+
+bench/engine.py reports the engine's own share of the same requests (reserve_us_per_key_4096,
+commit_us_per_key_4096, ...), without the socket.
+
+    python bench/api.py --control-only --json     (only these, no redis-server)
+
 Each figure is the median over rounds, whose kinds run in a shuffled order (seeded); ratios use
 medians from this same run. paired_ratio_* take the ratio within each round first (one pass of
 each kind per round), then the median over rounds, as bench/nvme.py does.
@@ -177,16 +196,70 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def control_path(rounds: int, policy: str) -> dict:
+    """Reserve and commit of 4,096-key batches through a real `kvtier serve` (see the module
+    docstring): the service's share of a GPU offload, per key, medians over rounds. policy:
+    the host tier's (on a GPU host, under an HBM tier, that is lru)."""
+    sys.path.insert(0, ROOT)
+    from tests.service import Service
+    import kvtier
+
+    n, bb = 4096, 16 << 10
+    tmp = tempfile.mkdtemp(prefix="kvtier-ctl-")
+    # Room for four batches: the rewrites (one batch) never evict; the new batches fill the
+    # tier, then each evicts as many blocks as it brings.
+    svc = Service(os.path.join(tmp, "svc"), admin=False, host_capacity=f"{4 * n * bb}",
+                  nvme_capacity="0", eviction=policy).start()
+    sums = np.random.default_rng(3).integers(0, 1 << 63, n, dtype=np.uint64).astype("<u8")
+    times: dict[str, list[float]] = {}
+    try:
+        c = kvtier.Client(svc.socket)
+        c.namespace("ctl", block_bytes=bb)
+
+        def once(kb: bytes, tag: str) -> None:
+            t0 = time.perf_counter()
+            r = c._call("reserve", ns="ctl", keys=kb, tier="host")
+            t1 = time.perf_counter()
+            v = c._call("commit", rid=r["rid"], checksums=sums.tobytes(), trusted=True)
+            t2 = time.perf_counter()
+            if len(np.frombuffer(v["versions"], "<u8")) != n:
+                raise SystemExit("commit returned the wrong number of versions")
+            times.setdefault(f"reserve{tag}", []).append((t1 - t0) * 1e6 / n)
+            times.setdefault(f"commit{tag}", []).append((t2 - t1) * 1e6 / n)
+
+        same = keyset(0, n)
+        for i in range(rounds + 2):
+            once(same, "" if i >= 2 else "_warm")
+        fresh = n
+        for i in range(rounds + 4):
+            once(keyset(fresh, n), "_new" if i >= 4 else "_warm")
+            fresh += n
+        c.close()
+    finally:
+        svc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    sfx = "" if policy == "lru" else f"_{policy}"
+    out = {f"api_{k.split('_')[0]}_us_per_key_4096{'_new' if k.endswith('_new') else ''}{sfx}":
+           round(float(np.median(v)), 3) for k, v in times.items() if not k.endswith("_warm")}
+    out["control_rounds"] = rounds
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--single", type=int, default=3000)
+    ap.add_argument("--control-rounds", type=int, default=30)
+    ap.add_argument("--control-only", action="store_true",
+                    help="only the 4,096-key reserve and commit (no redis-server)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/api.py")
-    result = run(args)
+    result = {} if args.control_only else run(args)
+    for policy in ("lru", "chain"):
+        result.update(control_path(args.control_rounds, policy))
     result["machine"] = m
     emit(result, args.json)
 

@@ -23,6 +23,15 @@ evicted block should not grow with R. Its baseline, in the same run at the same 
 policies cost before they kept queues: one argsort of the resident blocks' last-access column
 per eviction batch (the scan and sort every batch paid), per evicted block.
 
+The control path of a GPU offload, in process (--control-rounds; issue 16): the engine's
+reserve and commit of one 4,096-key batch of 16 KiB blocks with trusted checksums (as the CUDA
+put sends them: the service hashes no byte), median microseconds of CPU (process time, which
+a loaded VM's waits do not inflate) per key over rounds:
+reserve_us_per_key_4096 / commit_us_per_key_4096 rewrite the same batch (no eviction), the
+_new fields put new keys into a full tier (4,096 evicted per batch); lru, the host tier's
+policy under an HBM tier, and _chain, the default. bench/api.py measures the same requests
+through the socket. --skip-io runs these too.
+
 NVMe eviction cost by resident blocks (--nvme-evict-resident 1e5,1e6,1e7): a host tier of R
 1-byte blocks (so the page table holds R rows) over an NVMe tier of a fixed 32,768 records
 (4 KiB each, 9 segments); blocks are flushed to NVMe a segment at a time until the tier has
@@ -211,6 +220,36 @@ def evict_cost(resident: list[int], policies: list[str], rounds: int, batch: int
     return out
 
 
+def control_path(rounds: int, policy: str) -> dict:
+    """Engine reserve and commit of 4,096-key batches, per key (see the module docstring)."""
+    n, bb = 4096, 16 << 10
+    base = tempfile.mkdtemp(prefix="kvtier-bench-ctl-")
+    eng = Engine(make_settings({"data_dir": base, "host_capacity": 4 * n * bb,
+                                "nvme_capacity": 0, "eviction": policy}))
+    eng.create_namespace("c", bb)
+    sums = np.random.default_rng(3).integers(0, 1 << 63, n, dtype=np.uint64)
+    times: dict[str, list[float]] = {}
+
+    def once(kb: np.ndarray, tag: str) -> None:
+        t0 = time.process_time()
+        res = eng.reserve("c", kb)
+        t1 = time.process_time()
+        eng.commit(res.rid, 0, sums, trusted=True)
+        t2 = time.process_time()
+        times.setdefault(f"reserve{tag}", []).append((t1 - t0) * 1e6 / n)
+        times.setdefault(f"commit{tag}", []).append((t2 - t1) * 1e6 / n)
+
+    for i in range(rounds + 2):
+        once(_keys(0, n), "" if i >= 2 else "_warm")
+    for i in range(rounds + 4):
+        once(_keys((i + 1) * n, n), "_new" if i >= 4 else "_warm")
+    eng.close(flush=False)
+    shutil.rmtree(base, ignore_errors=True)
+    sfx = "" if policy == "lru" else f"_{policy}"
+    return {f"{k.split('_')[0]}_us_per_key_4096{'_new' if k.endswith('_new') else ''}{sfx}":
+            round(percentiles(v)["p50"], 3) for k, v in times.items() if not k.endswith("_warm")}
+
+
 def nvme_evict_cost(resident: list[int], rounds: int, data_dir: str = "") -> dict:
     """Median microseconds per block evicted by an NVMe reclaim, by resident rows (docstring)."""
     from kvtier.coherence.space import Space, capacity_for
@@ -297,7 +336,10 @@ def main() -> None:
                     help="resident block counts of the NVMe eviction-cost runs (1e5,1e6,1e7); "
                          "empty: skip them")
     ap.add_argument("--nvme-evict-rounds", type=int, default=12)
-    ap.add_argument("--skip-io", action="store_true", help="only the eviction-cost runs")
+    ap.add_argument("--control-rounds", type=int, default=30,
+                    help="rounds of the 4,096-key reserve and commit; 0: skip them")
+    ap.add_argument("--skip-io", action="store_true",
+                    help="only the eviction-cost and control-path runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/engine.py")
@@ -310,6 +352,9 @@ def main() -> None:
         result.update(nvme_evict_cost(
             [int(float(x)) for x in args.nvme_evict_resident.split(",")],
             args.nvme_evict_rounds, args.data_dir))
+    if args.control_rounds:
+        for policy in ("lru", "chain"):
+            result.update(control_path(args.control_rounds, policy))
     result["machine"] = m
     emit(result, args.json)
 

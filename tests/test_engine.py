@@ -509,3 +509,64 @@ def test_release_many_ends_each_lease_once_and_frees_retired_slots(make_engine):
     assert eng.release_many([a.lease_id], 1) == 1           # already ended: counted, no change
     eng.release(other.lease_id, 2)
     assert pool.leases.sum() == 0 and not eng.leases
+
+
+def _workload_state(tmp: Path, policy: str, seed: int) -> list:
+    """A random workload (chained puts, rewrites, gets, deletes, evictions into NVMe and out
+    of it, with an HBM stand-in above host) and, after every step, the whole page table, the
+    slot tiers' arrays and the engine's counters."""
+    from tests.conftest import hbm_standin
+    eng = Engine(make_settings({"data_dir": str(tmp), "host_capacity": "64KiB",
+                                "hbm_capacity": "32KiB", "nvme_capacity": "4MiB",
+                                "segment_bytes": "1MiB", "write_policy": "write_back",
+                                "eviction": policy, "eviction_host": policy}),
+                 hbm_pool_factory=hbm_standin)
+    eng.create_namespace("m", BB)
+    rng = np.random.default_rng(seed)
+    seen = []
+    for step in range(120):
+        op = rng.integers(0, 10)
+        ids = [int(i) for i in rng.integers(0, 60, int(rng.integers(1, 9)))]
+        ids = list(dict.fromkeys(ids))
+        if op < 5:
+            tier = Tier.HBM if op == 0 else Tier.HOST
+            eng.put("m", keys(ids), blocks(len(ids), BB, step),
+                    parents=b"\0" * 16 + keys(ids[:-1]), tier=tier)
+        elif op < 8:
+            res = eng.get("m", keys(ids))
+            eng.release(res.lease_id)
+            seen.append(res.found.tolist())
+        elif op == 8:
+            seen.append(eng.delete("m", keys(ids)))
+        else:
+            seen.append(eng.evict(Tier.HOST, int(rng.integers(1, 6))))
+        seen.append(eng.match_prefix("m", keys(ids)))
+        ns = eng.namespace("m")
+        t = ns.table
+        seen.append({name: col[: t.n_rows].tolist() for name, col in t.cols.items()
+                     if name != "key"})
+        seen.append([t.live, t.version_floor, t.live_rows().tolist(), eng.clock, eng.host_used])
+        for st in ns.slots.values():
+            seen.append((st.slot_row.tolist(), st.leases.tolist(), st.retired.tolist(),
+                         st.pool.free_count))
+        seen.append({k.label: v.as_dict() for k, v in eng.counters.tiers.items()})
+    eng.close(flush=False)
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["lru", "chain"])
+def test_the_c_helpers_leave_the_state_numpy_leaves(tmp_path: Path, policy: str, monkeypatch):
+    # The commit's install, a tier's copies dropped, rows left empty by eviction, their
+    # removal and the prefix match run in C (kvtier.coherence._fast, kvtier.pagetable._native)
+    # with their numpy versions kept as the fallback: the same workload, step by step, must
+    # leave the same page table, slot arrays and counters either way.
+    from kvtier.coherence import engine as engine_mod, eviction
+    from kvtier.coherence.policies import rings
+    from kvtier.pagetable import table
+    if engine_mod._fast is None or table._native is None:
+        pytest.skip("the C helpers were not built here")
+    with_c = _workload_state(tmp_path / "c", policy, 5)
+    for mod, name in ((engine_mod, "_fast"), (eviction, "_fast"), (fastpath, "_fast"),
+                      (rings, "_fast"), (table, "_native")):
+        monkeypatch.setattr(mod, name, None)
+    assert _workload_state(tmp_path / "numpy", policy, 5) == with_c

@@ -149,3 +149,53 @@ def test_c_helper_links_and_removes_exactly_as_numpy_does(monkeypatch):
     with_c = _random_table_ops(PageTable(16), 7)
     monkeypatch.setattr(table, "_native", None)
     assert _random_table_ops(PageTable(16), 7) == with_c
+
+
+def _removes_and_prefixes(t: PageTable, seed: int) -> list:
+    """Removes with repeated rows, reinserts that reuse the freed rows, and prefix matches
+    over rows whose versions and copies are set at random; returns what each step saw."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(40):
+        raw = np.zeros((int(rng.integers(1, 40)), 2), dtype=">u8")
+        raw[:, 1] = rng.integers(1, 400, raw.shape[0])
+        rows, created = t.insert(raw.tobytes())
+        t.cols["version"][rows] = rng.integers(0, 3, rows.size)
+        t.cols["copy_ver"][rows] = rng.integers(0, 3, (rows.size, 4))
+        t.link(rows[1:], rows[:-1])
+        n, below = t.current_prefix(t.keys_array(raw.tobytes()), (0, 1, 2), (0, 1))
+        gone = rng.choice(rows, min(rows.size, 6))             # repeats allowed
+        t.remove(gone)
+        reset = (t.cols["version"][gone].tolist(), t.cols["copy_ver"][gone].tolist(),
+                 t.cols["slot"][gone].tolist(), bytes(t.cols["key"][gone].tobytes()))
+        out.append((rows.tolist(), created.tolist(), n, below, t.live, t.version_floor, reset,
+                    t.live_rows().tolist(), [t.children(int(r)) for r in t.live_rows()]))
+    return out
+
+
+def test_c_remove_and_prefix_match_leave_what_numpy_leaves(monkeypatch):
+    # remove_rows + reset_rows (row reuse order, index, links, version floor) and
+    # current_prefix (kvtier.pagetable._native) against the numpy code on the same steps.
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    with_c = _removes_and_prefixes(PageTable(16), 11)
+    monkeypatch.setattr(table, "_native", None)
+    assert _removes_and_prefixes(PageTable(16), 11) == with_c
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-helper", "numpy"])
+def test_key_flags_name_a_zero_key_and_a_repeat(native: bool, monkeypatch):
+    # What a put's reserve learns in one pass: an all-zero key (refused), and whether the
+    # commit must look for repeated keys (the last write of a key wins).
+    if native and table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    if not native:
+        monkeypatch.setattr(table, "_native", None)
+    t = PageTable(16)
+    flags = lambda ids: t.key_flags(t.keys_array(b"".join(  # noqa: E731
+        i.to_bytes(16, "big") for i in ids)))
+    assert flags([1, 2, 3]) == (False, False)
+    assert flags([1, 2, 1]) == (False, True)
+    assert flags([4, 0, 5]) == (True, False)
+    assert flags([0, 0]) == (True, True)
+    assert flags([7]) == (False, False)

@@ -1,4 +1,5 @@
-/* kvtier.coherence._fast: the bookkeeping of a resident batch get, and of its release, in C.
+/* kvtier.coherence._fast: the bookkeeping of a resident batch get and of its release, and of
+ * a put's rows, in C.
  *
  * Why. A get of 64 resident keys spent ~40 us in Engine._get and ~17 us in release_many on the
  * dev VM: about 30 numpy calls of a microsecond each over 64-element arrays, for work that is
@@ -34,6 +35,34 @@
  *       policies.rings.Ghost's add and take, one key at a time (the numpy version works in
  *       rounds of ~15 numpy calls, and was a third of the replay's time: issue 18). state is
  *       (head, tail, live, size); sets and a are powers of two.
+ *
+ *   unpin_slots(pool_leases u32[p], retired bool[p], slots i64[n], out_gone i64[n]) -> int
+ *       Engine._unpin: unlease_rows's slot half.
+ *
+ * A put's rows (issue 18: a request of ~25 keys paid ~500 Python and numpy calls, each a
+ * microsecond or more on the dev VM, for work of a few hundred nanoseconds; issue 16: the
+ * service's commit of 4,096 keys). engine.py and eviction.py keep their numpy versions as the
+ * fallback; tests/test_engine.py runs one workload both ways and compares every column.
+ *
+ *   install_rows(version, leases, size, checksum, state, last_access, prev_access, freq,
+ *                slot i32[c, s], copy_ver u64[c, t], slot_row i64[p], rows i64[n],
+ *                created bool[n], slots i64[n], sums u64[n], commit_next u8[k], tier,
+ *                floor, base, clock, block_size) -> top
+ *       Engine._install's columns for distinct rows: a created row starts at floor; every
+ *       version becomes max(version, base) + 1; readers 0, size, checksum; the state moves
+ *       by commit_next (states.transition_array(COMMIT)); the touch as _touch does (clock +
+ *       i + 1); the copy in tier placed (slot, copy_ver, slot_row). Returns the highest new
+ *       version, or -1 with nothing written when some row's state has no COMMIT move.
+ *   copy_slots(copy_ver, slot, rows, tier, out i64[n]) -> k
+ *       The slots of the rows' copies in tier (copy_ver > 0), for the policy's on_remove.
+ *   release_copies(copy_ver, slot, slot_row, pool_leases, retired, rows, tier, out_free) -> k
+ *       Those copies forgotten (slot -1, copy_ver 0), their slots un-owned, retired while
+ *       pinned, else written to out_free for the pool.
+ *   empty_rows(version, copy_ver, state, checksum, nvme_checksum, rows, lost_next, nvme,
+ *              clean, out_drop) -> k
+ *       Eviction's _forget_empty: a row with a version and no current copy in any tier falls
+ *       back to an older NVMe copy (version, checksum, state clean) or is written to out_drop
+ *       for removal; -1 with nothing written when some such row has no LOST move.
  *
  * No reference to any argument is kept. The GIL is held: these run under the engine lock, on
  * batches that take microseconds.
@@ -162,6 +191,28 @@ fail:
     return NULL;
 }
 
+/* Every slot inside a pool of np_ slots; else ValueError naming fn. */
+static int slots_in_pool(const int64_t *slots, Py_ssize_t n, Py_ssize_t np_, const char *fn)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= np_) {
+            PyErr_Format(PyExc_ValueError, "%s: a slot past the pool", fn);
+            return -1;
+        }
+    return 0;
+}
+
+/* One pin of slot s less (never below zero): 1 when that was the last pin of a retired slot,
+ * which is un-retired for the caller to free. */
+static inline int unpin_one(uint32_t *pool, uint8_t *retired, int64_t s)
+{
+    if (pool[s] > 0 && --pool[s] == 0 && retired[s]) {
+        retired[s] = 0;
+        return 1;
+    }
+    return 0;
+}
+
 static PyObject *unlease_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 9) {
@@ -184,18 +235,12 @@ static PyObject *unlease_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "unlease_rows: array lengths do not agree");
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (slots[i] < 0 || slots[i] >= np_) {
-            PyErr_SetString(PyExc_ValueError, "unlease_rows: a slot past the pool");
-            goto fail;
-        }
+    if (slots_in_pool(slots, n, np_, "unlease_rows") < 0)
+        goto fail;
     Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t s = slots[i];
-        if (pool[s] > 0 && --pool[s] == 0 && retired[s]) {
-            retired[s] = 0;
-            gone[k++] = s;
-        }
+        if (unpin_one(pool, retired, slots[i]))
+            gone[k++] = slots[i];
         int64_t r = rows[i];
         if (r >= 0 && r < n_rows && version[r] == vers[i] && leases[r] > 0)
             leases[r] -= 1;
@@ -389,6 +434,283 @@ static PyObject *ghost_take(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* unpin_slots(pool_leases u32[p], retired bool[p], slots i64[n], out_gone i64[n]) -> k:
+ * Engine._unpin: one pin less per listed slot (never below zero); a retired slot whose last
+ * pin this was is un-retired and written to out_gone once, for the caller to free. */
+static PyObject *unpin_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "unpin_slots takes 4 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t np_, nr, n, no;
+    uint32_t *pool = view(&v, args[0], 4, 1, &np_, NULL, "pool_leases");
+    uint8_t *retired = pool ? view(&v, args[1], 1, 1, &nr, NULL, "retired") : NULL;
+    int64_t *slots = retired ? view(&v, args[2], 8, 0, &n, NULL, "slots") : NULL;
+    int64_t *gone = slots ? view(&v, args[3], 8, 1, &no, NULL, "out_gone") : NULL;
+    if (gone == NULL)
+        goto fail;
+    if (nr != np_ || no < n) {
+        PyErr_SetString(PyExc_ValueError, "unpin_slots: array lengths do not agree");
+        goto fail;
+    }
+    if (slots_in_pool(slots, n, np_, "unpin_slots") < 0)
+        goto fail;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (unpin_one(pool, retired, slots[i]))
+            gone[k++] = slots[i];
+    views_release(&v);
+    return PyLong_FromSsize_t(k);
+fail:
+    views_release(&v);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- a put's rows (engine.py) */
+
+static PyObject *install_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 21) {
+        PyErr_SetString(PyExc_TypeError, "install_rows takes 21 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[10], nt, nsl, np_, n, nc, ns_, nn, tier;
+    unsigned long long floor_, base, clock, bb;
+    uint64_t *version = view(&v, args[0], 8, 1, &cap[0], NULL, "version");
+    uint16_t *leases = version ? view(&v, args[1], 2, 1, &cap[1], NULL, "leases") : NULL;
+    uint32_t *size = leases ? view(&v, args[2], 4, 1, &cap[2], NULL, "size") : NULL;
+    uint64_t *sums = size ? view(&v, args[3], 8, 1, &cap[3], NULL, "checksum") : NULL;
+    uint8_t *state = sums ? view(&v, args[4], 1, 1, &cap[4], NULL, "state") : NULL;
+    uint64_t *last = state ? view(&v, args[5], 8, 1, &cap[5], NULL, "last_access") : NULL;
+    uint64_t *prev = last ? view(&v, args[6], 8, 1, &cap[6], NULL, "prev_access") : NULL;
+    uint32_t *freq = prev ? view(&v, args[7], 4, 1, &cap[7], NULL, "freq") : NULL;
+    int32_t *slot = freq ? view(&v, args[8], 4, 1, &cap[8], &nsl, "slot") : NULL;
+    uint64_t *copy_ver = slot ? view(&v, args[9], 8, 1, &cap[9], &nt, "copy_ver") : NULL;
+    int64_t *slot_row = copy_ver ? view(&v, args[10], 8, 1, &np_, NULL, "slot_row") : NULL;
+    int64_t *rows = slot_row ? view(&v, args[11], 8, 0, &n, NULL, "rows") : NULL;
+    uint8_t *created = rows ? view(&v, args[12], 1, 0, &nc, NULL, "created") : NULL;
+    int64_t *slots = created ? view(&v, args[13], 8, 0, &ns_, NULL, "slots") : NULL;
+    uint64_t *given = slots ? view(&v, args[14], 8, 0, &nn, NULL, "sums") : NULL;
+    Py_ssize_t nnext;
+    uint8_t *next = given ? view(&v, args[15], 1, 0, &nnext, NULL, "commit_next") : NULL;
+    if (next == NULL || as_index(args[16], &tier, "tier") < 0)
+        goto fail;
+    floor_ = PyLong_AsUnsignedLongLong(args[17]);
+    base = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(args[18]);
+    clock = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(args[19]);
+    bb = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(args[20]);
+    if (PyErr_Occurred() || bb > UINT32_MAX) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "install_rows: a block size past 32 bits");
+        goto fail;
+    }
+    for (int i = 1; i < 10; i++)
+        if (cap[i] != cap[0]) {
+            PyErr_SetString(PyExc_ValueError, "install_rows: columns of different lengths");
+            goto fail;
+        }
+    if (nc != n || ns_ != n || nn != n || tier >= nt || tier >= nsl) {
+        PyErr_SetString(PyExc_ValueError, "install_rows: one created flag, slot and checksum "
+                        "per row, and a tier inside the columns");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (r < 0 || r >= cap[0] || slots[i] < 0 || slots[i] >= np_) {
+            PyErr_SetString(PyExc_ValueError, "install_rows: a row or slot out of range");
+            goto fail;
+        }
+        if (state[r] >= nnext || next[state[r]] == 255) {
+            views_release(&v);
+            return PyLong_FromLong(-1);           /* the caller raises IllegalTransition */
+        }
+    }
+    uint64_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (created[i])
+            version[r] = floor_;
+        uint64_t ver = (version[r] > base ? version[r] : base) + 1;
+        version[r] = ver;
+        if (ver > top)
+            top = ver;
+        leases[r] = 0;
+        size[r] = (uint32_t)bb;
+        sums[r] = given[i];
+        state[r] = next[state[r]];
+        prev[r] = last[r];
+        last[r] = clock + (uint64_t)i + 1;
+        freq[r] += 1;
+        slot[r * nsl + tier] = (int32_t)slots[i];
+        copy_ver[r * nt + tier] = ver;
+        slot_row[slots[i]] = r;
+    }
+    views_release(&v);
+    return PyLong_FromUnsignedLongLong(top);
+fail:
+    views_release(&v);
+    return NULL;
+}
+
+/* The tier's copy of each row that has one: its slot into out; returns how many. */
+static PyObject *copy_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "copy_slots takes 5 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t c1, c2, nt, nsl, n, no, tier;
+    uint64_t *copy_ver = view(&v, args[0], 8, 0, &c1, &nt, "copy_ver");
+    int32_t *slot = copy_ver ? view(&v, args[1], 4, 0, &c2, &nsl, "slot") : NULL;
+    int64_t *rows = slot ? view(&v, args[2], 8, 0, &n, NULL, "rows") : NULL;
+    int64_t *out = rows ? view(&v, args[4], 8, 1, &no, NULL, "out") : NULL;
+    if (out == NULL || as_index(args[3], &tier, "tier") < 0)
+        goto fail;
+    if (c1 != c2 || tier >= nt || tier >= nsl || no < n) {
+        PyErr_SetString(PyExc_ValueError, "copy_slots: see _fast.c for the arrays");
+        goto fail;
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (r < 0 || r >= c1) {
+            PyErr_SetString(PyExc_ValueError, "copy_slots: a row out of range");
+            goto fail;
+        }
+        if (copy_ver[r * nt + tier] > 0)
+            out[k++] = slot[r * nsl + tier];
+    }
+    views_release(&v);
+    return PyLong_FromSsize_t(k);
+fail:
+    views_release(&v);
+    return NULL;
+}
+
+/* Each row's copy in tier forgotten; its slot un-owned (slot_row -1), retired while pinned,
+ * else into out_free. Returns how many were freed. */
+static PyObject *release_copies(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "release_copies takes 8 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t c1, c2, nt, nsl, np1, np2, np3, n, no, tier;
+    uint64_t *copy_ver = view(&v, args[0], 8, 1, &c1, &nt, "copy_ver");
+    int32_t *slot = copy_ver ? view(&v, args[1], 4, 1, &c2, &nsl, "slot") : NULL;
+    int64_t *slot_row = slot ? view(&v, args[2], 8, 1, &np1, NULL, "slot_row") : NULL;
+    uint32_t *pool = slot_row ? view(&v, args[3], 4, 0, &np2, NULL, "pool_leases") : NULL;
+    uint8_t *retired = pool ? view(&v, args[4], 1, 1, &np3, NULL, "retired") : NULL;
+    int64_t *rows = retired ? view(&v, args[5], 8, 0, &n, NULL, "rows") : NULL;
+    int64_t *out = rows ? view(&v, args[7], 8, 1, &no, NULL, "out_free") : NULL;
+    if (out == NULL || as_index(args[6], &tier, "tier") < 0)
+        goto fail;
+    if (c1 != c2 || tier >= nt || tier >= nsl || no < n || np1 != np2 || np1 != np3) {
+        PyErr_SetString(PyExc_ValueError, "release_copies: see _fast.c for the arrays");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        int32_t s = r >= 0 && r < c1 ? slot[r * nsl + tier] : -1;
+        if (r < 0 || r >= c1 || (copy_ver[r * nt + tier] > 0 && (s < 0 || s >= np1))) {
+            PyErr_SetString(PyExc_ValueError, "release_copies: a row or its slot out of range");
+            goto fail;
+        }
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (copy_ver[r * nt + tier] == 0)
+            continue;
+        int32_t s = slot[r * nsl + tier];
+        slot_row[s] = -1;
+        if (pool[s] > 0)
+            retired[s] = 1;
+        else
+            out[k++] = s;
+        slot[r * nsl + tier] = -1;
+        copy_ver[r * nt + tier] = 0;
+    }
+    views_release(&v);
+    return PyLong_FromSsize_t(k);
+fail:
+    views_release(&v);
+    return NULL;
+}
+
+/* Eviction's _forget_empty: rows with a version and no current copy in any tier lose their
+ * block. One whose NVMe tier (column nvme) holds an older, flushed version falls back to it
+ * (version, checksum, state CLEAN); the others are written to out_drop for removal.
+ * Returns how many, or -1 (nothing written) when a row's state has no LOST move. */
+static PyObject *empty_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "empty_rows takes 10 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t c[5], nt, n, nl, no, nvme, clean;
+    uint64_t *version = view(&v, args[0], 8, 1, &c[0], NULL, "version");
+    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &c[1], &nt, "copy_ver") : NULL;
+    uint8_t *state = copy_ver ? view(&v, args[2], 1, 1, &c[2], NULL, "state") : NULL;
+    uint64_t *sums = state ? view(&v, args[3], 8, 1, &c[3], NULL, "checksum") : NULL;
+    uint64_t *nsums = sums ? view(&v, args[4], 8, 0, &c[4], NULL, "nvme_checksum") : NULL;
+    int64_t *rows = nsums ? view(&v, args[5], 8, 0, &n, NULL, "rows") : NULL;
+    uint8_t *lost = rows ? view(&v, args[6], 1, 0, &nl, NULL, "lost_next") : NULL;
+    int64_t *out = lost ? view(&v, args[9], 8, 1, &no, NULL, "out_drop") : NULL;
+    if (out == NULL || as_index(args[7], &nvme, "nvme") < 0 || as_index(args[8], &clean, "clean") < 0)
+        goto fail;
+    if (c[1] != c[0] || c[2] != c[0] || c[3] != c[0] || c[4] != c[0] || nvme >= nt || no < n) {
+        PyErr_SetString(PyExc_ValueError, "empty_rows: see _fast.c for the arrays");
+        goto fail;
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t r = rows[i];
+            if (r < 0 || r >= c[0]) {
+                PyErr_SetString(PyExc_ValueError, "empty_rows: a row out of range");
+                goto fail;
+            }
+            uint64_t ver = version[r];
+            if (ver == 0)
+                continue;
+            int cur = 0;
+            for (Py_ssize_t t = 0; t < nt && !cur; t++)
+                cur = copy_ver[r * nt + t] == ver;
+            if (cur)
+                continue;
+            if (pass == 0) {
+                if (state[r] >= nl || lost[state[r]] == 255) {
+                    views_release(&v);
+                    return PyLong_FromLong(-1);
+                }
+                continue;
+            }
+            uint64_t nv = copy_ver[r * nt + nvme];
+            if (nv > 0) {
+                version[r] = nv;
+                sums[r] = nsums[r];
+                state[r] = (uint8_t)clean;
+            } else {
+                out[k++] = r;
+            }
+        }
+        if (pass == 1) {
+            views_release(&v);
+            return PyLong_FromSsize_t(k);
+        }
+    }
+fail:
+    views_release(&v);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"lease_rows", (PyCFunction)(void (*)(void))lease_rows, METH_FASTCALL,
      "lease_rows(...): pin and touch a batch of resident rows, or False (see _fast.c)."},
@@ -398,6 +720,16 @@ static PyMethodDef methods[] = {
      "ghost_add(fp, seq, alive, state, hashes): policies.rings.Ghost.add (see _fast.c)."},
     {"ghost_take", (PyCFunction)(void (*)(void))ghost_take, METH_FASTCALL,
      "ghost_take(fp, seq, alive, state, hashes, out): policies.rings.Ghost.take."},
+    {"unpin_slots", (PyCFunction)(void (*)(void))unpin_slots, METH_FASTCALL,
+     "unpin_slots(pool_leases, retired, slots, out_gone) -> k: Engine._unpin (see _fast.c)."},
+    {"install_rows", (PyCFunction)(void (*)(void))install_rows, METH_FASTCALL,
+     "install_rows(...): a commit's columns, touch and copy placement (see _fast.c)."},
+    {"copy_slots", (PyCFunction)(void (*)(void))copy_slots, METH_FASTCALL,
+     "copy_slots(copy_ver, slot, rows, tier, out) -> k: the slots of rows' copies in tier."},
+    {"release_copies", (PyCFunction)(void (*)(void))release_copies, METH_FASTCALL,
+     "release_copies(copy_ver, slot, slot_row, leases, retired, rows, tier, out) -> k freed."},
+    {"empty_rows", (PyCFunction)(void (*)(void))empty_rows, METH_FASTCALL,
+     "empty_rows(...) -> k rows to remove, or -1: eviction's _forget_empty (see _fast.c)."},
     {NULL, NULL, 0, NULL},
 };
 

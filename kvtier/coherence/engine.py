@@ -52,7 +52,8 @@ from kvtier.coherence.leases import Holds
 from kvtier.coherence.policies import POLICIES
 from kvtier.coherence.persist import NvmeStore
 from kvtier.coherence.transfers import Transfers, remote_from_settings
-from kvtier.coherence.states import BlockState, Event, HoldState, next_states
+from kvtier.coherence.states import (BlockState, Event, HoldState, next_states,
+                                     transition_array)
 from kvtier.config import Settings
 from kvtier.errors import (BadRequest, CapacityError, LeaseError, NamespaceError,
                            StorageError)
@@ -62,11 +63,18 @@ from kvtier.tiers.host import SlotPool
 from kvtier.tiers.nvme import Backend, make_backend
 from kvtier.types import SERVE_ORDER, Tier
 
+try:        # the C helper (setup.py builds it where a compiler is present); numpy otherwise
+    from kvtier.coherence import _fast
+except ImportError:
+    _fast = None
+
 log = logging.getLogger("kvtier.engine")
 PoolFactory = Callable[[str, int, int], SlotPool]
 MAX_BLOCK_BYTES = 1 << 30
 MAX_KEY_WIDTH = 64
 EPOCH_BITS = 32             # versions of one run: below (epoch + 1) << EPOCH_BITS
+_LOCAL_TIERS = tuple(t for t in SERVE_ORDER if t is not Tier.REMOTE)
+_MEMORY_TIERS = (Tier.HBM, Tier.HOST)
 
 
 def _trusted(checksums: np.ndarray | None, n: int) -> np.ndarray:
@@ -277,6 +285,15 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
 
     def _unpin(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         st = ns.slots[tier]
+        if _fast is not None:
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
+            gone = np.empty(slots.size, dtype=np.int64)
+            k = _fast.unpin_slots(st.leases, st.retired, slots, gone)
+            if k:
+                st.pool.free(gone[:k] if k == 1 else np.sort(gone[:k]))   # as np.unique
+                if tier is Tier.HOST:
+                    self.host_used -= k * ns.block_bytes
+            return
         add_one(st.leases, slots, -1)
         gone = slots[(st.leases[slots] == 0) & st.retired[slots]]
         if gone.size:
@@ -287,8 +304,25 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                 self.host_used -= gone.size * ns.block_bytes
 
     def _drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier) -> None:
-        """Forget rows' copies in a slot tier (freeing or retiring their slots)."""
+        """Forget rows' copies in a slot tier (freeing or retiring their slots). Rows are
+        distinct. With the C helper: two calls around the policy's on_remove."""
         cols = ns.table.cols
+        if _fast is not None:
+            rows = np.ascontiguousarray(rows, dtype=np.int64)
+            held = np.empty(rows.size, dtype=np.int64)
+            k = _fast.copy_slots(cols["copy_ver"], cols["slot"], rows, int(tier), held)
+            if k == 0:
+                return
+            self._tier_policy(ns, tier).on_remove(held[:k])
+            st = ns.slots[tier]
+            free = np.empty(rows.size, dtype=np.int64)
+            k = _fast.release_copies(cols["copy_ver"], cols["slot"], st.slot_row, st.leases,
+                                     st.retired, rows, int(tier), free)
+            if k:
+                st.pool.free(free[:k])
+                if tier is Tier.HOST:
+                    self.host_used -= k * ns.block_bytes
+            return
         has = rows[cols["copy_ver"][rows, tier] > 0]
         if has.size:
             self._free_slots(ns, tier, cols["slot"][has, tier].astype(np.int64))
@@ -321,6 +355,18 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             _refuse_zero_key(karr)
         return karr
 
+    def _put_keys(self, ns: Namespace, keys: Any) -> tuple[np.ndarray, bool]:
+        """A put's keys, checked (not empty, no all-zero key), and whether some key may be
+        repeated in the batch (exact without the C helper; with it, a hash collision also
+        says so, and the commit's exact path then finds no repeat)."""
+        karr = ns.table.keys_array(keys)
+        if karr.size == 0:
+            raise BadRequest("empty key batch; send at least one key")
+        zero, repeats = ns.table.key_flags(karr)
+        if zero:
+            _refuse_zero_key(karr)
+        return karr, repeats
+
     def reserve(self, namespace: str, keys: Any, parents: Any = None, tier: Tier = Tier.HOST,
                 owner: int = 0) -> Reservation:
         """Phase one of a put: fresh slots for each key, pinned until commit or abort.
@@ -348,7 +394,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
     def _reserve(self, namespace: str, keys: Any, parents: Any, tier: Tier,
                  owner: int) -> Reservation:
         ns = self.namespace(namespace)
-        karr = self._check_keys(ns, keys)
+        karr, repeats = self._put_keys(ns, keys)
         parr = None
         if parents is not None:
             parr = ns.table.keys_array(parents)
@@ -366,7 +412,8 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                 self._evict(ns, Tier.HOST, short)
         rid = self._new_id()
         res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
-                          slots, owner, time.monotonic() + self.settings.reserve_timeout)
+                          slots, owner, time.monotonic() + self.settings.reserve_timeout,
+                          repeats=repeats)
         self.reservations[rid] = res
         return res
 
@@ -403,7 +450,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             res = self._take_reservation(rid, owner)
             ns, tier, slots, karr = res.ns, res.tier, res.slots, res.keys
             # Within one batch, the last write of a key wins; earlier duplicates are dropped.
-            keep = _last_occurrences(ns.table, karr)
+            keep = _last_occurrences(ns.table, karr) if res.repeats else np.arange(karr.size)
             host_slots = None
             try:
                 given_sums = _trusted(checksums, karr.size)[keep] if trusted else None
@@ -465,31 +512,53 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         rows, created = table.insert(karr)
         for t in list(ns.slots):
             self._drop_copies(ns, rows, t)
-        if created.any():
+        if _fast is None and created.any():
             cols["version"][rows[created]] = table.version_floor
         # A row restart brought back (or the remote tier filled) holds a version of an earlier
         # run, which may have gone on past it unflushed: its next version is above them all.
-        cols["version"][rows] = np.maximum(cols["version"][rows],
-                                           np.uint64(self.epoch << EPOCH_BITS)) + np.uint64(1)
-        cols["leases"][rows] = 0          # readers of the old version hold old slots, not this
-        cols["size"][rows] = ns.block_bytes
-        cols["checksum"][rows] = sums
-        cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
-        self._touch(ns, rows)             # before the copies are placed: a policy counts from here
-        ver = cols["version"][rows]
-        if int(ver.max()) >= self.version_ceiling:
-            self._next_epoch(int(ver.max()))
-        self._set_copy(ns, rows, tier, slots, ver)
+        if _fast is not None:
+            top = self._install_native(ns, rows, created, tier, slots, sums)
+        else:
+            cols["version"][rows] = np.maximum(cols["version"][rows],
+                                               np.uint64(self.epoch << EPOCH_BITS)) + np.uint64(1)
+            cols["leases"][rows] = 0      # readers of the old version hold old slots, not this
+            cols["size"][rows] = ns.block_bytes
+            cols["checksum"][rows] = sums
+            cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
+            self._touch(ns, rows)         # before the copies are placed: a policy counts from here
+            top = int(cols["version"][rows].max())
+            self._set_copy(ns, rows, tier, slots, cols["version"][rows])
+        if top >= self.version_ceiling:
+            self._next_epoch(top)
         if host_slots is not None:
+            ver = cols["version"][rows]
             self._set_copy(ns, rows, Tier.HOST, host_slots, ver)
         if parents is not None:
-            zero = np.zeros(1, dtype=parents.dtype)[0]
-            has = parents != zero
-            prow = np.full(rows.size, -1, dtype=np.int64)
-            if has.any():
-                prow[has] = table.lookup(parents[has])
-            table.link(rows, prow)
+            # The all-zero parent (none) is never a row: puts refuse the zero key.
+            table.link(rows, table.lookup(parents))
         return rows
+
+    def _install_native(self, ns: Namespace, rows: np.ndarray, created: np.ndarray, tier: Tier,
+                        slots: np.ndarray, sums: np.ndarray) -> int:
+        """_install's columns in one C call: versions (above the floor for new rows, above
+        this run's epoch), readers reset, size, checksum, the COMMIT transition, the touch
+        (before the copies are placed: a policy counts from here) and the copy in tier; then
+        the policy is told. Returns the highest new version."""
+        c = ns.table.cols
+        st = ns.slots[tier]
+        n = rows.size
+        top = _fast.install_rows(
+            c["version"], c["leases"], c["size"], c["checksum"], c["state"], c["last_access"],
+            c["prev_access"], c["freq"], c["slot"], c["copy_ver"], st.slot_row, rows,
+            np.ascontiguousarray(created), np.ascontiguousarray(slots, dtype=np.int64),
+            np.ascontiguousarray(sums, dtype=np.uint64), transition_array(Event.COMMIT),
+            int(tier), ns.table.version_floor, self.epoch << EPOCH_BITS, self.clock,
+            ns.block_bytes)
+        if top < 0:
+            next_states(c["state"][rows], Event.COMMIT)      # raises IllegalTransition
+        self.clock += n
+        self._placed(ns, tier, rows, slots)
+        return top
 
     def _set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
                   versions: np.ndarray) -> None:
@@ -532,19 +601,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         with self.lock:
             ns = self.namespace(namespace)
             karr = ns.table.keys_array(keys)
-            rows = ns.table.lookup(karr)
-            cols = ns.table.cols
-            ok = rows >= 0
-            r = rows[ok]
-            ver = cols["version"][r, None]
-            local = [t for t in SERVE_ORDER if t is not Tier.REMOTE]
-            cur = (cols["copy_ver"][r][:, local] == ver).any(axis=1)
-            mem = np.zeros(karr.size, dtype=bool)
-            mem[ok] = (cols["copy_ver"][r][:, [Tier.HBM, Tier.HOST]] == ver).any(axis=1)
-            ok[ok] = cur & (cols["version"][r] > 0)
-            miss = np.flatnonzero(~ok)
-            n = int(miss[0]) if miss.size else int(ok.size)
-            below = n - int(mem[:n].sum())
+            n, below = ns.table.current_prefix(karr, _LOCAL_TIERS, _MEMORY_TIERS)
             if self.remote is not None and n < karr.size:
                 there = self.remote.exists_many(ns.name, [bytes(k) for k in karr[n:]])
                 gap = np.flatnonzero(~there)

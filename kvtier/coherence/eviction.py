@@ -16,9 +16,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.coherence.policies import POLICIES, TierPolicy, make_tier_policy
-from kvtier.coherence.states import BlockState, Event, next_states
+from kvtier.coherence.states import BlockState, Event, next_states, transition_array
 from kvtier.coherence.transfers import _to_numpy
 from kvtier.types import Tier, lower_tiers
+
+try:        # the C helper (setup.py builds it where a compiler is present); numpy otherwise
+    from kvtier.coherence import _fast
+except ImportError:
+    _fast = None
 
 if TYPE_CHECKING:
     from kvtier.coherence.namespace import Namespace
@@ -69,6 +74,9 @@ class Eviction:
                 if slots.size == 0:
                     break
                 rows = st.slot_row[slots]
+                if not lowers:             # the lowest tier: every victim can go as it is
+                    done += self._drop_victims(ns, tier, rows, lowers)
+                    continue
                 covered = self._covered(cols, rows, tier, lowers)
                 done += self._drop_victims(ns, tier, rows[covered], lowers)
                 slots, rows = slots[~covered], rows[~covered]
@@ -136,6 +144,19 @@ class Eviction:
     def _forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
         """Rows that no longer have any current copy lose their block (state LOST -> EMPTY)."""
         cols = ns.table.cols
+        if _fast is not None:
+            rows = np.ascontiguousarray(rows, dtype=np.int64)
+            drop = np.empty(rows.size, dtype=np.int64)
+            k = _fast.empty_rows(cols["version"], cols["copy_ver"], cols["state"],
+                                 cols["checksum"], cols["nvme_checksum"], rows,
+                                 transition_array(Event.LOST), int(Tier.NVME),
+                                 int(BlockState.CLEAN), drop)
+            if k < 0:
+                cur = cols["copy_ver"][rows] == cols["version"][rows, None]
+                next_states(cols["state"][rows[~cur.any(axis=1)]], Event.LOST)   # raises
+            if k > 0:
+                ns.table.remove(drop[:k])
+            return
         cur = cols["copy_ver"][rows] == cols["version"][rows, None]
         gone = rows[~cur.any(axis=1) & (cols["version"][rows] > 0)]
         if gone.size == 0:

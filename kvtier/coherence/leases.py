@@ -107,6 +107,8 @@ class Holds:
 
     def reap(self, now: float | None = None) -> int:
         """Expire reservations and leases past their deadline. Returns how many."""
+        if not self.reservations and not self.leases:
+            return 0                      # nothing held (reads of two dicts' sizes)
         now = time.monotonic() if now is None else now
         with self.lock:
             n = 0

@@ -83,6 +83,7 @@ class Reservation:
     owner: int
     deadline: float
     state: HoldState = HoldState.HELD
+    repeats: bool = True      # some key may occur twice (False: checked distinct at reserve)
 
 
 @dataclass(slots=True)

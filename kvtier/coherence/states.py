@@ -70,13 +70,19 @@ _NEXT: dict[Event, list[int]] = {
 _NEXT_ARRAYS: dict[Event, Any] = {}
 
 
-def next_states(states, event: Event):  # numpy uint8 array in, array out
-    """Batch next_state. Raises IllegalTransition if any row has no legal move."""
+def transition_array(event: Event):  # numpy uint8 array: [state] -> next state, 255 illegal
+    """TRANSITIONS for one event as an array indexed by state (ILLEGAL where there is no
+    move): what next_states and the C helpers (kvtier.coherence._fast) apply."""
     table = _NEXT_ARRAYS.get(event)
     if table is None:
         import numpy as np
         table = _NEXT_ARRAYS[event] = np.asarray(_NEXT[event], dtype=np.uint8)
-    out = table[states]
+    return table
+
+
+def next_states(states, event: Event):  # numpy uint8 array in, array out
+    """Batch next_state. Raises IllegalTransition if any row has no legal move."""
+    out = transition_array(event)[states]
     if out.size and out.max() == _ILLEGAL:
         bad = BlockState(int(states[(out == _ILLEGAL).argmax()]))
         raise IllegalTransition(f"no transition from {bad.name} on {event.value}")

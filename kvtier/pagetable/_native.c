@@ -26,13 +26,28 @@
  *       batch order; a row moving to another parent is detached first (O(siblings)).
  *   unlink_rows(parent, first_child, next_sib, rows)
  *       table.py's _unlink of each row: detached from its parent, its children orphaned.
- * These four replace per-block Python loops and ~10 numpy calls each per batch (issue 18:
+ *   remove_rows(index, keycol, width, parent, first_child, next_sib, version, rows,
+ *               free i64[m], nfree) -> (nfree', top)
+ *       table.py's remove of each distinct row: its index entry becomes a tombstone (the
+ *       hash computed from its key), it is unlinked as unlink_rows does, and it is pushed on
+ *       the free-row stack free[nfree:]; returns the new stack height and the highest version
+ *       among the rows (the table's version floor). Its columns are reset by reset_rows.
+ *   reset_rows(columns, fills, rows)
+ *       columns: a tuple of C-contiguous arrays whose first dimension is the row; fills: a
+ *       tuple of one row's bytes each; every listed row of every column is set to its fill.
+ *   current_prefix(index, keycol, width, keys, version, copy_ver, local_mask, mem_mask)
+ *       -> (n, below): Engine.lookup_prefix's local part in one pass (see the function).
+ *   key_flags(keys, width) -> bits: 1 an all-zero key, 2 two keys of one hash.
+ *   insert_keys(index, keycol, width, keys, free, nfree, n_rows, out_rows, out_created)
+ *       -> (n_rows', nfree', created): table.py's insert in one pass (see the function).
+ * These replace per-block Python loops and ~10 numpy calls each per batch (issue 18:
  * the replay spent most of its time there). None keeps a reference to its arguments;
  * hash_keys and lookup release the GIL over batches of 256 or more.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MIX1 0x9E3779B97F4A7C15ULL
@@ -60,6 +75,29 @@ static inline uint64_t hash_one(const uint8_t *key, Py_ssize_t width)
     h = (h ^ (h >> 30)) * MIX2;
     h = (h ^ (h >> 27)) * MIX3;
     return h ^ (h >> 31);
+}
+
+#define CORRUPT (-2)
+
+/* The row of key along its probe sequence: -1 when absent, CORRUPT when the index names a
+ * row past the key column (the index and the table disagree). */
+static inline int64_t probe_key(const int32_t *index, uint64_t mask, const uint8_t *keycol,
+                                Py_ssize_t rows, const uint8_t *key, Py_ssize_t width)
+{
+    uint64_t pos = hash_one(key, width) & mask;
+    for (uint64_t probes = 0; probes <= mask; probes++) {
+        int32_t r = index[pos];
+        if (r == EMPTY)
+            return -1;
+        if (r >= 0) {
+            if (r >= rows)
+                return CORRUPT;
+            if (memcmp(keycol + (Py_ssize_t)r * width, key, (size_t)width) == 0)
+                return r;
+        }
+        pos = (pos + 1) & mask;
+    }
+    return -1;
 }
 
 static int get_buffers(PyObject *const *args, Py_ssize_t nargs, const char *fmt_name,
@@ -150,26 +188,9 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int corrupt = 0;
     PyThreadState *ts = n >= NOGIL_BATCH ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n && !corrupt; i++) {
-        const uint8_t *key = keys + i * width;
-        uint64_t pos = hash_one(key, width) & mask;
-        int64_t found = -1;
-        for (Py_ssize_t probes = 0; probes < size; probes++) {
-            int32_t r = index[pos];
-            if (r == EMPTY)
-                break;
-            if (r >= 0) {
-                if (r >= rows) {
-                    corrupt = 1;
-                    break;
-                }
-                if (memcmp(keycol + (Py_ssize_t)r * width, key, (size_t)width) == 0) {
-                    found = r;
-                    break;
-                }
-            }
-            pos = (pos + 1) & mask;
-        }
-        out[i] = found;
+        int64_t found = probe_key(index, mask, keycol, rows, keys + i * width, width);
+        corrupt = found == CORRUPT;
+        out[i] = found < 0 ? -1 : found;
     }
     if (ts)
         PyEval_RestoreThread(ts);
@@ -291,6 +312,21 @@ static void detach(int32_t *parent, int32_t *first, int32_t *nxt, int64_t row)
     parent[row] = -1;
 }
 
+/* A row detached from its parent, its children orphaned (table.py's _unlink). */
+static void unlink_one(int32_t *parent, int32_t *first, int32_t *nxt, int64_t row)
+{
+    if (parent[row] >= 0)
+        detach(parent, first, nxt, row);
+    int32_t child = first[row];
+    while (child >= 0) {
+        int32_t following = nxt[child];
+        parent[child] = -1;
+        nxt[child] = -1;
+        child = following;
+    }
+    first[row] = -1;
+}
+
 /* link_rows and unlink_rows: parent, first_child, next_sib (int32 columns), then int64 rows
  * (and parents), every value checked to be a row of the columns. */
 static int get_link_args(PyObject *const *args, Py_ssize_t nargs, const char *name,
@@ -369,19 +405,355 @@ static PyObject *unlink_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_ssize_t n = b[3].len / 8;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = rows[i];
-        if (parent[row] >= 0)
-            detach(parent, first, nxt, row);
-        int32_t child = first[row];
-        while (child >= 0) {
-            int32_t following = nxt[child];
-            parent[child] = -1;
-            nxt[child] = -1;
-            child = following;
-        }
-        first[row] = -1;
+        unlink_one(parent, first, nxt, row);
     }
     release_buffers(b, 4, writable);
     Py_RETURN_NONE;
+}
+
+/* A small open-addressing set of rows, for the functions that take each row once. */
+typedef struct {
+    int64_t *slot;
+    uint64_t mask;
+} RowSet;
+
+static int rowset_init(RowSet *s, Py_ssize_t n)
+{
+    Py_ssize_t cap = 16;
+    while (cap < 2 * n)
+        cap *= 2;
+    s->slot = PyMem_Malloc((size_t)cap * sizeof(int64_t));
+    if (!s->slot) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(s->slot, 0xff, (size_t)cap * sizeof(int64_t));
+    s->mask = (uint64_t)cap - 1;
+    return 0;
+}
+
+/* 1 when row was added, 0 when it was there already. */
+static int rowset_add(RowSet *s, int64_t row)
+{
+    uint64_t at = ((uint64_t)row * MIX1) & s->mask;
+    while (s->slot[at] >= 0 && s->slot[at] != row)
+        at = (at + 1) & s->mask;
+    if (s->slot[at] == row)
+        return 0;
+    s->slot[at] = row;
+    return 1;
+}
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static PyObject *remove_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[10] = {1, 0, -1, 1, 1, 1, 0, 0, 1, -1};
+    static const Py_ssize_t isz[10] = {4, 1, 0, 4, 4, 4, 8, 8, 8, 0};
+    Py_buffer b[10];
+    if (get_buffers(args, nargs, "remove_rows", 10, b, writable) < 0
+            || whole_items(b, 10, isz, writable, "remove_rows") < 0)
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t nfree = PyLong_AsSsize_t(args[9]);
+    int32_t *index = b[0].buf, *parent = b[3].buf, *first = b[4].buf, *nxt = b[5].buf;
+    const uint8_t *keycol = b[1].buf;
+    const uint64_t *version = b[6].buf;
+    const int64_t *rows = b[7].buf;
+    int64_t *freelist = b[8].buf;
+    Py_ssize_t size = b[0].len / 4, nrows = b[3].len / 4, n = b[7].len / 8;
+    const char *bad = NULL;
+    if (width <= 0 || nfree < 0 || PyErr_Occurred())
+        bad = "width and the free count must be positive";
+    else if (size == 0 || (size & (size - 1)))
+        bad = "an index of power-of-two size";
+    else if (b[4].len != b[3].len || b[5].len != b[3].len || b[6].len / 8 < nrows
+             || b[1].len / width < nrows)
+        bad = "columns shorter than the rows";
+    else if (nfree + n > b[8].len / 8)
+        bad = "the free list has no room for the rows";
+    for (Py_ssize_t i = 0; i < n && !bad; i++)
+        if (rows[i] < 0 || rows[i] >= nrows)
+            bad = "a row outside the columns";
+    if (bad) {
+        release_buffers(b, 10, writable);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "remove_rows: %s", bad);
+        return NULL;
+    }
+    RowSet seen;
+    if (rowset_init(&seen, n) < 0) {
+        release_buffers(b, 10, writable);
+        return NULL;
+    }
+    uint64_t mask = (uint64_t)size - 1, top = 0;
+    Py_ssize_t k = nfree;
+    int missing = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t row = rows[i];
+        if (!rowset_add(&seen, row))
+            continue;
+        uint64_t pos = hash_one(keycol + row * width, width) & mask;
+        Py_ssize_t probes = 0;
+        while (index[pos] != (int32_t)row && index[pos] != EMPTY && ++probes < size)
+            pos = (pos + 1) & mask;
+        if (index[pos] != (int32_t)row) {
+            missing = 1;
+            break;
+        }
+        index[pos] = TOMBSTONE;
+        unlink_one(parent, first, nxt, row);
+        if (version[row] > top)
+            top = version[row];
+        freelist[k++] = row;
+    }
+    PyMem_Free(seen.slot);
+    /* Ascending on the stack, as table.py's numpy remove (np.unique) leaves them. */
+    qsort(freelist + nfree, (size_t)(k - nfree), sizeof(int64_t), cmp_i64);
+    release_buffers(b, 10, writable);
+    if (missing) {
+        PyErr_SetString(PyExc_RuntimeError, "remove_rows: a row is not in the index");
+        return NULL;
+    }
+    return Py_BuildValue("nK", k, (unsigned long long)top);
+}
+
+/* reset_rows(columns, fills, rows): each column's row set to its fill (one row's bytes). */
+static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])
+            || PyTuple_GET_SIZE(args[0]) != PyTuple_GET_SIZE(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "reset_rows(columns tuple, fills tuple, rows)");
+        return NULL;
+    }
+    Py_buffer rb;
+    if (PyObject_GetBuffer(args[2], &rb, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    const int64_t *rows = rb.buf;
+    Py_ssize_t n = rb.len / 8, ncols = PyTuple_GET_SIZE(args[0]);
+    for (Py_ssize_t c = 0; c < ncols; c++) {
+        Py_buffer cb, fb;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], c), &cb,
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&rb);
+            return NULL;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[1], c), &fb, PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&cb);
+            PyBuffer_Release(&rb);
+            return NULL;
+        }
+        Py_ssize_t cap = cb.ndim >= 1 ? cb.shape[0] : 0, row_bytes = fb.len;
+        int ok = cap > 0 && row_bytes > 0 && cb.len == cap * row_bytes;
+        for (Py_ssize_t i = 0; i < n && ok; i++)
+            ok = rows[i] >= 0 && rows[i] < cap;
+        if (ok) {
+            uint8_t *base = cb.buf;
+            for (Py_ssize_t i = 0; i < n; i++)
+                memcpy(base + rows[i] * row_bytes, fb.buf, (size_t)row_bytes);
+        }
+        PyBuffer_Release(&fb);
+        PyBuffer_Release(&cb);
+        if (!ok) {
+            PyBuffer_Release(&rb);
+            PyErr_SetString(PyExc_ValueError, "reset_rows: a fill is not one row of its "
+                            "column, or a row is outside it");
+            return NULL;
+        }
+    }
+    PyBuffer_Release(&rb);
+    Py_RETURN_NONE;
+}
+
+/* current_prefix(index, keycol, width, keys, version, copy_ver, local_mask, mem_mask)
+ *     -> (n, below): how many leading keys have a row whose version > 0 is held by a copy in
+ *     one of the tiers of local_mask (bit t: copy_ver column t), and how many of those n have
+ *     no such copy in the tiers of mem_mask. */
+static PyObject *current_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[8] = {0, 0, -1, 0, 0, 0, -1, -1};
+    Py_buffer b[8];
+    if (get_buffers(args, nargs, "current_prefix", 8, b, writable) < 0)
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    long local = PyLong_AsLong(args[6]), mem = PyLong_AsLong(args[7]);
+    Py_ssize_t size = b[0].len / 4, nrows = width > 0 ? b[1].len / width : 0;
+    Py_ssize_t ntiers = b[5].ndim == 2 ? b[5].shape[1] : 0;
+    if (PyErr_Occurred() || width <= 0 || b[3].len % width || size == 0 || (size & (size - 1))
+            || b[4].len / 8 < nrows || b[5].itemsize != 8 || ntiers <= 0
+            || b[5].shape[0] < nrows || ntiers > 16) {
+        release_buffers(b, 8, writable);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "current_prefix: see _native.c for the arrays");
+        return NULL;
+    }
+    const int32_t *index = b[0].buf;
+    const uint8_t *keycol = b[1].buf, *keys = b[3].buf;
+    const uint64_t *version = b[4].buf, *copy_ver = b[5].buf;
+    Py_ssize_t n = b[3].len / width, done = 0, below = 0;
+    uint64_t mask = (uint64_t)size - 1;
+    for (; done < n; done++) {
+        int64_t row = probe_key(index, mask, keycol, nrows, keys + done * width, width);
+        if (row < 0 || version[row] == 0)
+            break;
+        int cur = 0, in_mem = 0;
+        for (Py_ssize_t t = 0; t < ntiers; t++)
+            if (copy_ver[row * ntiers + t] == version[row]) {
+                cur |= (local >> t) & 1;
+                in_mem |= (mem >> t) & 1;
+            }
+        if (!cur)
+            break;
+        below += !in_mem;
+    }
+    release_buffers(b, 8, writable);
+    return Py_BuildValue("nn", done, below);
+}
+
+/* insert_keys(index, keycol, width, keys, free, nfree, n_rows, out_rows, out_created)
+ *     -> (n_rows', nfree', created): table.py's insert in one pass. Each key found along its
+ *     probe sequence gets its row; a missing one takes the top of the free-row stack (else
+ *     row n_rows, which grows), its key is written and its row stored at the first free or
+ *     tombstone position of its probe sequence, so that a repeat later in the batch finds it
+ *     (one row per distinct key, created marked at its first occurrence). The caller has made
+ *     room: the key column holds n_rows + len(keys) rows, the index stays at most half full,
+ *     and the rows past n_rows are already reset. */
+static PyObject *insert_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[9] = {1, 1, -1, 0, 0, -1, -1, 1, 1};
+    static const Py_ssize_t isz[9] = {4, 1, 0, 1, 8, 0, 0, 8, 1};
+    Py_buffer b[9];
+    if (get_buffers(args, nargs, "insert_keys", 9, b, writable) < 0
+            || whole_items(b, 9, isz, writable, "insert_keys") < 0)
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t nfree = PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[5]);
+    Py_ssize_t n_rows = PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[6]);
+    Py_ssize_t size = b[0].len / 4, n = width > 0 ? b[3].len / width : 0;
+    Py_ssize_t cap = width > 0 ? b[1].len / width : 0;
+    const char *bad = NULL;
+    if (PyErr_Occurred() || width <= 0 || nfree < 0 || n_rows < 0 || b[3].len % width)
+        bad = "width, nfree and n_rows must be positive; keys whole keys of width";
+    else if (size == 0 || (size & (size - 1)))
+        bad = "an index of power-of-two size";
+    else if (n_rows + n > cap || nfree > b[4].len / 8 || b[7].len / 8 < n || b[8].len < n)
+        bad = "no room made for the batch, or outputs shorter than the keys";
+    for (Py_ssize_t i = 0; i < nfree && !bad; i++)
+        if (((int64_t *)b[4].buf)[i] < 0 || ((int64_t *)b[4].buf)[i] >= n_rows)
+            bad = "a free row outside the table";
+    if (bad) {
+        release_buffers(b, 9, writable);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "insert_keys: %s", bad);
+        return NULL;
+    }
+    int32_t *index = b[0].buf;
+    uint8_t *keycol = b[1].buf;
+    const uint8_t *keys = b[3].buf;
+    const int64_t *freelist = b[4].buf;
+    int64_t *out = b[7].buf;
+    uint8_t *created = b[8].buf;
+    uint64_t mask = (uint64_t)size - 1;
+    Py_ssize_t made = 0;
+    int corrupt = 0;
+    for (Py_ssize_t i = 0; i < n && !corrupt; i++) {
+        const uint8_t *key = keys + i * width;
+        uint64_t pos = hash_one(key, width) & mask, spot = UINT64_MAX;
+        int64_t row = -1;
+        for (uint64_t probes = 0; probes <= mask; probes++) {
+            int32_t r = index[pos];
+            if (r == EMPTY) {
+                if (spot == UINT64_MAX)
+                    spot = pos;
+                break;
+            }
+            if (r == TOMBSTONE) {
+                if (spot == UINT64_MAX)
+                    spot = pos;
+            } else if (r >= n_rows) {
+                corrupt = 1;
+                break;
+            } else if (memcmp(keycol + (Py_ssize_t)r * width, key, (size_t)width) == 0) {
+                row = r;
+                break;
+            }
+            pos = (pos + 1) & mask;
+        }
+        created[i] = 0;
+        if (row < 0 && !corrupt) {
+            if (spot == UINT64_MAX) {
+                corrupt = 1;                       /* a full index: the caller made no room */
+                break;
+            }
+            row = nfree > 0 ? freelist[--nfree] : n_rows++;
+            memcpy(keycol + row * width, key, (size_t)width);
+            index[spot] = (int32_t)row;
+            created[i] = 1;
+            made++;
+        }
+        out[i] = row;
+    }
+    release_buffers(b, 9, writable);
+    if (corrupt) {
+        PyErr_SetString(PyExc_RuntimeError, "insert_keys: the index and the table disagree, "
+                        "or the index is full");
+        return NULL;
+    }
+    return Py_BuildValue("nnn", n_rows, nfree, made);
+}
+
+/* key_flags(keys, width) -> bits: 1 when some key is all zeros (reserved: it means "no
+ * parent"), 2 when two keys share a hash (a repeat, or a collision: the caller's exact path
+ * settles which). One pass over a batch, a small open-addressing set of the hashes. */
+static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[2] = {0, -1};
+    Py_buffer b[2];
+    if (get_buffers(args, nargs, "key_flags", 2, b, writable) < 0)
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
+    if (width <= 0 || PyErr_Occurred() || b[0].len % width) {
+        release_buffers(b, 2, writable);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "key_flags: whole keys of a positive width");
+        return NULL;
+    }
+    Py_ssize_t n = b[0].len / width, cap = 16;
+    while (cap < 2 * n)
+        cap *= 2;
+    uint64_t *set = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
+    uint8_t *used = PyMem_Calloc((size_t)cap, 1);
+    if (!set || !used) {
+        PyMem_Free(set);
+        PyMem_Free(used);
+        release_buffers(b, 2, writable);
+        return PyErr_NoMemory();
+    }
+    const uint8_t *keys = b[0].buf;
+    long flags = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *key = keys + i * width;
+        Py_ssize_t j = 0;
+        while (j < width && key[j] == 0)
+            j++;
+        if (j == width)
+            flags |= 1;
+        uint64_t h = hash_one(key, width), at = h & (uint64_t)(cap - 1);
+        while (used[at] && set[at] != h)
+            at = (at + 1) & (uint64_t)(cap - 1);
+        if (used[at])
+            flags |= 2;
+        used[at] = 1;
+        set[at] = h;
+    }
+    PyMem_Free(set);
+    PyMem_Free(used);
+    release_buffers(b, 2, writable);
+    return PyLong_FromLong(flags);
 }
 
 static PyMethodDef methods[] = {
@@ -397,6 +769,16 @@ static PyMethodDef methods[] = {
      "link_rows(parent, first_child, next_sib, rows, parents): table.py's link."},
     {"unlink_rows", (PyCFunction)(void (*)(void))unlink_rows, METH_FASTCALL,
      "unlink_rows(parent, first_child, next_sib, rows): table.py's _unlink of each row."},
+    {"remove_rows", (PyCFunction)(void (*)(void))remove_rows, METH_FASTCALL,
+     "remove_rows(index, keycol, width, parent, first, next, version, rows, free, nfree)."},
+    {"reset_rows", (PyCFunction)(void (*)(void))reset_rows, METH_FASTCALL,
+     "reset_rows(columns, fills, rows): each column's rows set to its fill."},
+    {"key_flags", (PyCFunction)(void (*)(void))key_flags, METH_FASTCALL,
+     "key_flags(keys, width) -> bits: 1 an all-zero key, 2 a repeated hash."},
+    {"insert_keys", (PyCFunction)(void (*)(void))insert_keys, METH_FASTCALL,
+     "insert_keys(index, keycol, width, keys, free, nfree, n_rows, rows, created)."},
+    {"current_prefix", (PyCFunction)(void (*)(void))current_prefix, METH_FASTCALL,
+     "current_prefix(index, keycol, width, keys, version, copy_ver, local, mem) -> (n, below)."},
     {NULL, NULL, 0, NULL},
 };
 

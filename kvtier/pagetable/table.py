@@ -111,6 +111,7 @@ class PageTable:
 
     def __init__(self, key_width: int, initial_rows: int = 1024) -> None:
         self.key_width = key_width
+        self._kdtype = np.dtype(f"V{key_width}")
         self._spec = _columns(key_width)
         self._fills = [(name, np.array(fill).astype(dtype) if fill else np.zeros((), dtype))
                        for name, (dtype, _shape, fill) in self._spec.items()]
@@ -121,7 +122,9 @@ class PageTable:
         # deleted or evicted from every tier starts above it, so that a version number once
         # handed out never names another block (coherence raises it across restarts too).
         self.version_floor = 0
-        self._free_rows: list[int] = []
+        # Rows removed and not yet handed out again: a stack (the last removed, first reused).
+        self._free = np.empty(256, dtype=np.int64)
+        self._nfree = 0
         self.cols: dict[str, np.ndarray] = {}
         self._grow(max(16, initial_rows))
         self._index = np.full(1024, EMPTY, dtype=np.int32)
@@ -149,18 +152,31 @@ class PageTable:
                 new[: self.n_rows] = old[: self.n_rows]
             self.cols[name] = new
         self.capacity = capacity
+        # One row's bytes of each column at its fill value, for _native.reset_rows.
+        self._row_fills = tuple(
+            np.full(shape, fill if fill else 0, dtype=dtype).tobytes() if dtype.kind != "V"
+            else bytes(dtype.itemsize * int(np.prod(shape)))
+            for name, (dtype, shape, fill) in self._spec.items())
+        self._col_tuple = tuple(self.cols[name] for name in self._spec)
 
-    def _reset_rows(self, rows: np.ndarray | slice) -> None:
+    def _reset_rows(self, rows: np.ndarray | slice, keys: bool = True) -> None:
+        if _native is not None and isinstance(rows, np.ndarray):
+            _native.reset_rows(self._col_tuple, self._row_fills,
+                               np.ascontiguousarray(rows, dtype=np.int64))
+            return
         cols = self.cols
         for name, fill in self._fills:
-            cols[name][rows] = fill
+            if keys or name != "key":
+                cols[name][rows] = fill
 
     # ------------------------------------------------------------------ hashing and probing
 
     def keys_array(self, keys: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
         """Packed keys (a buffer of n x key_width bytes) as a V{w} array, validated."""
+        if isinstance(keys, np.ndarray) and keys.dtype == self._kdtype and keys.ndim == 1:
+            return keys                   # the common case: a batch already in key form
         arr = np.frombuffer(keys, dtype=np.uint8) if not isinstance(keys, np.ndarray) else keys
-        if arr.dtype != np.dtype(f"V{self.key_width}"):
+        if arr.dtype != self._kdtype:
             arr = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
             if arr.size % self.key_width:
                 from kvtier.errors import BadRequest
@@ -298,6 +314,41 @@ class PageTable:
             return eq
         return same
 
+    def key_flags(self, karr: np.ndarray) -> tuple[bool, bool]:
+        """(some key is all zeros, some two keys may be equal): one C call with the helper;
+        the second is exact without it, and with it may be a hash collision (a caller that
+        sees it takes its exact path)."""
+        if _native is not None:
+            bits = _native.key_flags(np.ascontiguousarray(karr), self.key_width)
+            return bool(bits & 1), bool(bits & 2)
+        raw = karr.view(np.uint8).reshape(karr.size, -1)
+        return (not raw.any(axis=1).all(),
+                karr.size > 1 and bool(np.unique(raw, axis=0).shape[0] < karr.size))
+
+    def current_prefix(self, karr: np.ndarray, local: tuple[int, ...],
+                       memory: tuple[int, ...]) -> tuple[int, int]:
+        """(n, below): the n leading keys whose row has a version > 0 held by a copy in one
+        of the ``local`` tiers, and how many of those n have no such copy in ``memory``
+        tiers. One C call with the helper (a prefix match is per request, issue 18)."""
+        if _native is not None and self.live:
+            lm = sum(1 << int(t) for t in local)
+            mm = sum(1 << int(t) for t in memory)
+            return _native.current_prefix(self._index, self.cols["key"], self.key_width,
+                                          np.ascontiguousarray(karr), self.cols["version"],
+                                          self.cols["copy_ver"], lm, mm)
+        rows = self._rows_of(karr)
+        cols = self.cols
+        ok = rows >= 0
+        r = rows[ok]
+        ver = cols["version"][r, None]
+        cur = (cols["copy_ver"][r][:, list(local)] == ver).any(axis=1)
+        mem = np.zeros(karr.size, dtype=bool)
+        mem[ok] = (cols["copy_ver"][r][:, list(memory)] == ver).any(axis=1)
+        ok[ok] = cur & (cols["version"][r] > 0)
+        miss = np.flatnonzero(~ok)
+        n = int(miss[0]) if miss.size else int(ok.size)
+        return n, n - int(mem[:n].sum())
+
     def insert(self, keys: bytes | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows for a batch of keys, creating the missing ones. Returns (rows, created mask).
 
@@ -305,6 +356,8 @@ class PageTable:
         every copy absent; the caller fills them in.
         """
         karr = self.keys_array(keys)
+        if _native is not None:
+            return self._insert_native(karr)
         h = self._hash(karr)
         rows = self._rows_of(karr, h)
         created = np.zeros(rows.size, dtype=bool)
@@ -320,7 +373,11 @@ class PageTable:
         else:
             _, first, inverse = np.unique(mk.view(np.uint8).reshape(-1, self.key_width),
                                           axis=0, return_index=True, return_inverse=True)
-            inverse = inverse.reshape(-1)
+            # New rows in order of first occurrence, as the C helper hands them out.
+            order = np.argsort(first, kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            first, inverse = first[order], rank[inverse.reshape(-1)]
         # Grow the index before the new rows exist, so that a rebuild does not index them twice.
         self._ensure_index_room(first.size)
         new_rows = self._alloc_rows(first.size)
@@ -331,9 +388,30 @@ class PageTable:
         self.live += first.size
         return rows, created
 
+    def _insert_native(self, karr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """insert with the C helper: room for the whole batch made first (index, columns, the
+        fresh rows reset), then one pass."""
+        n = karr.shape[0]
+        self._ensure_index_room(n)
+        if self.n_rows + n > self.capacity:
+            cap = self.capacity
+            while self.n_rows + n > cap:
+                cap *= 2
+            self._grow(cap)
+        rows = np.empty(n, dtype=np.int64)
+        created = np.empty(n, dtype=bool)
+        old = self.n_rows
+        self.n_rows, self._nfree, made = _native.insert_keys(
+            self._index, self.cols["key"], self.key_width, np.ascontiguousarray(karr),
+            self._free, self._nfree, self.n_rows, rows, created)
+        if self.n_rows > old:             # fresh rows: every column but the keys just written
+            self._reset_rows(slice(old, self.n_rows), keys=False)
+        self._index_used += made
+        self.live += made
+        return rows, created
+
     def _alloc_rows(self, n: int) -> np.ndarray:
-        take = min(n, len(self._free_rows))
-        reused = [self._free_rows.pop() for _ in range(take)]
+        take = min(n, self._nfree)
         fresh = n - take
         if self.n_rows + fresh > self.capacity:
             cap = self.capacity
@@ -341,11 +419,22 @@ class PageTable:
                 cap *= 2
             self._grow(cap)
         out = np.empty(n, dtype=np.int64)
-        out[:take] = reused
-        out[take:] = np.arange(self.n_rows, self.n_rows + fresh)
-        self._reset_rows(slice(self.n_rows, self.n_rows + fresh))
-        self.n_rows += fresh
+        out[:take] = self._free[self._nfree - take:self._nfree][::-1]   # last removed first
+        self._nfree -= take
+        if fresh:
+            out[take:] = np.arange(self.n_rows, self.n_rows + fresh)
+            self._reset_rows(slice(self.n_rows, self.n_rows + fresh))
+            self.n_rows += fresh
         return out
+
+    def _free_room(self, extra: int) -> None:
+        if self._nfree + extra > self._free.size:
+            size = self._free.size
+            while self._nfree + extra > size:
+                size *= 2
+            grown = np.empty(size, dtype=np.int64)
+            grown[: self._nfree] = self._free[: self._nfree]
+            self._free = grown
 
     def _ensure_index_room(self, extra: int) -> None:
         need = self._index_used + extra
@@ -385,23 +474,32 @@ class PageTable:
         self._index_used += rows.size
 
     def remove(self, rows: np.ndarray) -> None:
-        """Forget rows entirely: index entry, chain links and columns. Rows must be live."""
-        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        """Forget rows entirely: index entry, chain links and columns. Rows must be live; a
+        row listed twice is removed once. With the C helper: two calls (remove_rows, then
+        reset_rows), whatever the batch."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
         if rows.size == 0:
             return
-        self.version_floor = max(self.version_floor, int(self.cols["version"][rows].max()))
-        karr = self.cols["key"][rows]
-        h = self._hash(karr)
         if _native is not None:
-            _native.index_remove(self._index, rows, h)
             c = self.cols
-            _native.unlink_rows(c["parent"], c["first_child"], c["next_sib"], rows)
-        else:
-            self._index_remove(rows, h)
-            for row in rows.tolist():
-                self._unlink(row)
+            self._free_room(rows.size)
+            before = self._nfree
+            self._nfree, top = _native.remove_rows(
+                self._index, c["key"], self.key_width, c["parent"], c["first_child"],
+                c["next_sib"], c["version"], rows, self._free, before)
+            self.version_floor = max(self.version_floor, top)
+            self._reset_rows(rows)
+            self.live -= self._nfree - before
+            return
+        rows = np.unique(rows)
+        self.version_floor = max(self.version_floor, int(self.cols["version"][rows].max()))
+        self._index_remove(rows, self._hash(self.cols["key"][rows]))
+        for row in rows.tolist():
+            self._unlink(row)
         self._reset_rows(rows)
-        self._free_rows.extend(rows.tolist())
+        self._free_room(rows.size)
+        self._free[self._nfree:self._nfree + rows.size] = rows
+        self._nfree += rows.size
         self.live -= rows.size
 
     def _index_remove(self, rows: np.ndarray, h: np.ndarray) -> None:
@@ -419,8 +517,7 @@ class PageTable:
     def live_rows(self) -> np.ndarray:
         """Rows in use (key present in the index), ascending."""
         used = np.ones(self.n_rows, dtype=bool)
-        if self._free_rows:
-            used[np.asarray(self._free_rows, dtype=np.int64)] = False
+        used[self._free[: self._nfree]] = False
         return np.flatnonzero(used)
 
     # ------------------------------------------------------------------ chain links
