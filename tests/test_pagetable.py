@@ -141,14 +141,19 @@ def _random_table_ops(t: PageTable, seed: int) -> list:
     return seen
 
 
+def _c_and_numpy_agree(monkeypatch, steps, seed: int) -> None:
+    """steps(table, seed) returns what it saw: the same with and without the C helpers."""
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    with_c = steps(PageTable(16), seed)
+    monkeypatch.setattr(table, "_native", None)
+    assert steps(PageTable(16), seed) == with_c
+
+
 def test_c_helper_links_and_removes_exactly_as_numpy_does(monkeypatch):
     # link_rows, unlink_rows, index_insert and index_remove (kvtier.pagetable._native) must
     # leave the chain links, children order and index the numpy code leaves.
-    if table._native is None:
-        pytest.skip("kvtier.pagetable._native was not built here")
-    with_c = _random_table_ops(PageTable(16), 7)
-    monkeypatch.setattr(table, "_native", None)
-    assert _random_table_ops(PageTable(16), 7) == with_c
+    _c_and_numpy_agree(monkeypatch, _random_table_ops, 7)
 
 
 def _removes_and_prefixes(t: PageTable, seed: int) -> list:
@@ -176,11 +181,7 @@ def _removes_and_prefixes(t: PageTable, seed: int) -> list:
 def test_c_remove_and_prefix_match_leave_what_numpy_leaves(monkeypatch):
     # remove_rows + reset_rows (row reuse order, index, links, version floor) and
     # current_prefix (kvtier.pagetable._native) against the numpy code on the same steps.
-    if table._native is None:
-        pytest.skip("kvtier.pagetable._native was not built here")
-    with_c = _removes_and_prefixes(PageTable(16), 11)
-    monkeypatch.setattr(table, "_native", None)
-    assert _removes_and_prefixes(PageTable(16), 11) == with_c
+    _c_and_numpy_agree(monkeypatch, _removes_and_prefixes, 11)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c-helper", "numpy"])
