@@ -200,3 +200,22 @@ def test_key_flags_name_a_zero_key_and_a_repeat(native: bool, monkeypatch):
     assert flags([4, 0, 5]) == (True, False)
     assert flags([0, 0]) == (True, True)
     assert flags([7]) == (False, False)
+
+
+def test_c_insert_refuses_a_free_row_outside_the_table_and_writes_nothing():
+    # insert_keys checks the rows it may hand out (the top of the free stack) before it writes
+    # a key: a corrupt entry there is refused whole, the index and key column left as they were.
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    t = PageTable(16)
+    raw = np.zeros((8, 2), dtype=">u8")
+    raw[:, 1] = np.arange(1, 9)
+    rows, _ = t.insert(raw.tobytes())
+    t.remove(rows[:4])
+    t._free[t._nfree - 1] = t.n_rows + 100          # the row the next insert would take
+    index, keycol = t._index.copy(), t.cols["key"].copy()
+    new = np.zeros((2, 2), dtype=">u8")
+    new[:, 1] = [100, 101]
+    with pytest.raises(ValueError, match="free row outside the table"):
+        t.insert(new.tobytes())
+    assert np.array_equal(t._index, index) and np.array_equal(t.cols["key"], keycol)
