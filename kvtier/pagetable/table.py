@@ -393,11 +393,7 @@ class PageTable:
         fresh rows reset), then one pass."""
         n = karr.shape[0]
         self._ensure_index_room(n)
-        if self.n_rows + n > self.capacity:
-            cap = self.capacity
-            while self.n_rows + n > cap:
-                cap *= 2
-            self._grow(cap)
+        self._room_for_rows(n)
         rows = np.empty(n, dtype=np.int64)
         created = np.empty(n, dtype=bool)
         old = self.n_rows
@@ -413,11 +409,7 @@ class PageTable:
     def _alloc_rows(self, n: int) -> np.ndarray:
         take = min(n, self._nfree)
         fresh = n - take
-        if self.n_rows + fresh > self.capacity:
-            cap = self.capacity
-            while self.n_rows + fresh > cap:
-                cap *= 2
-            self._grow(cap)
+        self._room_for_rows(fresh)
         out = np.empty(n, dtype=np.int64)
         out[:take] = self._free[self._nfree - take:self._nfree][::-1]   # last removed first
         self._nfree -= take
@@ -426,6 +418,14 @@ class PageTable:
             self._reset_rows(slice(self.n_rows, self.n_rows + fresh))
             self.n_rows += fresh
         return out
+
+    def _room_for_rows(self, fresh: int) -> None:
+        """Columns for fresh more rows past n_rows, doubling the capacity as often as needed."""
+        if self.n_rows + fresh > self.capacity:
+            cap = self.capacity
+            while self.n_rows + fresh > cap:
+                cap *= 2
+            self._grow(cap)
 
     def _free_room(self, extra: int) -> None:
         if self._nfree + extra > self._free.size:
