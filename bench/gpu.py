@@ -500,6 +500,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--quick", action="store_true", help="3 repetitions")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cases", default="", help="comma-separated subset of the cases (rows2m, "
+                    "layers, rows64k, rows16k, diagnosis, single, hbm); default: all")
     args = ap.parse_args()
     reps = 3 if args.quick else args.reps
     m = header("bench/gpu.py")
@@ -534,6 +536,13 @@ def main() -> None:
              ("diagnosis", lambda c: copy_engine_diagnosis(c, reps, out)),
              ("single", lambda c: single_get(c, reps)),
              ("hbm", lambda c: hbm_case(c, reps, out, 1024))]
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = set(wanted) - {name for name, _case in cases}
+        if unknown:
+            raise SystemExit(f"unknown cases {sorted(unknown)}; known: "
+                             f"{', '.join(name for name, _case in cases)}")
+        cases = [(name, case) for name, case in cases if name in wanted]
     try:
         with kvtier.Client(str(svc.socket), timeout=300) as c:
             for name, case in cases:
