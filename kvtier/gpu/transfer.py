@@ -296,7 +296,8 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
             else:
                 replies.append((rep, lo))
         extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
-        found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra)
+        parts = pipeline.ramp(n) if tier == "hbm" and mover.policy.device_ramp else None
+        found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra, parts)
         try:
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
@@ -328,6 +329,28 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
 _events: dict[tuple[int, int], Any] = {}
 
 
+class _Current:
+    """A context that makes nothing current (the device already is)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_CURRENT = _Current()
+
+
+def _on(device: int) -> Any:
+    """cupy.cuda.Device(device) as a context, or nothing where it is current already (a
+    device switch and back is ~1 us a call on the H200 host)."""
+    import cupy
+    if cupy.cuda.runtime.getDevice() == device:
+        return _CURRENT
+    return cupy.cuda.Device(device)
+
+
 def get_one(ns: "Namespace", kb: bytes, out: Any, rows: np.ndarray | None) -> np.ndarray | None:
     """The blocking get of one block from the host tier into CUDA memory on torch's current
     stream, the latency case: the request goes out first and the copy's set-up is done while
@@ -335,21 +358,23 @@ def get_one(ns: "Namespace", kb: bytes, out: Any, rows: np.ndarray | None) -> np
     for that stream (reused: nothing else waits on it), then the lease ends (piggybacked on
     the next request). The found mask; None (nothing sent) where the general path must run."""
     import cupy
-    poll(ns)
+    if ns._inflight:
+        poll(ns)
     c = ns._client
     c._ensure()
-    table, _groups, dst_rows = _target(ns, out, rows, 1, None)
+    table = target_table(out, ns.block_bytes)
+    row = 0 if rows is None and table.num_blocks else int(check_rows(
+        np.zeros(1, np.int64) if rows is None else rows, 1, table.num_blocks)[0])
     seg = ns._gpu("host")
     if len(seg.ranges) != 1 or table.pages > policy().small_batch_copies:
         return None
-    rid = c._send("get", {"ns": ns.name, "keys": kb, "tier": "host"})
-    with cupy.cuda.Device(table.device):
-        st = Stream.resolve(None, table.device)
-        ev = _events.get((table.device, st.ptr))
+    rid = c._send("get", {"ns": ns.name, "keys": kb})
+    dev = table.device
+    with _on(dev):
+        st = Stream.resolve(None, dev)
+        ev = _events.get((dev, st.ptr))
         if ev is None:
-            ev = _events[(table.device, st.ptr)] = cupy.cuda.Event(block=False,
-                                                                   disable_timing=True)
-        row = int(dst_rows[0])
+            ev = _events[(dev, st.ptr)] = cupy.cuda.Event(block=False, disable_timing=True)
         r = c._reply(rid)
         found = bool(r["found"][0])
         try:
