@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 from bench.common import emit, header  # noqa: E402
 
 
-def timed(fn, n: int = 20000) -> float:
+def timed(fn, n: int = 5000) -> float:
     ts = np.empty(n)
     for i in range(n):
         t0 = time.perf_counter_ns()
@@ -72,7 +72,7 @@ def in_process() -> dict:
     async def in_loop() -> float:
         # The service's loop runs what a reply deferred (call_soon) before the next frame:
         # here after each timed dispatch, outside the timing.
-        ts = np.empty(20000)
+        ts = np.empty(5000)
         for i in range(ts.size):
             t0 = time.perf_counter_ns()
             dispatch(i)
@@ -124,6 +124,78 @@ def in_process() -> dict:
     # pure Python speed: a loop of 1,000 additions
     out["py_loop_1000_us"] = timed(lambda i: sum(range(1000)), 5000)
     out["os_getppid_us"] = timed(lambda i: os.getppid())
+    eng.close(flush=False)
+    return out
+
+
+def batch(n: int = 4096, rounds: int = 30) -> dict:
+    """A 4,096-key rewrite's reserve and commit (trusted checksums, as a CUDA put sends) and
+    a 4,096-key resident get: the engine alone, then the service's dispatch of the same
+    requests in its loop (with its thread hop), then msgpack's share."""
+    from kvtier.api import protocol as P
+    from kvtier.api.quota import ClientInfo
+    from kvtier.api.server import Server
+    from kvtier.coherence.engine import Engine
+    from kvtier.config import make_settings
+    d = tempfile.mkdtemp(prefix="kvtier-split-")
+    s = make_settings({"data_dir": d, "host_capacity": "512MiB", "nvme_capacity": "0"})
+    eng = Engine(s)
+    eng.create_namespace("b", 16384, 16, None)
+    kb = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
+    sums = np.random.default_rng(1).integers(0, 2**63, n, dtype=np.uint64)
+    eng.put("b", kb, np.zeros((n, 16384), np.uint8))
+    srv = Server(eng, s)
+    cl = ClientInfo(1, 1, 0)
+    out: dict = {}
+
+    def med(fn) -> float:
+        ts = []
+        for _ in range(rounds):
+            t0 = time.perf_counter_ns()
+            fn()
+            ts.append(time.perf_counter_ns() - t0)
+        return round(float(np.median(ts)) / 1e3, 1)
+    t_res, t_com = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        rid = eng.reserve("b", kb, None).rid
+        t1 = time.perf_counter_ns()
+        eng.commit(rid, 0, sums, True)
+        t_com.append(time.perf_counter_ns() - t1)
+        t_res.append(t1 - t0)
+    out["batch_engine_reserve_us"] = round(float(np.median(t_res)) / 1e3, 1)
+    out["batch_engine_commit_us"] = round(float(np.median(t_com)) / 1e3, 1)
+    out["batch_engine_get_release_us"] = med(lambda: eng.release_many([eng.try_get("b", kb).lease_id]))
+
+    async def service() -> None:
+        async def call(body: dict) -> dict:
+            r = srv._dispatch(cl, P.pack(body)[4:])
+            if not isinstance(r, tuple):
+                r = await r
+            P.pack(r[0])
+            return r[0]
+        t_res, t_com, t_get = [], [], []
+        for i in range(rounds):
+            t0 = time.perf_counter_ns()
+            r = await call({"id": i, "op": "reserve", "ns": "b", "keys": kb})
+            t1 = time.perf_counter_ns()
+            await call({"id": i, "op": "commit", "rid": r["rid"], "checksums": sums.tobytes(),
+                        "trusted": True})
+            t2 = time.perf_counter_ns()
+            g = await call({"id": i, "op": "get", "ns": "b", "keys": kb})
+            t3 = time.perf_counter_ns()
+            await call({"id": i, "op": "release", "lease": g["lease"]})
+            t_res.append(t1 - t0)
+            t_com.append(t2 - t1)
+            t_get.append(t3 - t2)
+        out["batch_dispatch_reserve_us"] = round(float(np.median(t_res)) / 1e3, 1)
+        out["batch_dispatch_commit_us"] = round(float(np.median(t_com)) / 1e3, 1)
+        out["batch_dispatch_get_us"] = round(float(np.median(t_get)) / 1e3, 1)
+    asyncio.run(service())
+    body = {"id": 1, "op": "commit", "rid": 5, "checksums": sums.tobytes(), "trusted": True}
+    packed = P.pack(body)
+    out["batch_pack_commit_us"] = med(lambda: P.pack(body))
+    out["batch_unpack_commit_us"] = med(lambda: P.unpack(packed[4:]))
     eng.close(flush=False)
     return out
 
@@ -259,7 +331,7 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true")
     args = ap.parse_args()
     m = header("bench/single_split.py")
-    out = {**in_process(), **transport()}
+    out = {**in_process(), **transport(), **batch()}
     if args.cuda:
         import torch
         torch.cuda.init()
