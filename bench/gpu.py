@@ -480,7 +480,6 @@ def hbm_case(c, reps: int, ceil: dict, n: int) -> dict:
     from kvtier.gpu.plan import TransferPolicy
     variants = {}
     for name, pol in (("copy_engines_batched", TransferPolicy(device_copy_engines=True)),
-                      ("pages_kernel", TransferPolicy(device_items_kernel=False)),
                       ("one_request", TransferPolicy(device_ramp=False)),
                       ("copy_engines_per_call", TransferPolicy(device_copy_engines=True,
                                                                batch_copies=0))):

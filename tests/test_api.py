@@ -220,6 +220,31 @@ def test_typed_errors_for_bad_requests(service):
         assert c.namespace("m").get(keys([1]))[0].all()
 
 
+def test_single_key_get_answers_as_the_batch_get_and_its_piggybacked_releases_end(service):
+    # A one-key resident get takes the server's short path: its reply carries the same fields
+    # as a batch get's, and the releases it carries end (after its reply) before the next
+    # request is read: stats, the next request, sees only the lease the get made.
+    with kvtier.Client(service.socket) as c:
+        ns = c.namespace("one", block_bytes=BB)
+        ns.put(keys(range(2)), blocks(2, BB))
+        one = c._call("get", ns="one", keys=keys([0]))
+        both = c._call("get", ns="one", keys=keys([0, 99]))
+        assert one["found"] == b"\x01" and both["found"] == b"\x01\x00"
+        assert one["slots"] == both["slots"][:4]
+        assert one["versions"] == both["versions"][:8]
+        assert one["checksums"] == both["checksums"][:8]
+        c._call("release", lease=both["lease"])
+        c._release_later(one["lease"])
+        nxt = c._call("get", ns="one", keys=keys([1]))   # carries one's release
+        assert nxt["found"] == b"\x01"
+        assert c.stats()["leases"] == 1
+        c._release_later(nxt["lease"])
+        c._release_later(one["lease"])                   # twice: counted, nothing else
+        assert c._call("get", ns="one", keys=keys([1]))["found"] == b"\x01"
+        assert c.stats()["leases"] == 1
+        assert c.release_errors == 0
+
+
 def test_expired_lease_is_reclaimed_and_its_release_refused(tmp_path: Path):
     svc = Service(tmp_path / "svc", lease_timeout=0.2).start()
     try:

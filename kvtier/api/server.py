@@ -415,6 +415,10 @@ class Server:
                 return self._get_reply(client, name, keys, res, inline)
             if not done:
                 return self._get_waiting(client, name, keys, inline)
+        else:
+            done, res = self._fast(self.engine.try_get_resident, name, keys, client.cid, tier)
+            if done and res is not None:
+                return self._get_reply(client, name, keys, res, inline)
         return self._get_slow(client, name, keys, inline, tier, P.arg(req, "device", int, None))
 
     def _get_one_resident(self, client: ClientInfo, name: str, keys: bytes

@@ -107,6 +107,31 @@ class FastPath:
         return GetResult(_TRUE.copy(), np.array([slot], dtype=np.int32), versions.copy(),
                          np.array([cols["checksum"][row]], dtype=np.uint64), lid, tier)
 
+    def try_get_resident(self, namespace: str, keys: bytes, owner: int,
+                         tier: Tier) -> GetResult | None:
+        """A get whose every block is found and current in tier, leased (takes the lock);
+        None, with nothing changed, for anything else. The server answers HBM-tier gets so on
+        its loop: the general get may copy host blocks up to the GPU, so it runs on a thread,
+        and on the H200 host that hop cost each request ~0.1 ms (a 1,024-block HBM get's
+        control was a quarter of its time)."""
+        with self.lock:
+            ns = self.namespace(namespace)
+            if tier not in ns.slots:
+                return None
+            karr = ns.table.keys_array(keys)
+            if karr.size == 0:
+                return None
+            rows = ns.table.lookup(karr)
+            if _fast is not None:
+                return self._lease_native(ns, rows, owner, tier)
+            cols = ns.table.cols
+            if not (rows >= 0).all():
+                return None
+            ver = cols["version"][rows]
+            if not (ver.all() and (cols["copy_ver"][rows, tier] == ver).all()):
+                return None
+            return self._lease_resident(ns, rows, ver, owner, tier)
+
     def _lease_resident(self, ns: Namespace, rows: np.ndarray, versions: np.ndarray,
                         owner: int, tier: Tier) -> GetResult:
         """Lease rows (all found, all current in tier; versions = their versions)."""
