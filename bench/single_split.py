@@ -165,7 +165,8 @@ def batch(n: int = 4096, rounds: int = 30) -> dict:
         t_res.append(t1 - t0)
     out["batch_engine_reserve_us"] = round(float(np.median(t_res)) / 1e3, 1)
     out["batch_engine_commit_us"] = round(float(np.median(t_com)) / 1e3, 1)
-    out["batch_engine_get_release_us"] = med(lambda: eng.release_many([eng.try_get("b", kb).lease_id]))
+    out["batch_engine_get_release_us"] = med(
+        lambda: eng.release_many([eng.try_get("b", kb).lease_id]))
 
     async def service() -> None:
         async def call(body: dict) -> dict:
@@ -255,8 +256,8 @@ def service(cuda: bool, n: int = 3000) -> dict:
             for _ in range(2):
                 out["ping_us"] = timed(lambda i: c.ping(), n)
                 out["host_get_us"] = timed(lambda i: ns.get(keys[i % 64], out=host), n)
-                out["raw_get_call_us"] = timed(
-                    lambda i: c._release_later(c._call("get", ns="p", keys=keys[i % 64])["lease"]), n)
+                out["raw_get_call_us"] = timed(lambda i: c._release_later(
+                    c._call("get", ns="p", keys=keys[i % 64])["lease"]), n)
             if cuda:
                 import torch
                 dev = torch.empty(1, 65536, dtype=torch.uint8, device="cuda")
