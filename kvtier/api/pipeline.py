@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from kvtier.api.client import GetReply, Namespace
 
 CHUNK = 1024
-RAMP_FIRST = 64
 # Puts from CUDA tensors are cut far less: each chunk's reserve and commit are requests that
 # the service answers one after the other, and a commit of 1,024 keys costs most of what one of
 # 4,096 does, while the scatter that chunks overlap is short. On the H200 once commits were
@@ -80,33 +79,17 @@ def chunks(n: int, size: int | None = None) -> list[tuple[int, int]]:
     return [(0, first)] + [(lo, min(lo + size, n)) for lo in range(first, n, size)]
 
 
-def ramp(n: int, first: int = RAMP_FIRST, factor: int = 4) -> list[tuple[int, int]]:
-    """[lo, hi) ranges covering n keys that grow by factor from first keys: each chunk's
-    control step (about a fixed cost plus a share per key) then runs while the chunk before
-    it moves, and the first move starts after a short one. For device-to-device gets (the
-    HBM tier), whose copies are about as short as their control step: H200 run 13, 1,024 x
-    2 MiB from HBM, 0.50 ms of get and release against 1.7 ms of copying, one after the
-    other as one request."""
-    out, lo, size = [], 0, first
-    while lo < n:
-        hi = n if n - lo <= 2 * size else lo + size
-        out.append((lo, hi))
-        lo, size = hi, size * factor
-    return out
-
-
 def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", int], None],
-          extra: dict[str, Any] | None = None, parts: list[tuple[int, int]] | None = None
+          extra: dict[str, Any] | None = None
           ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
-    """Lease keys' blocks chunk by chunk (parts, default chunks(n)), calling on_reply(reply,
-    lo) as each reply arrives (until something fails). Every reply is read, so no lease is
-    left unknown. Returns (found mask, leases, the first failure or None, whether on_reply was
-    called at all); the caller ends the leases once nothing started by on_reply reads their
-    slots."""
+    """Lease keys' blocks chunk by chunk, calling on_reply(reply, lo) as each reply arrives
+    (until something fails). Every reply is read, so no lease is left unknown. Returns (found
+    mask, leases, the first failure or None, whether on_reply was called at all); the caller
+    ends the leases once nothing started by on_reply reads their slots."""
     from kvtier.api.client import GetReply
     c = ns._client
     w = ns.key_width
-    parts = parts or chunks(n)
+    parts = chunks(n)
     last = len(parts) - 1
     ids = [c._send("get", {"ns": ns.name, "keys": kb[lo * w:hi * w], **(extra or {})},
                    piggyback=i == last)

@@ -53,15 +53,16 @@ def target_table(target: Any, block_bytes: int) -> PageTable:
     """The PageTable of a CUDA tensor of whole rows, or of CUDA Pages (plan.py). Remembered by
     addresses and sizes (an engine passes the same cache every step; the table is a pure
     function of them)."""
-    from kvtier.api.layouts import Pages
     key: tuple = ()
-    if isinstance(target, Pages):
-        if all(is_cuda_tensor(v) for v in target.views):
+    if is_cuda_tensor(target):            # first: a single-block get asks every call
+        if target.is_contiguous():
+            key = (block_bytes, target.data_ptr(), target.numel() * target.element_size(),
+                   target.get_device())
+    else:
+        from kvtier.api.layouts import Pages
+        if isinstance(target, Pages) and all(is_cuda_tensor(v) for v in target.views):
             key = (block_bytes, target.num_blocks,
                    *((v.data_ptr(), v.stride(0), v.shape[1]) for v in target.views))
-    elif is_cuda_tensor(target) and target.is_contiguous():
-        key = (block_bytes, target.data_ptr(), target.numel() * target.element_size(),
-               target.device.index)
     table = _tables.get(key) if key else None
     if table is None:
         table = _table(target, block_bytes)

@@ -54,7 +54,6 @@ class TransferPolicy:
     staged: bool = True               # host->GPU kernel moves through device staging
     batch_copies: int = 128           # copies per cuMemcpyBatchAsync call; 0: one call each
     device_copy_engines: bool = False  # HBM-tier pages >= copy_engine_bytes by copy engines
-    device_ramp: bool = True          # HBM-tier gets in growing chunks (pipeline.ramp)
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0

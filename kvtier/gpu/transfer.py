@@ -296,8 +296,7 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
             else:
                 replies.append((rep, lo))
         extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
-        parts = pipeline.ramp(n) if tier == "hbm" and mover.policy.device_ramp else None
-        found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra, parts)
+        found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra)
         try:
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
