@@ -480,6 +480,7 @@ def hbm_case(c, reps: int, ceil: dict, n: int) -> dict:
     from kvtier.gpu.plan import TransferPolicy
     variants = {}
     for name, pol in (("copy_engines_batched", TransferPolicy(device_copy_engines=True)),
+                      ("pages_kernel", TransferPolicy(device_items_kernel=False)),
                       ("kernel_blocks_132", TransferPolicy(device_kernel_blocks=132)),
                       ("kernel_blocks_528", TransferPolicy(device_kernel_blocks=528)),
                       ("copy_engines_per_call", TransferPolicy(device_copy_engines=True,

@@ -222,8 +222,8 @@ def test_typed_errors_for_bad_requests(service):
 
 def test_single_key_get_answers_as_the_batch_get_and_its_piggybacked_releases_end(service):
     # A one-key resident get takes the server's short path: its reply carries the same fields
-    # as a batch get's, and the releases it carries end (after its reply) before the next
-    # request is read: stats, the next request, sees only the lease the get made.
+    # as a batch get's, and the releases a resident get carries end (after its reply) before
+    # the next request is read: stats, the next request, sees only the lease the get made.
     with kvtier.Client(service.socket) as c:
         ns = c.namespace("one", block_bytes=BB)
         ns.put(keys(range(2)), blocks(2, BB))
@@ -240,7 +240,12 @@ def test_single_key_get_answers_as_the_batch_get_and_its_piggybacked_releases_en
         assert c.stats()["leases"] == 1
         c._release_later(nxt["lease"])
         c._release_later(one["lease"])                   # twice: counted, nothing else
-        assert c._call("get", ns="one", keys=keys([1]))["found"] == b"\x01"
+        last = c._call("get", ns="one", keys=keys([1]))
+        assert last["found"] == b"\x01"
+        assert c.stats()["leases"] == 1
+        c._release_later(last["lease"])
+        batch = c._call("get", ns="one", keys=keys([0, 1]))   # a resident batch: the same
+        assert batch["found"] == b"\x01\x01"
         assert c.stats()["leases"] == 1
         assert c.release_errors == 0
 

@@ -39,6 +39,7 @@ from kvtier.api import quota
 from kvtier.api.busypoll import BusyPoll
 from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
+from kvtier.api.resident import ResidentGets
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
 from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
@@ -48,10 +49,9 @@ from kvtier.types import Tier
 log = logging.getLogger("kvtier.server")
 STAGE_WAIT_S = 5.0     # longest a get waits for a stage of its namespace in flight
 _PEERCRED = struct.Struct("3i")
-_I32, _U64 = struct.Struct("<i"), struct.Struct("<Q")
 
 
-class Server:
+class Server(ResidentGets):
     """Serve one engine on a Unix socket. start(), then serve until stop()."""
 
     def __init__(self, engine: Engine, settings: Settings,
@@ -217,7 +217,7 @@ class Server:
                 op = "invalid"
                 raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
             if "release_first" in req and op == "get":
-                out = self._get_one_first(client, req)
+                out = self._get_resident_first(client, req)
                 if out is not None:
                     return _ok(out, req_id, op)
             left = self._release_first(client, req) if "release_first" in req else []
@@ -259,43 +259,6 @@ class Server:
             return ids
         client.errors += bad
         return []
-
-    def _get_one_first(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any] | None:
-        """A one-key resident get that carries piggybacked releases (a worker's steady state:
-        each get ends the lease of the one before): answered first, and the engine's part of
-        the releases runs after the reply is written (call_soon: before the loop reads the
-        next frame, so no later request of any connection sees those leases). Safe because
-        this get evicts and allocates nothing, so it cannot need what they hold; the quota
-        count of the connection ends before it, as before. None (nothing done) for any other
-        get: then the releases come first, as the protocol says."""
-        name, keys = req.get("ns"), req.get("keys")
-        if (type(name) is not str or type(keys) is not bytes or req.get("inline")
-                or req.get("tier", "host") != "host"):
-            return None
-        ids = P.array_arg(req, "release_first", "<u8").tolist()
-        client.pins.end(ids)
-        try:
-            out = self._get_one_resident(client, name, keys)
-        except BaseException:
-            self._end_leases(client, ids)      # the request fails; its releases still count
-            raise
-        if out is not None:
-            asyncio.get_running_loop().call_soon(self._end_leases, client, ids)
-        return out
-
-    def _end_leases(self, client: ClientInfo, ids: list[int]) -> None:
-        """The engine's part of piggybacked releases, inline when the lock is free, else on
-        the memory lane; unknown ids are counted as the connection's errors."""
-        done, bad = self._fast(self.engine.release_many, ids, client.cid)
-        if done:
-            client.errors += bad
-            return
-        self._spawn(self._count_bad(client, self._run_mem(self.engine.release_many, ids,
-                                                          client.cid)), name="release-piggybacked")
-
-    @staticmethod
-    async def _count_bad(client: ClientInfo, fut: Awaitable[int]) -> None:
-        client.errors += await fut
 
     def _run(self, fn: Callable[..., Any], *args: Any,
              pool: ThreadPoolExecutor | None = None) -> asyncio.Future:
@@ -416,31 +379,10 @@ class Server:
             if not done:
                 return self._get_waiting(client, name, keys, inline)
         else:
-            done, res = self._fast(self.engine.try_get_resident, name, keys, client.cid, tier)
-            if done and res is not None:
-                return self._get_reply(client, name, keys, res, inline)
+            out = self._get_resident(client, name, keys, tier)
+            if out is not None:
+                return out
         return self._get_slow(client, name, keys, inline, tier, P.arg(req, "device", int, None))
-
-    def _get_one_resident(self, client: ClientInfo, name: str, keys: bytes
-                          ) -> dict[str, Any] | None:
-        """The latency case: one key whose block is resident in the host tier, leased inline
-        with no numpy array built for the reply (the same reply as _get_reply's). None, with
-        nothing changed, for anything else (the general path then answers). On the H200 host
-        the general path's glue around the engine cost more than the engine itself
-        (bench/single_split.py: dispatch of a one-key get 66 us, the engine's part 22)."""
-        ns = self.engine.namespaces.get(name)
-        if ns is None or len(keys) != ns.key_width:
-            return None
-        client.pins.check(ns, keys, self.settings.max_client_share)
-        done, hit = self._fast(self.engine.lease_one, ns, keys, client.cid)
-        if not done or hit is None:
-            return None
-        lid, slot, version, checksum = hit
-        if self.engine.wants_prefetch(name, keys) is not False:
-            self._spawn(self._run(self.engine.prefetch_after, name, keys))
-        client.pins.add(lid, name, 1)
-        return {"lease": lid, "found": b"\x01", "slots": _I32.pack(slot),
-                "versions": _U64.pack(version), "checksums": _U64.pack(checksum)}
 
     async def _get_waiting(self, client: ClientInfo, name: str, keys: bytes,
                            inline: bool) -> dict[str, Any]:

@@ -569,7 +569,11 @@ class Mover:
         vecs = int(table.size[a]) // vec
         if on is None:
             idx = self.staging.upload(np.concatenate([local, rows]))
-        k = kernels.get("move_pages8" if vec == 8 else
+        # Pages of at least a vector per thread of each of four passes (64 KiB): below that
+        # most of a block's threads would idle on every page.
+        items = (d2d and vec == 16 and self.policy.device_items_kernel
+                 and int(table.size[a]) >= 4 * THREADS * 16)
+        k = kernels.get("move_pages8" if vec == 8 else "move_items16" if items else
                         "move_pages16_deep" if d2d else "move_pages16")
         cap = self.policy.blocks(d2d, sm_count(table.device))
         st = on or self.stream
@@ -582,7 +586,8 @@ class Mover:
         with st.cupy:
             for l0, l1 in kernel_launches(n, b - a, vecs):
                 total = (l1 - l0) * (b - a) * vecs
-                grid = max(1, min(cap, -(-total // (8 * THREADS))))
+                grid = max(1, min(cap, (l1 - l0) * (b - a) if items else
+                                  -(-total // (8 * THREADS))))
                 k((grid,), (THREADS,),
                   (np.uint64(base % (1 << 64)), np.int64(bb), np.uint64(self._tab),
                    np.int32(table.pages), np.uint64(idx + 8 * l0),

@@ -62,6 +62,41 @@ extern "C" __global__ void move_pages16_deep(unsigned long long seg, long long b
     move_pages<ulonglong2, 8>(seg, block_bytes, tab, P, slots, rows, n, p0, np_, vecs, to_seg);
 }
 
+// Device to device (the HBM tier), pages of whole 16-byte vectors: one thread block per page
+// of a block (an item) at a time, its threads striding over that page with four vectors in
+// flight each. move_pages16_deep divides twice per vector to find its page (runtime
+// divisors); here a block finds its page once. H200, 1,024 x 2 MiB from the HBM pool, the
+// kernel alone: 1.11 ms against 1.25 (a 2 GiB device copy: 1.02).
+extern "C" __global__ void move_items16(unsigned long long seg, long long block_bytes,
+        const long long* __restrict__ tab, int P, const long long* __restrict__ slots,
+        const long long* __restrict__ rows, int n, int p0, int np_, unsigned int vecs,
+        int to_seg) {
+    const unsigned long long* pbase = (const unsigned long long*)tab;
+    const long long* pstride = tab + P;
+    const long long* poff = tab + 2 * P;
+    const unsigned int items = (unsigned int)n * (unsigned int)np_;
+    for (unsigned int item = blockIdx.x; item < items; item += gridDim.x) {
+        const unsigned int i = item / np_, p = p0 + (item - i * np_);
+        ulonglong2* a = (ulonglong2*)(seg + slots[i] * block_bytes + poff[p]);
+        ulonglong2* b = (ulonglong2*)(pbase[p] + rows[i] * pstride[p]);
+        const ulonglong2* src = to_seg ? b : a;
+        ulonglong2* dst = to_seg ? a : b;
+        for (unsigned int w0 = threadIdx.x; w0 < vecs; w0 += 4u * blockDim.x) {
+            ulonglong2 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const unsigned int w = w0 + u * blockDim.x;
+                if (w < vecs) v[u] = src[w];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const unsigned int w = w0 + u * blockDim.x;
+                if (w < vecs) dst[w] = v[u];
+            }
+        }
+    }
+}
+
 extern "C" __global__ void move_pages8(unsigned long long seg, long long block_bytes,
         const long long* tab, int P, const long long* slots, const long long* rows, int n,
         int p0, int np_, unsigned int vecs, int to_seg) {

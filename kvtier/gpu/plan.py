@@ -54,6 +54,7 @@ class TransferPolicy:
     staged: bool = True               # host->GPU kernel moves through device staging
     batch_copies: int = 128           # copies per cuMemcpyBatchAsync call; 0: one call each
     device_copy_engines: bool = False  # HBM-tier pages >= copy_engine_bytes by copy engines
+    device_items_kernel: bool = True  # HBM-tier kernel: a thread block per page (move_items16)
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
