@@ -1,7 +1,7 @@
 """Where a single-block get's time goes, piece by piece, without a profiler (its overhead is
 most of what it would measure).
 
-    python bench/single_split.py [--json] [--cuda]
+    python bench/single_split.py [--json] [--cuda] [--quick]
 
 1. in process, no socket: the service's dispatch of a one-key host get and of a hello, and
    the engine's lease and release, timed step by step (median of 20,000);
@@ -9,7 +9,8 @@ most of what it would measure).
    spinning, against kvtier's ping (hello) and host get through a real `kvtier serve`;
 3. with --cuda, the client's GPU steps: torch's current stream, cupy's device context, a
    64 KiB pinned-to-device copy, an event's record and synchronize.
-Medians in microseconds; compare within one run.
+Medians in microseconds; compare within one run. --quick: 200 repetitions and 256-key batches
+(the CI smoke run).
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ sys.path.insert(0, ROOT)
 from bench.common import emit, header  # noqa: E402
 
 
-def timed(fn, n: int = 5000) -> float:
+REPS = 5000      # --quick: 200
+
+
+def timed(fn, n: int = 0) -> float:
+    n = n or REPS
     ts = np.empty(n)
     for i in range(n):
         t0 = time.perf_counter_ns()
@@ -72,7 +77,7 @@ def in_process() -> dict:
     async def in_loop() -> float:
         # The service's loop runs what a reply deferred (call_soon) before the next frame:
         # here after each timed dispatch, outside the timing.
-        ts = np.empty(5000)
+        ts = np.empty(REPS)
         for i in range(ts.size):
             t0 = time.perf_counter_ns()
             dispatch(i)
@@ -122,7 +127,7 @@ def in_process() -> dict:
             eng.release_many([o["lease"]], 1)
         out["step_get_one_resident_release_us"] = timed(resident)
     # pure Python speed: a loop of 1,000 additions
-    out["py_loop_1000_us"] = timed(lambda i: sum(range(1000)), 5000)
+    out["py_loop_1000_us"] = timed(lambda i: sum(range(1000)))
     out["os_getppid_us"] = timed(lambda i: os.getppid())
     eng.close(flush=False)
     return out
@@ -213,7 +218,8 @@ def _echo(sock: socket.socket) -> None:
         sock.send(data)
 
 
-def transport(n: int = 5000) -> dict:
+def transport(n: int = 0) -> dict:
+    n = n or REPS
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:
@@ -238,8 +244,9 @@ def transport(n: int = 5000) -> dict:
     return {"socketpair_spin_rtt_us": t}
 
 
-def service(cuda: bool, n: int = 3000) -> dict:
+def service(cuda: bool, n: int = 0) -> dict:
     import kvtier
+    n = n or min(REPS, 3000)
     from tests.service import Service
     work = tempfile.mkdtemp(prefix="kvtier-split-")
     extra = {"hbm_capacity": "256MiB"} if cuda else {}
@@ -330,9 +337,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="few repetitions, small batches")
     args = ap.parse_args()
+    global REPS
+    if args.quick:
+        REPS = 200
     m = header("bench/single_split.py")
-    out = {**in_process(), **transport(), **batch()}
+    out = {**in_process(), **transport(),
+           **(batch(256, 3) if args.quick else batch())}
     if args.cuda:
         import torch
         torch.cuda.init()

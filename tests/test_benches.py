@@ -91,3 +91,10 @@ def test_stall_bench_smoke():
     c = r["conditions"]["1"]
     _positive(c, "alone_p99_us", "beside_p99_us", "p99_ratio", "reader_gets")
     assert r["reader_nvme_share"] > 0                 # the readers did read the disk
+
+
+def test_single_split_bench_smoke():
+    r = _bench("bench/single_split.py", "--quick")
+    _positive(r, "dispatch_get_us", "dispatch_hello_us", "engine_get_release_us", "ping_us",
+              "host_get_us", "socketpair_spin_rtt_us", "batch_engine_commit_us",
+              "batch_dispatch_get_us")
