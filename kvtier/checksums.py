@@ -85,19 +85,22 @@ def usable_threads() -> int:
     return min(MAX_THREADS, cores)
 
 
-def block_checksums(arr: np.ndarray, rows: Sequence[int] | None = None,
-                    threads: int | None = None) -> np.ndarray:
+def block_checksums(arr: np.ndarray, rows: Sequence[int] | np.ndarray | None = None,
+                    threads: int | None = None, release_gil: bool = False) -> np.ndarray:
     """xxh3-64 of arr[i] for each row i (or of arr[rows[i]]), as uint64, read in place.
 
     arr is 2-D (blocks x bytes). One pass over the bytes, no copy. threads: how many to hash a
-    large batch on (default usable_threads(); the tests force the threaded path with it)."""
+    large batch on (default usable_threads(); the tests force the threaded path with it).
+    release_gil: hash in C with the GIL released even where python-xxhash would be faster on
+    this thread, so that the service's other threads run meanwhile (an NVMe get's verify on
+    a worker thread: 56 x 64 KiB held the GIL ~0.5 ms on the dev VM, issue 17)."""
     n = arr.shape[0] if rows is None else len(rows)
-    if _fn is not None and _xxh is not None and n >= 2 and arr.strides[1] == 1:
+    if _fn is not None and _xxh is not None and n >= 1 and arr.strides[1] == 1:
         if n * arr.shape[1] >= PARALLEL_BYTES:       # only then is the core count asked for
             threads = usable_threads() if threads is None else threads
             if threads > 1:
                 return _in_c(arr, rows, n, threads)
-        if n >= NATIVE_ROWS and arr.shape[1] <= NATIVE_WIDTH:
+        if release_gil or (n >= NATIVE_ROWS and arr.shape[1] <= NATIVE_WIDTH):
             return _in_c(arr, rows, n, 1)
     h = xxhash.xxh3_64_intdigest
     out = np.empty(n, dtype=np.uint64)

@@ -131,3 +131,31 @@ def test_a_set_hands_concurrent_runs_their_own_contexts_and_makes_at_most_width(
     assert not s.alive
     with pytest.raises(OSError):
         s.run(IOCB_CMD_PREADV, [])
+
+
+def test_flat_requests_land_where_their_addresses_say(tmp_path: Path):
+    # run_flat: requests as arrays (fd, offset, address), in a shuffled order, more of them
+    # than the context's depth; each lands in its own place, and a read past the end moves 0.
+    fd = _direct_file(tmp_path)
+    aio = Aio(depth=4)
+    try:
+        n = 20
+        src = mmap.mmap(-1, n * REC)
+        data = np.frombuffer(src, dtype=np.uint8).reshape(n, REC)
+        data[:] = np.random.default_rng(3).integers(0, 256, data.shape, dtype=np.uint8)
+        order = np.random.default_rng(4).permutation(n)
+        fds = np.full(n, fd, dtype=np.int64)
+        base = data.ctypes.data
+        done = aio.run_flat(IOCB_CMD_PWRITEV, fds, order * REC, base + order * REC, REC)
+        assert (done == REC).all()
+        dst = mmap.mmap(-1, (n + 1) * REC)
+        out = np.frombuffer(dst, dtype=np.uint8).reshape(n + 1, REC)
+        rows = np.random.default_rng(5).permutation(n)            # record i into row rows[i]
+        got = aio.run_flat(IOCB_CMD_PREADV, np.full(n + 1, fd, dtype=np.int64),
+                           np.arange(n + 1) * REC, out.ctypes.data + np.append(rows, n) * REC,
+                           REC)
+        assert got[:n].tolist() == [REC] * n and got[n] == 0
+        assert (out[rows] == data).all()
+    finally:
+        aio.close()
+        os.close(fd)

@@ -396,8 +396,9 @@ def test_lookup_counts_the_hit_below_memory_and_stage_brings_it_up(make_engine):
 
 
 def test_a_stage_whose_disk_read_fails_gives_its_slots_back(make_engine, monkeypatch):
-    # A disk read that raises (EIO) cannot be produced for real here: the segment log's read
-    # is replaced for one call. Its pinned host slots must come back, and nothing is installed.
+    # A disk read that raises (EIO) cannot be produced for real here: the segment log's reads
+    # (the AIO path into slots and the general one) are replaced for one call. Its pinned host
+    # slots must come back, and nothing is installed.
     eng = make_engine(host_capacity=4 * BB, prefetch_blocks=0)
     eng.create_namespace("m", BB)
     data = blocks(4, BB)
@@ -409,6 +410,7 @@ def test_a_stage_whose_disk_read_fails_gives_its_slots_back(make_engine, monkeyp
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(log_, "read", broken)
+    monkeypatch.setattr(log_, "read_rows", broken)
     with pytest.raises(OSError):
         eng.stage("m", keys(range(4)))
     monkeypatch.undo()

@@ -167,3 +167,37 @@ def test_reads_and_pins_do_not_wait_for_an_append_in_its_fdatasync(tmp_path: Pat
     disk.gate.set()
     writer.join(10)
     log.close()
+
+
+@pytest.mark.parametrize("block_bytes", [4096, 65536])
+def test_read_rows_lands_records_in_their_rows_and_refuses_what_is_not_there(tmp_path: Path,
+                                                                           block_bytes: int):
+    # The AIO path straight into a pool's rows (host slots), beside read(): the same bytes,
+    # and a record past its segment's end, or of a segment that is gone, is refused.
+    import mmap
+    log = SegmentLog(tmp_path, 1, block_bytes, 1 << 20)
+    data = _blocks(30, block_bytes)
+    segs, offs = log.append(data)
+    mm = mmap.mmap(-1, 40 * block_bytes)                   # page-aligned, as a host pool's
+    pool = np.frombuffer(mm, dtype=np.uint8).reshape(40, block_bytes)
+    rows = np.random.default_rng(0).permutation(40)[:30]
+    ok = log.read_rows(segs, offs, pool, rows)
+    if ok is None:
+        pytest.skip("no native AIO here: read_rows falls back to read()")
+    assert ok.all()
+    assert all(bytes(pool[r]) == bytes(d) for r, d in zip(rows.tolist(), data))
+    bad_segs, bad_offs = segs[:3].copy(), offs[:3].copy()
+    bad_segs[0] = 999                                      # no such segment
+    bad_offs[1] = offs.max() + 64                          # past the end of the log
+    assert log.read_rows(bad_segs, bad_offs, pool, rows[:3]).tolist() == [False, False, True]
+    with pytest.raises(IndexError):
+        log.read_rows(segs[:1], offs[:1], pool, np.array([40]))
+    log.close()
+
+
+def test_read_rows_leaves_unaligned_or_padded_reads_to_read(tmp_path: Path):
+    log = SegmentLog(tmp_path, 1, 1000, 1 << 20)           # records padded to 4 KiB
+    segs, offs = log.append(_blocks(2, 1000))
+    assert log.read_rows(segs, offs, np.zeros((2, 1000), dtype=np.uint8),
+                         np.arange(2)) is None
+    log.close()

@@ -192,6 +192,51 @@ def test_a_block_rewritten_while_its_read_is_in_flight_is_not_installed(tmp_path
     eng.close(flush=False)
 
 
+def test_get_steps_driven_by_hand_install_only_the_version_that_was_read(tmp_path: Path):
+    # The socket server runs a get's steps itself (the locked ones on its loop, the read on
+    # a thread). Here a rewrite lands between the read step and the install step: the old
+    # bytes are not installed, the release and a second decide follow, and the new version
+    # is served. Steps, in order: decide (locked), read, install, release, decide.
+    eng, disk = gated_engine(tmp_path)
+    disk.gate.set()
+    cold = [i for i in range(6) if not eng.entry("m", key(i))["copies"].get("host")][:1]
+    new = blocks(1, 4096, 99)
+    steps = eng.get_steps("m", keys(cold))
+    kinds: list[bool] = []
+    value = None
+    while True:
+        try:
+            step = steps.send(value)
+        except StopIteration as stop:
+            res = stop.value
+            break
+        kinds.append(step.locked)
+        if step.locked:
+            with eng.lock:
+                value = step.fn()
+        else:
+            value = step.fn()
+            eng.put("m", keys(cold), new)          # after the read, before its install
+    assert kinds == [True, False, True, True, True]
+    pool = eng.namespace("m").slots[Tier.HOST].pool
+    assert res.found[0] and res.versions[0] == 2
+    assert (pool.read(res.slots[:1])[0] == new[0]).all()
+    eng.release(res.lease_id)
+    eng.close(flush=False)
+
+
+def test_looks_resident_tells_memory_only_gets_from_those_that_need_the_disk(tmp_path: Path):
+    eng, _disk = gated_engine(tmp_path)
+    resident = [i for i in range(6) if eng.entry("m", key(i))["copies"].get("host")]
+    cold = [i for i in range(6) if i not in resident]
+    assert eng.looks_resident("m", keys(resident))
+    assert eng.looks_resident("m", keys(resident + [100]))     # a miss needs no disk
+    assert not eng.looks_resident("m", keys(resident + cold[:1]))
+    assert eng.looks_resident("m", b"short")          # bad keys: the locked path says so
+    assert eng.looks_resident("nope", keys(cold))     # so does an unknown namespace
+    eng.close(flush=False)
+
+
 def test_admin_eviction_from_nvme_drops_blocks_for_good(tmp_path: Path):
     settings = make_settings({"data_dir": str(tmp_path), "nvme_capacity": "16MiB"})
     eng = Engine(settings)

@@ -41,6 +41,8 @@ from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
 from kvtier.api.resident import ResidentGets
 from kvtier.coherence.engine import Engine
+from kvtier.coherence.gets import GetSteps
+from kvtier.coherence.namespace import GetResult
 from kvtier.config import Settings
 from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
 from kvtier.tiers.hbm import on_device
@@ -372,7 +374,7 @@ class Server(ResidentGets):
             client.pins.check(self.engine.namespace(name), keys, self.settings.max_client_share)
         if inline and tier is not Tier.HOST:
             raise BadRequest("inline gets are served from the host tier; drop tier or inline")
-        if tier is Tier.HOST:
+        if tier is Tier.HOST and self.engine.looks_resident(name, keys):
             done, res = self._fast(self.engine.try_get, name, keys, client.cid)
             if done and res is not None:
                 return self._get_reply(client, name, keys, res, inline)
@@ -401,9 +403,45 @@ class Server(ResidentGets):
             # lookup) would read them from disk a second time, beside the stage's read: let
             # the stage finish first, and the get then copies memory.
             await asyncio.wait({staging}, timeout=STAGE_WAIT_S)
-        # A get from HBM may copy host blocks up to the GPU (the worker's first): off the loop.
-        res = await self._run(on_device, device, self.engine.get, name, keys, client.cid, tier)
+        if tier is Tier.HOST:
+            res = await self._drive(self.engine.get_steps(name, keys, client.cid, tier))
+        else:
+            # A get from HBM may copy host blocks up to the GPU (the worker's first): off the
+            # loop, on a thread in the device's context.
+            res = await self._run(on_device, device, self.engine.get, name, keys, client.cid,
+                                  tier)
         return self._get_reply(client, name, keys, res, inline)
+
+    async def _drive(self, steps: GetSteps) -> GetResult:
+        """Run a host get's steps: the locked ones (decide, install: memory only) here on the
+        loop when the lock is free, else on the memory lane; the unlocked ones (the NVMe read
+        and checksums, in C with the GIL released; write-downs) on the I/O pool. Deciding
+        on the loop keeps the GIL with one thread: when the readers' threads did it, a
+        resident get beside 8 NVMe readers waited for the lock and the GIL held by threads
+        that had to win the GIL back to finish (bench/stall.py; issue 17)."""
+        value: Any = None
+        exc: BaseException | None = None
+        while True:
+            try:
+                step = steps.throw(exc) if exc is not None else steps.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value, exc = None, None
+            try:
+                if not step.locked:
+                    value = await self._run(step.fn)
+                else:
+                    done, value = self._fast(step.fn)
+                    if not done:
+                        value = await self._run_mem(self._locked, step.fn)
+            except BaseException as e:
+                # Back into the steps, a cancellation too: their finally installs what was
+                # read (or frees its pinned slots) before the error goes on.
+                exc = e
+
+    def _locked(self, fn: Callable[[], Any]) -> Any:
+        with self.engine.lock:
+            return fn()
 
     def _get_reply(self, client: ClientInfo, name: str, keys: bytes, res: Any,
                    inline: bool) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from functools import partial
+from typing import Any, Callable, Generator, cast
 
 import numpy as np
 
@@ -23,40 +24,91 @@ from kvtier.coherence.persist import ReadPlan
 from kvtier.errors import BadRequest
 from kvtier.types import Tier
 
+@dataclass(slots=True)
+class Step:
+    """One step of a get (get_steps): fn, run with the engine lock held (locked) or with it
+    released (an NVMe read, a write-down). A driver runs it and sends back its result."""
+
+    locked: bool
+    fn: Callable[[], Any]
+
+
+GetSteps = Generator[Step, Any, GetResult]
+
+
 class Gets:
     def get(self, namespace: str, keys: Any, owner: int = 0, tier: Tier = Tier.HOST) -> GetResult:
         """Lease the current version of each key in ``tier``, bringing it up if needed. NVMe
         reads run with the lock released (decide and pin, read, install with versions
         checked), so that other clients' gets of resident blocks do not wait for the disk."""
-        for attempt in range(2):
-            with self.lock:
-                out = self._get(namespace, keys, owner, tier, io=True)
-                if isinstance(out, GetResult):
-                    return out
-                p = cast(_PendingGet, out)
-                if p.plan is None:
-                    res = self._finish_get(p)
-            raced = False
-            if p.plan is not None:
-                try:
-                    self.nvme.run_read(p.plan, p.ns.slots[tier].pool)
-                finally:
+        return self.drive(self.get_steps(namespace, keys, owner, tier))
+
+    def drive(self, steps: GetSteps) -> GetResult:
+        """Run a get's steps on this thread, taking the lock for the locked ones."""
+        value: Any = None
+        exc: BaseException | None = None
+        while True:
+            try:
+                step = steps.throw(exc) if exc is not None else steps.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value, exc = None, None
+            try:
+                if step.locked:
                     with self.lock:
-                        res = self._finish_get(p)
-                self.nvme.after_read(p.plan)
+                        value = step.fn()
+                else:
+                    value = step.fn()
+            except BaseException as e:          # back into the steps: their finally runs
+                exc = e
+
+    def get_steps(self, namespace: str, keys: Any, owner: int = 0,
+                  tier: Tier = Tier.HOST) -> GetSteps:
+        """get() as steps, for a driver: drive() here, or the socket server, which runs the
+        locked steps on its event loop (no other thread then holds the GIL while it decides:
+        issue 17, a resident get beside NVMe readers waited for the lock and the GIL that the
+        readers' threads held) and the unlocked ones on its I/O threads. Every step's
+        result is sent back into the generator; an exception is thrown back into it."""
+        attempt = 0
+        while True:
+            res, p = yield Step(True, partial(self._get_decide, namespace, keys, owner, tier))
+            if p is None:
+                return res
+            raced = False
+            if res is None:                     # an NVMe read is planned: read it unlocked
+                try:
+                    yield Step(False, partial(self.nvme.run_read, p.plan,
+                                              p.ns.slots[tier].pool))
+                finally:
+                    res = yield Step(True, partial(self._finish_get, p))
+                if p.plan.drop_keys:            # records that failed: deleted unlocked
+                    yield Step(False, partial(self.nvme.after_read, p.plan))
                 # Read and verified, yet not installed: the block was rewritten meanwhile.
                 # Its new version is in the host tier now (a put lands there), so one more try
                 # serves it rather than a miss (issue 17: randrw jobs, rewrites beside reads).
                 raced = p.plan.ok is not None and not res.found[p.plan_pos[p.plan.ok]].all()
             wanted = self.nvme.wanted()
             if wanted:
-                self.nvme.drain()
+                yield Step(False, self.nvme.drain)
             if attempt or not (raced or (p.short and wanted)):
-                break
+                return res
             # Room for the bring-up needed dirty blocks written down first (now they are), or
             # a block moved on under the read: again, once.
-            self.release(res.lease_id, owner)
-        return res
+            yield Step(True, partial(self.release, res.lease_id, owner))
+            attempt += 1
+
+    def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier
+                    ) -> "tuple[GetResult | None, _PendingGet | None]":
+        """Under the lock: (result, None) when nothing had to move; (result, pending) when
+        it was finished here with copies from memory; (None, pending) when pending.plan
+        must be read from NVMe first."""
+        out = self._get(namespace, keys, owner, tier, io=True)
+        if isinstance(out, GetResult):
+            return out, None
+        p = cast(_PendingGet, out)
+        if p.plan is None:
+            return self._finish_get(p), p
+        return None, p
 
     def try_get(self, namespace: str, keys: Any, owner: int = 0) -> GetResult | None:
         """get() when every found block is already in the host tier; None when it would have
@@ -64,6 +116,35 @@ class Gets:
         with self.lock:
             out = self._get(namespace, keys, owner, Tier.HOST, io=False)
             return self._finish_get(out) if isinstance(out, _PendingGet) else out
+
+    def looks_resident(self, namespace: str, keys: Any) -> bool:
+        """Unlocked and racy: whether a host get of keys looked memory-only a moment ago
+        (every key found is current in the host tier, and no miss needs the remote tier).
+
+        Only for choosing where a get waits (the server sends one that looks like it needs
+        the disk straight to the I/O pool, not through the loop's try_get and the memory
+        lane, where the batches of workers reading NVMe queued in front of resident gets:
+        issue 17). Every decision is made again under the lock, so a wrong answer costs
+        time, never a wrong block. Reads the table without the lock: each C or numpy call
+        sees a consistent array (the GIL), a concurrent change at worst a stale one."""
+        ns = self.namespaces.get(namespace)
+        if ns is None or Tier.HOST not in ns.slots:
+            return True                 # the locked path gives the error
+        table = ns.table
+        try:
+            rows = table.lookup(table.keys_array(keys))
+        except (BadRequest, ValueError, RuntimeError):
+            # Bad keys (the locked path says so), or an index caught mid-rebuild.
+            return True
+        hit = rows[rows >= 0]
+        if hit.size < rows.size and self.remote is not None:
+            return False
+        if hit.size == 0:
+            return True
+        version, copy_ver = table.cols["version"], table.cols["copy_ver"]
+        if int(hit.max()) >= min(version.size, copy_ver.shape[0]):   # columns mid-growth
+            return True
+        return bool((copy_ver[hit, Tier.HOST] == version[hit]).all())
 
     def _get(self, namespace: str, keys: Any, owner: int, tier: Tier,
              io: bool) -> "GetResult | _PendingGet | None":
@@ -109,6 +190,13 @@ class Gets:
         todo = idx[~ready]
         if todo.size:
             # A key repeated in the batch is brought up once; its repeats share the slot.
+            # (Most batches repeat nothing: one sort tells, and np.unique's index arrays and
+            # the set difference are only built when it says so.)
+            tr = np.sort(rows[todo])
+            if (tr[1:] != tr[:-1]).all():
+                p.plan, p.plan_pos, p.short = self._bring_up(ns, rows, todo, tier, slots,
+                                                             found)
+                return p
             _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
             inv = inv.reshape(-1)
             p.plan, p.plan_pos, p.short = self._bring_up(ns, rows, todo[first], tier, slots,

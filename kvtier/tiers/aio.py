@@ -25,7 +25,7 @@ import errno
 import os
 import platform
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -115,21 +115,44 @@ class Aio:
         moved per request, or -errno. At most ``window`` (default: depth) are in flight; as
         each completes the next is submitted, so a long batch keeps the device's queue full
         instead of draining it every ``depth`` requests."""
+        cbs, keep = _iocbs(opcode, requests)
+        out = self._run_cbs(cbs, window, lambda i, o: self._sync_one(opcode, requests[i], o, i))
+        del keep                            # the iovecs: alive until every request completed
+        return out
+
+    def run_flat(self, opcode: int, fds: np.ndarray, offsets: np.ndarray, addrs: np.ndarray,
+                 nbytes: int, window: int | None = None) -> np.ndarray:
+        """run() for requests of one buffer each, given as arrays: request i moves ``nbytes``
+        between file offset offsets[i] of fds[i] and the memory at address addrs[i] (PREAD or
+        PWRITE). The iocbs are filled by a few numpy calls, not one Python call per request,
+        so a batch costs the GIL a few tens of microseconds whatever its length (issue 17:
+        an NVMe get of 64 blocks spent most of its GIL time building requests). The caller
+        keeps the memory alive and, for O_DIRECT files, aligned."""
+        n = len(fds)
+        cb = np.zeros(n, dtype=_IOCB)
+        cb["data"] = np.arange(n)
+        cb["fildes"] = fds
+        cb["offset"] = offsets
+        cb["buf"] = addrs
+        cb["nbytes"] = nbytes
+        cb["opcode"] = _PLAIN.get(opcode, opcode)
+        return self._run_cbs(cb, window, lambda i, o: _sync_flat(cb[i], o, i))
+
+    def _run_cbs(self, cbs: np.ndarray, window: int | None,
+                 sync_one: Callable[[int, np.ndarray], None]) -> np.ndarray:
         if not self._ctx.value:
             raise OSError(errno.EBADF, "this AIO context is closed")
-        n = len(requests)
+        n = len(cbs)
         out = np.zeros(n, dtype=np.int64)
         window = max(1, min(window or self.depth, self.depth))
-        cbs, keep = _iocbs(opcode, requests)
         with self._lock:
             first = 0
             while first < n:
                 first = self._loop(cbs, out, first, window)
                 if first < n:
                     # The kernel's queue refused even one with nothing in flight: do it here.
-                    self._sync_one(opcode, requests[first], out, first)
+                    sync_one(first, out)
                     first += 1
-        del keep                            # the iovecs: alive until every request completed
         return out
 
     def _loop(self, cbs: np.ndarray, out: np.ndarray, first: int, window: int) -> int:
@@ -227,6 +250,15 @@ class AioSet:
         finally:
             self._give(aio)
 
+    def run_flat(self, opcode: int, fds: np.ndarray, offsets: np.ndarray, addrs: np.ndarray,
+                 nbytes: int, window: int | None = None) -> np.ndarray:
+        """Aio.run_flat on a free context of the set."""
+        aio = self._take()
+        try:
+            return aio.run_flat(opcode, fds, offsets, addrs, nbytes, window)
+        finally:
+            self._give(aio)
+
     def _take(self) -> Aio:
         with self._cv:
             while True:
@@ -265,6 +297,16 @@ class AioSet:
             self._free.clear()
             self._made = 0
             self._cv.notify_all()
+
+
+def _sync_flat(cb: np.void, out: np.ndarray, i: int) -> None:
+    """One flat request done synchronously (the kernel's queue refused it)."""
+    buf = (ctypes.c_char * int(cb["nbytes"])).from_address(int(cb["buf"]))
+    op = os.preadv if int(cb["opcode"]) == IOCB_CMD_PREAD else os.pwritev
+    try:
+        out[i] = op(int(cb["fildes"]), [memoryview(buf).cast("B")], int(cb["offset"]))
+    except OSError as exc:
+        out[i] = -(exc.errno or errno.EIO)
 
 
 _shared: AioSet | None = None

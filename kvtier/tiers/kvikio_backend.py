@@ -24,6 +24,9 @@ from kvtier.tiers.nvme import PosixBackend
 
 class KvikioBackend(PosixBackend):
     name = "kvikio"
+    # Its segments are plain files on POSIX fds: reads into host memory go through native AIO
+    # on those fds (SegmentLog.read_rows), not one kvikio future per block (issue 17).
+    posix_reads = True
 
     def __init__(self, kvikio: Any) -> None:
         self._kvikio = kvikio
