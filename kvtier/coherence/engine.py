@@ -242,15 +242,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         need_budget = tier is Tier.HOST
         if tier is Tier.HBM:
             st.peak_demand = max(st.peak_demand, st.pool.n_slots - st.pool.free_count + n)
-        short = n - st.pool.free_count
-        if need_budget:
-            over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
-            short = max(short, -(-over // ns.block_bytes))
-        if short > 0:
-            self.reap()
-            self._evict(ns, tier, short)
-            if need_budget:
-                self._evict_other_namespaces(ns, n)
+        self._make_room(ns, tier, n)
         if partial:
             n = min(n, st.pool.free_count)
             if need_budget:
@@ -268,6 +260,20 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         if need_budget:
             self.host_used += n * ns.block_bytes
         return slots
+
+    def _make_room(self, ns: Namespace, tier: Tier, n: int) -> None:
+        """Evict until n slots of ns's pool of tier are free and, for the host tier, within
+        host_capacity (as far as eviction can: _alloc says what is missing)."""
+        st = ns.slots[tier]
+        short = n - st.pool.free_count
+        if tier is Tier.HOST:
+            over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
+            short = max(short, -(-over // ns.block_bytes))
+        if short > 0:
+            self.reap()
+            self._evict(ns, tier, short)
+            if tier is Tier.HOST:
+                self._evict_other_namespaces(ns, n)
 
     def _free_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         """Return slots to their pool, or retire the leased ones until their last release."""

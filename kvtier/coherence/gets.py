@@ -71,6 +71,10 @@ class Gets:
         result is sent back into the generator; an exception is thrown back into it."""
         attempt = 0
         while True:
+            # Eviction for the bring-ups first, as a step of its own: each step is shorter
+            # (the server answers resident gets between two steps), and the decide then
+            # finds the room made (or evicts again, if other gets took it meanwhile).
+            yield Step(True, partial(self._room_for_get, namespace, keys, tier))
             res, p = yield Step(True, partial(self._get_decide, namespace, keys, owner, tier))
             if p is None:
                 return res
@@ -96,6 +100,21 @@ class Gets:
             # a block moved on under the read: again, once.
             yield Step(True, partial(self.release, res.lease_id, owner))
             attempt += 1
+
+    def _room_for_get(self, namespace: str, keys: Any, tier: Tier) -> None:
+        """Under the lock: evict for the blocks of keys that are not current in tier (those
+        the decide will bring up). Only a head start, never a promise: the decide checks
+        everything again, evicting what is still missing; a block this evicts that the get
+        wanted is brought up again (the victims are the policy's coldest)."""
+        ns = self.namespace(namespace)
+        if tier not in ns.slots:
+            return                              # the decide raises the error
+        rows = ns.table.lookup(self._check_keys(ns, keys, zero_check=False))
+        cols = ns.table.cols
+        r = rows[rows >= 0]
+        want = int((cols["copy_ver"][r, tier] != cols["version"][r]).sum())
+        if want:
+            self._make_room(ns, tier, want)
 
     def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier
                     ) -> "tuple[GetResult | None, _PendingGet | None]":
