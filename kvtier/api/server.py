@@ -42,7 +42,7 @@ from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
 from kvtier.api.resident import ResidentGets
 from kvtier.coherence.engine import Engine
-from kvtier.coherence.gets import GetSteps
+from kvtier.coherence.gets import GetSteps, advance
 from kvtier.coherence.namespace import GetResult
 from kvtier.config import Settings
 from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
@@ -425,23 +425,18 @@ class Server(ResidentGets):
         on the loop keeps the GIL with one thread: when the readers' threads did it, a
         resident get beside 8 NVMe readers waited for the lock and the GIL held by threads
         that had to win the GIL back to finish (bench/stall.py; issue 17)."""
-        value: Any = None
-        exc: BaseException | None = None
-        while True:
+        step, out = advance(steps, None, None)
+        while step is not None:
             try:
-                step = steps.throw(exc) if exc is not None else steps.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value, exc = None, None
-            try:
-                if step.locked:
-                    value = await self._locked_step(step.fn)
-                else:
-                    value = await self._run(step.fn)
-            except BaseException as e:
+                value = await (self._locked_step(step.fn) if step.locked
+                               else self._run(step.fn))
+            except BaseException as exc:
                 # Back into the steps, a cancellation too: their finally installs what was
                 # read (or frees its pinned slots) before the error goes on.
-                exc = e
+                step, out = advance(steps, None, exc)
+            else:
+                step, out = advance(steps, value, None)
+        return out
 
     def _locked_step(self, fn: Callable[[], Any]) -> asyncio.Future:
         """fn under the engine lock on the loop, after the steps queued before it, one per

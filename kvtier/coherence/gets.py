@@ -36,6 +36,16 @@ class Step:
 GetSteps = Generator[Step, Any, GetResult]
 
 
+def advance(steps: GetSteps, value: Any, exc: BaseException | None
+            ) -> tuple[Step | None, GetResult | None]:
+    """Send a step's value (or throw its exception) into steps: (the next step, None), or
+    (None, the get's result) when they are done."""
+    try:
+        return (steps.throw(exc) if exc is not None else steps.send(value)), None
+    except StopIteration as stop:
+        return None, stop.value
+
+
 class Gets:
     def get(self, namespace: str, keys: Any, owner: int = 0, tier: Tier = Tier.HOST) -> GetResult:
         """Lease the current version of each key in ``tier``, bringing it up if needed. NVMe
@@ -45,22 +55,19 @@ class Gets:
 
     def drive(self, steps: GetSteps) -> GetResult:
         """Run a get's steps on this thread, taking the lock for the locked ones."""
-        value: Any = None
-        exc: BaseException | None = None
-        while True:
-            try:
-                step = steps.throw(exc) if exc is not None else steps.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value, exc = None, None
+        step, out = advance(steps, None, None)
+        while step is not None:
             try:
                 if step.locked:
                     with self.lock:
                         value = step.fn()
                 else:
                     value = step.fn()
-            except BaseException as e:          # back into the steps: their finally runs
-                exc = e
+            except BaseException as exc:        # back into the steps: their finally runs
+                step, out = advance(steps, None, exc)
+            else:
+                step, out = advance(steps, value, None)
+        return out
 
     def get_steps(self, namespace: str, keys: Any, owner: int = 0,
                   tier: Tier = Tier.HOST) -> GetSteps:
