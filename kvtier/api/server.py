@@ -20,7 +20,6 @@ where they are checked against the lease.
 from __future__ import annotations
 
 import asyncio
-import collections
 import grp
 import inspect
 import logging
@@ -41,9 +40,8 @@ from kvtier.api.busypoll import BusyPoll
 from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
 from kvtier.api.resident import ResidentGets
+from kvtier.api.steps import StepRunner
 from kvtier.coherence.engine import Engine
-from kvtier.coherence.gets import GetSteps, advance
-from kvtier.coherence.namespace import GetResult
 from kvtier.config import Settings
 from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
 from kvtier.tiers.hbm import on_device
@@ -78,11 +76,8 @@ class Server(ResidentGets):
         self.allowed = {os.getuid(), *settings.allowed_uids}
         self._ops: dict[str, Callable[..., Any]] = {op: getattr(self, f"op_{op}") for op in P.OPS}
         self._threads_busy = 0              # engine calls in flight on the pool
-        # Locked steps of gets that read NVMe (decide, install), run on the loop one per loop
-        # iteration, so that frames that arrived meanwhile (a resident get, answered inline
-        # in data_received) go first: see _locked_step.
-        self._steps: collections.deque[tuple[Callable[[], Any], asyncio.Future]] = \
-            collections.deque()
+        # The steps of host gets that read NVMe: locked ones on the loop, the read on _pool.
+        self.steps = StepRunner(engine.lock, self._run, self._run_mem)
         self.buffered = 0                   # bytes of partly received frames, all connections
         self.reports = ConnectorReports()
         self.busy = BusyPoll(settings.busy_poll_us * 1e-6, lambda: self._threads_busy == 0)
@@ -410,66 +405,13 @@ class Server(ResidentGets):
             # the stage finish first, and the get then copies memory.
             await asyncio.wait({staging}, timeout=STAGE_WAIT_S)
         if tier is Tier.HOST:
-            res = await self._drive(self.engine.get_steps(name, keys, client.cid, tier))
+            res = await self.steps.drive(self.engine.get_steps(name, keys, client.cid, tier))
         else:
             # A get from HBM may copy host blocks up to the GPU (the worker's first): off the
             # loop, on a thread in the device's context.
             res = await self._run(on_device, device, self.engine.get, name, keys, client.cid,
                                   tier)
         return self._get_reply(client, name, keys, res, inline)
-
-    async def _drive(self, steps: GetSteps) -> GetResult:
-        """Run a host get's steps: the locked ones (decide, install: memory only) here on the
-        loop when the lock is free, else on the memory lane; the unlocked ones (the NVMe read
-        and checksums, in C with the GIL released; write-downs) on the I/O pool. Deciding
-        on the loop keeps the GIL with one thread: when the readers' threads did it, a
-        resident get beside 8 NVMe readers waited for the lock and the GIL held by threads
-        that had to win the GIL back to finish (bench/stall.py; issue 17)."""
-        step, out = advance(steps, None, None)
-        while step is not None:
-            try:
-                value = await (self._locked_step(step.fn) if step.locked
-                               else self._run(step.fn))
-            except BaseException as exc:
-                # Back into the steps, a cancellation too: their finally installs what was
-                # read (or frees its pinned slots) before the error goes on.
-                step, out = advance(steps, None, exc)
-            else:
-                step, out = advance(steps, value, None)
-        return out
-
-    def _locked_step(self, fn: Callable[[], Any]) -> asyncio.Future:
-        """fn under the engine lock on the loop, after the steps queued before it, one per
-        loop iteration: between two of them the loop polls its sockets, and a resident get
-        that arrived is answered (inline) before the next step, rather than behind every
-        step that is ready (each a few hundred microseconds of numpy for 64 blocks)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._steps.append((fn, fut))
-        if len(self._steps) == 1:
-            loop.call_soon(self._next_step)
-        return fut
-
-    def _next_step(self) -> None:
-        fn, fut = self._steps.popleft()
-        if self._steps:
-            asyncio.get_running_loop().call_soon(self._next_step)     # the next iteration
-        if fut.cancelled():
-            return
-        try:
-            done, value = self._fast(fn)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            return
-        if done:
-            fut.set_result(value)
-        else:                                 # the lock is taken: wait on the memory lane
-            self._run_mem(self._locked, fn).add_done_callback(
-                lambda mem: _pass_outcome(mem, fut))
-
-    def _locked(self, fn: Callable[[], Any]) -> Any:
-        with self.engine.lock:
-            return fn()
 
     def _get_reply(self, client: ClientInfo, name: str, keys: bytes, res: Any,
                    inline: bool) -> dict[str, Any]:
@@ -577,18 +519,6 @@ def _slot_tier(req: dict[str, Any]) -> Tier:
     if tier not in (Tier.HOST, Tier.HBM):
         raise BadRequest(f"slots come from the host or hbm tier, not {tier.label}")
     return tier
-
-
-def _pass_outcome(src: asyncio.Future, dst: asyncio.Future) -> None:
-    """src's result or exception into dst (unless dst was cancelled meanwhile)."""
-    if dst.cancelled():
-        return
-    if src.cancelled():
-        dst.cancel()
-    elif src.exception() is not None:
-        dst.set_exception(src.exception())
-    else:
-        dst.set_result(src.result())
 
 
 async def _awaited(aw: Awaitable[Any]) -> Any:

@@ -1,0 +1,110 @@
+"""A get's steps (coherence.gets.Gets.get_steps) run by the socket server's event loop.
+
+A get that reads NVMe is a few steps: room (eviction), decide (pin, plan), the read, install
+(with versions checked), and sometimes a release and a second try. The locked steps are memory
+work, a few hundred microseconds of numpy each for a batch of 64 blocks; the read is the C AIO
+loop and the checksums, with the GIL released.
+
+Where they run, and why (issue 17, bench/stall.py). When a whole get ran on an I/O thread, a
+resident get beside 8 NVMe readers waited for the engine lock and for the GIL, both held by
+reader threads that had to win the GIL back from each other (and from the loop) to finish
+what they held the lock for: its p99 was 76x alone on the 16-core H200 host. Here:
+
+- the locked steps run on the loop itself, so that no other thread holds the GIL while the
+  engine is decided on (when the lock is taken by some other thread, a flush or a prefetch, a
+  step waits for it on the memory lane instead);
+- they run one per loop iteration, in the order they came: between two of them the loop polls
+  its sockets, and a resident get that arrived meanwhile is answered at once, inline in
+  data_received, rather than behind every step that was ready. The next step is a zero-delay
+  timer, not call_soon: asyncio's loop runs the callbacks queued by call_soon before those of
+  the sockets it polls next, and both loops (asyncio's, uvloop's) poll before they run a timer
+  that came due while a step ran;
+- the unlocked steps go to the I/O pool.
+
+Thread-safety: StepRunner is used from the loop's thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from typing import Any, Callable
+
+from kvtier.coherence.gets import GetSteps, advance
+from kvtier.coherence.namespace import GetResult
+
+Thunk = Callable[[], Any]
+
+
+class StepRunner:
+    """Drive get steps: locked ones on the loop (one per iteration), the rest on threads.
+
+    run_io(fn, *args) and run_mem(fn, *args) return asyncio futures of fn(*args) run on the
+    server's I/O pool and memory lane."""
+
+    def __init__(self, lock: threading.RLock, run_io: Callable[..., asyncio.Future],
+                 run_mem: Callable[..., asyncio.Future]) -> None:
+        self.lock = lock
+        self._run_io = run_io
+        self._run_mem = run_mem
+        self._queue: collections.deque[tuple[Thunk, asyncio.Future]] = collections.deque()
+
+    async def drive(self, steps: GetSteps) -> GetResult:
+        """The get's result, once every step has run."""
+        step, out = advance(steps, None, None)
+        while step is not None:
+            try:
+                value = await (self._locked(step.fn) if step.locked else self._run_io(step.fn))
+            except BaseException as exc:
+                # Back into the steps, a cancellation too: their finally installs what was
+                # read (or frees its pinned slots) before the error goes on.
+                step, out = advance(steps, None, exc)
+            else:
+                step, out = advance(steps, value, None)
+        return out
+
+    def _locked(self, fn: Thunk) -> asyncio.Future:
+        """fn under the engine lock, on the loop, after the steps queued before it."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.append((fn, fut))
+        if len(self._queue) == 1:
+            loop.call_later(0, self._next)
+        return fut
+
+    def _next(self) -> None:
+        fn, fut = self._queue.popleft()
+        if self._queue:
+            asyncio.get_running_loop().call_later(0, self._next)   # after the next poll
+        if fut.cancelled():
+            return
+        if not self.lock.acquire(blocking=False):
+            # Taken by another thread (a flush, a prefetch): wait for it off the loop.
+            self._run_mem(self._with_lock, fn).add_done_callback(
+                lambda mem: _pass_outcome(mem, fut))
+            return
+        try:
+            value = fn()
+        except BaseException as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+        finally:
+            self.lock.release()
+
+    def _with_lock(self, fn: Thunk) -> Any:
+        with self.lock:
+            return fn()
+
+
+def _pass_outcome(src: asyncio.Future, dst: asyncio.Future) -> None:
+    """src's result or exception into dst (unless dst was cancelled meanwhile)."""
+    if dst.cancelled():
+        return
+    if src.cancelled():
+        dst.cancel()
+    elif src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
