@@ -233,6 +233,7 @@ def test_looks_resident_tells_memory_only_gets_from_those_that_need_the_disk(tmp
     assert eng.looks_resident("m", keys(resident))
     assert eng.looks_resident("m", keys(resident + [100]))     # a miss needs no disk
     assert not eng.looks_resident("m", keys(resident + cold[:1]))
+    assert eng.looks_resident("m", key(cold[0]))      # one key: always tried inline
     assert eng.looks_resident("m", b"short")          # bad keys: the locked path says so
     assert eng.looks_resident("nope", keys(cold))     # so does an unknown namespace
     eng.close(flush=False)
