@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import DataDirError
-from kvtier.tiers.nvme import HEADER_BYTES, SegmentLog
+from kvtier.tiers.nvme import HEADER_BYTES, PosixBackend, SegmentLog
 
 
 def _blocks(n: int, size: int) -> list[memoryview]:
@@ -169,13 +169,24 @@ def test_reads_and_pins_do_not_wait_for_an_append_in_its_fdatasync(tmp_path: Pat
     log.close()
 
 
+class _BufferedPosix(PosixBackend):
+    """Files opened without O_DIRECT, as KvikioBackend opens them (kvikio needs CUDA)."""
+
+    posix_reads = True
+
+    def open(self, path, create, direct):
+        return super().open(path, create, direct=False)
+
+
+@pytest.mark.parametrize("backend", [None, _BufferedPosix], ids=["direct", "buffered"])
 @pytest.mark.parametrize("block_bytes", [4096, 65536])
-def test_read_rows_lands_records_in_their_rows_and_refuses_what_is_not_there(tmp_path: Path,
-                                                                           block_bytes: int):
+def test_read_rows_lands_records_in_their_rows_and_refuses_what_is_not_there(
+        tmp_path: Path, block_bytes: int, backend):
     # The AIO path straight into a pool's rows (host slots), beside read(): the same bytes,
     # and a record past its segment's end, or of a segment that is gone, is refused.
     import mmap
-    log = SegmentLog(tmp_path, 1, block_bytes, 1 << 20)
+    log = SegmentLog(tmp_path, 1, block_bytes, 1 << 20,
+                     backend=backend() if backend else None)
     data = _blocks(30, block_bytes)
     segs, offs = log.append(data)
     mm = mmap.mmap(-1, 40 * block_bytes)                   # page-aligned, as a host pool's
