@@ -40,7 +40,7 @@ from kvtier.api.busypoll import BusyPoll
 from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
 from kvtier.api.resident import ResidentGets
-from kvtier.api.steps import StepRunner
+from kvtier.api.steps import LOOP_WAIT_S, StepRunner
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
 from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
@@ -389,9 +389,16 @@ class Server(ResidentGets):
 
     async def _get_waiting(self, client: ClientInfo, name: str, keys: bytes,
                            inline: bool) -> dict[str, Any]:
-        """A host get that found the lock taken: tried again on the memory lane, and only
+        """A host get that found the lock taken: tried again once the lock is free, on the
+        loop when its holder is brief (steps.LOOP_WAIT_S), else on the memory lane, and only
         when it must move bytes between tiers sent on to the I/O pool."""
-        res = await self._run_mem(self.engine.try_get, name, keys, client.cid)
+        if self.engine.lock.acquire(timeout=LOOP_WAIT_S):
+            try:
+                res = self.engine.try_get(name, keys, client.cid)
+            finally:
+                self.engine.lock.release()
+        else:
+            res = await self._run_mem(self.engine.try_get, name, keys, client.cid)
         if res is not None:
             return self._get_reply(client, name, keys, res, inline)
         return await self._get_slow(client, name, keys, inline)

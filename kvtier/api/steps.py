@@ -36,6 +36,14 @@ from kvtier.coherence.namespace import GetResult
 
 Thunk = Callable[[], Any]
 
+# How long the loop itself waits for the engine lock (the GIL released meanwhile) before a
+# step goes to the memory lane. Most holders off the loop are brief (a prefetch, a release
+# on the memory lane: 50-100 us); sending each step that met one to the memory lane made a
+# convoy on the H200 host: the lane's thread held the lock while it waited for the GIL,
+# the loop's next steps found the lock taken and followed (bench/stall.py, 8 readers:
+# 654 steps on the lane, a resident get's p99 7-8 ms).
+LOOP_WAIT_S = 300e-6
+
 
 class StepRunner:
     """Drive get steps: locked ones on the loop (one per iteration), the rest on threads.
@@ -79,8 +87,9 @@ class StepRunner:
             asyncio.get_running_loop().call_later(0, self._next)   # after the next poll
         if fut.cancelled():
             return
-        if not self.lock.acquire(blocking=False):
-            # Taken by another thread (a flush, a prefetch): wait for it off the loop.
+        if not self.lock.acquire(timeout=LOOP_WAIT_S):
+            # Taken by another thread for longer (a flush applying its batch): wait for it
+            # off the loop.
             self._run_mem(self._with_lock, fn).add_done_callback(
                 lambda mem: _pass_outcome(mem, fut))
             return
