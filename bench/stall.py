@@ -118,7 +118,7 @@ def main() -> None:
     out: dict = {"block_bytes": args.block_bytes, "batch": args.batch,
                  "cold_blocks": args.cold_blocks, "host_capacity": args.host_capacity,
                  "nice": args.nice, "leased": args.leased,
-                 "conditions": {}}
+                 "loadavg_start": round(os.getloadavg()[0], 2), "conditions": {}}
     try:
         with kvtier.Client(svc.socket, timeout=120, name="stall-probe") as c:
             ns = c.namespace("stall", block_bytes=args.block_bytes)
@@ -169,6 +169,7 @@ def main() -> None:
     finally:
         svc.stop()
         shutil.rmtree(base, ignore_errors=True)
+    out["loadavg_end"] = round(os.getloadavg()[0], 2)   # other work on the machine: say it
     out["worst_p99_ratio"] = max(v["p99_ratio"] for v in out["conditions"].values())
     out["machine"] = m
     emit(out, args.json)
