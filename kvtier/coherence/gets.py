@@ -8,6 +8,12 @@ clients' gets of resident blocks never wait for the disk; _finish_get then insta
 lock, the copies whose row is still at the version that was read (a block rewritten meanwhile
 is a miss, never its old bytes as the new version), and makes the lease. Versions and checksums
 in the reply are the ones the copies were pinned at.
+
+A get is written once, as steps (get_steps: a generator of locked and unlocked steps), and
+run by a driver: Engine.get runs them on the caller's thread; the socket server runs the
+locked ones on its event loop and the read on a worker thread (kvtier.api.steps, issue 17:
+a resident get beside NVMe readers). The steps split at the same lock boundaries as before,
+with the eviction for the bring-ups as a step of its own ahead of the decide.
 """
 
 from __future__ import annotations
