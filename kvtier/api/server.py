@@ -413,11 +413,12 @@ class Server(ResidentGets):
             # lookup) would read them from disk a second time, beside the stage's read: let
             # the stage finish first, and the get then copies memory.
             await asyncio.wait({staging}, timeout=STAGE_WAIT_S)
-        if tier is Tier.HOST:
+        if tier is Tier.HOST and self.engine.remote is None:
             res = await self.steps.drive(self.engine.get_steps(name, keys, client.cid, tier))
         else:
-            # A get from HBM may copy host blocks up to the GPU (the worker's first): off the
-            # loop, on a thread in the device's context.
+            # A get from HBM may copy host blocks up to the GPU (the worker's first), and a
+            # get's install may fill misses from the remote tier (network I/O under the lock):
+            # off the loop, on a thread (in the device's context).
             res = await self._run(on_device, device, self.engine.get, name, keys, client.cid,
                                   tier)
         return self._get_reply(client, name, keys, res, inline)
