@@ -413,12 +413,14 @@ class Server(ResidentGets):
             # lookup) would read them from disk a second time, beside the stage's read: let
             # the stage finish first, and the get then copies memory.
             await asyncio.wait({staging}, timeout=STAGE_WAIT_S)
-        if tier is Tier.HOST and self.engine.remote is None:
+        if (tier is Tier.HOST and self.engine.remote is None
+                and Tier.HBM not in self.engine.namespace(name).slots):
             res = await self.steps.drive(self.engine.get_steps(name, keys, client.cid, tier))
         else:
-            # A get from HBM may copy host blocks up to the GPU (the worker's first), and a
-            # get's install may fill misses from the remote tier (network I/O under the lock):
-            # off the loop, on a thread (in the device's context).
+            # A get from HBM may copy host blocks up to the GPU (the worker's first), a host
+            # get's decide may copy HBM blocks down (GPU work), and its install may fill
+            # misses from the remote tier (network I/O under the lock): off the loop, on a
+            # thread (in the device's context).
             res = await self._run(on_device, device, self.engine.get, name, keys, client.cid,
                                   tier)
         return self._get_reply(client, name, keys, res, inline)
