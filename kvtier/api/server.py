@@ -377,12 +377,13 @@ class Server(ResidentGets):
             client.pins.check(self.engine.namespace(name), keys, self.settings.max_client_share)
         if inline and tier is not Tier.HOST:
             raise BadRequest("inline gets are served from the host tier; drop tier or inline")
-        if tier is Tier.HOST and self.engine.looks_resident(name, keys):
-            done, res = self._fast(self.engine.try_get, name, keys, client.cid)
-            if done and res is not None:
-                return self._get_reply(client, name, keys, res, inline)
-            if not done:
-                return self._get_waiting(client, name, keys, inline)
+        if tier is Tier.HOST:
+            if self.engine.looks_resident(name, keys):
+                done, res = self._fast(self.engine.try_get, name, keys, client.cid)
+                if done and res is not None:
+                    return self._get_reply(client, name, keys, res, inline)
+                if not done:
+                    return self._get_waiting(client, name, keys, inline)
         else:
             out = self._get_resident(client, name, keys, tier)
             if out is not None:
