@@ -1,7 +1,8 @@
 """Only the optional C helpers live here; everything else is in pyproject.toml.
 
 kvtier.pagetable._native (the page table's index: hashing, probing, inserts and
-removals), kvtier.coherence._fast (the lease bookkeeping of a resident get, a put's rows and
+removals), kvtier.coherence.policies._queues (the eviction queues and the ghost),
+kvtier.coherence._fast (the lease bookkeeping of a resident get, a put's rows and
 eviction's), kvtier._xxh (batch hashing through the system's libxxhash) and kvtier.tiers._aio
 (the NVMe tier's AIO loop) are built when a C compiler and the
 Python headers are present; where they fail to build, the package installs anyway and the
@@ -12,7 +13,12 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("kvtier.pagetable._native", ["kvtier/pagetable/_native.c"],
+              depends=["kvtier/pagetable/keyhash.h"],
               extra_compile_args=["-O3", "-std=c11"], optional=True),
+    # The eviction policies' queues and ghost (kvtier/coherence/policies/queues.py, rings.py).
+    Extension("kvtier.coherence.policies._queues", ["kvtier/coherence/policies/_queues.c"],
+              depends=["kvtier/coherence/cviews.h", "kvtier/pagetable/keyhash.h"],
+              extra_compile_args=["-O2", "-std=c11"], optional=True),
     Extension("kvtier.coherence._fast", ["kvtier/coherence/_fast.c"],
               extra_compile_args=["-O2", "-std=c11"], optional=True),
     # Batch XXH3 through the system's libxxhash, GIL released (kvtier/checksums.py).

@@ -563,12 +563,12 @@ def test_the_c_helpers_leave_the_state_numpy_leaves(tmp_path: Path, policy: str,
     # with their numpy versions kept as the fallback: the same workload, step by step, must
     # leave the same page table, slot arrays and counters either way.
     from kvtier.coherence import engine as engine_mod, eviction
-    from kvtier.coherence.policies import rings
+    from kvtier.coherence.policies import queues, rings
     from kvtier.pagetable import table
-    if engine_mod._fast is None or table._native is None:
+    if engine_mod._fast is None or table._native is None or queues._queues is None:
         pytest.skip("the C helpers were not built here")
     with_c = _workload_state(tmp_path / "c", policy, 5)
     for mod, name in ((engine_mod, "_fast"), (eviction, "_fast"), (fastpath, "_fast"),
-                      (rings, "_fast"), (table, "_native")):
+                      (rings, "_queues"), (queues, "_queues"), (table, "_native")):
         monkeypatch.setattr(mod, name, None)
     assert _workload_state(tmp_path / "numpy", policy, 5) == with_c

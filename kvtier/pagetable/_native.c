@@ -50,32 +50,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MIX1 0x9E3779B97F4A7C15ULL
-#define MIX2 0xBF58476D1CE4E5B9ULL
-#define MIX3 0x94D049BB133111EBULL
+#include "keyhash.h"
+
 #define EMPTY (-1)
 #define NOGIL_BATCH 256
-
-static inline uint64_t hash_one(const uint8_t *key, Py_ssize_t width)
-{
-    uint64_t h = (uint64_t)width;
-    Py_ssize_t off = 0;
-    for (; off + 8 <= width; off += 8) {
-        uint64_t w;
-        memcpy(&w, key + off, 8);
-        h = (h ^ w) * MIX1;
-        h ^= h >> 31;
-    }
-    if (off < width) {
-        uint64_t w = 0;
-        memcpy(&w, key + off, (size_t)(width - off));
-        h = (h ^ w) * MIX1;
-        h ^= h >> 31;
-    }
-    h = (h ^ (h >> 30)) * MIX2;
-    h = (h ^ (h >> 27)) * MIX3;
-    return h ^ (h >> 31);
-}
 
 #define CORRUPT (-2)
 

@@ -32,6 +32,11 @@ import numpy as np
 
 from kvtier.coherence.policies.rings import Ghost, Ring
 
+try:
+    from kvtier.coherence.policies import _queues
+except ImportError:                       # not built: the numpy versions below run instead
+    _queues = None
+
 if TYPE_CHECKING:
     from kvtier.coherence.namespace import SlotState
     from kvtier.pagetable.table import PageTable
@@ -39,7 +44,19 @@ if TYPE_CHECKING:
 NONE = -1
 EPOCH_SHIFT = 10
 _EMPTY = np.empty(0, dtype=np.int64)
-_NO_REPLACED = (np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int8), _EMPTY)
+# The copies on_remove saw replaced, for the on_insert that follows: (hash as int64, queue,
+# counter) per slot.
+_NO_REPLACED = np.empty((0, 3), dtype=np.int64)
+# A policy's scalar state, one int64 array that the C versions (_queues.c, same names) update
+# in place: the next stamp, the two queues' counts, ghost hits, each ring's head and length,
+# then S3Fifo's parameters (probation target, freq_max, leaf_first, the ring compaction
+# threshold).
+(ST_NEXT, ST_COUNT0, ST_COUNT1, ST_GHOST_HITS, ST_HEAD0, ST_LEN0, ST_HEAD1, ST_LEN1,
+ ST_SMALL_TARGET, ST_FREQ_MAX, ST_LEAF_FIRST, ST_COMPACT_AT, ST_SIZE) = range(13)
+
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _positions(table: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -52,19 +69,26 @@ def _positions(table: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 class _SlotPolicy:
-    """What every slot-tier policy keeps per slot: the stamp of its current entry, and where
-    that entry is (NONE, a queue number, or PENDING + queue once handed out as a victim)."""
+    """What every slot-tier policy keeps per slot: the stamp of its current entry (column 0 of
+    _per; a subclass may keep more columns there), and where that entry is (NONE, a queue
+    number, or PENDING + queue once handed out as a victim)."""
 
     PENDING = 8
+    COLUMNS = 1
 
     def __init__(self, st: SlotState, table: PageTable) -> None:
         self.st = st
         self.table = table
         n = st.pool.n_slots
         self.n_slots = n
-        self._stamp = np.full(n, -1, dtype=np.int64)
+        self._per = np.zeros((n, self.COLUMNS), dtype=np.int64)
+        self._per[:, 0] = -1
+        self._stamp = self._per[:, 0]
         self._where = np.full(n, NONE, dtype=np.int8)
-        self._next = 0
+        self._st = np.zeros(ST_SIZE, dtype=np.int64)
+
+    _next = property(lambda self: int(self._st[ST_NEXT]),
+                     lambda self, v: self._st.__setitem__(ST_NEXT, v))
 
     def _stamps(self, slots: np.ndarray) -> np.ndarray:
         s = np.arange(self._next, self._next + slots.size, dtype=np.int64)
@@ -84,6 +108,11 @@ class _SlotPolicy:
     def resident(self) -> int:
         return int(((self._where >= 0) & (self._where < self.PENDING)).sum())
 
+    def state(self) -> dict:
+        """Everything that decides the policy's next choices, as plain values (tests compare
+        the C and numpy versions by it; physical ring positions are left out)."""
+        return {"where": self._where.tolist(), "per": self._per.tolist(), "next": self._next}
+
 
 class LruQueue(_SlotPolicy):
     """Least recently used first, exactly (see the module docstring)."""
@@ -93,9 +122,28 @@ class LruQueue(_SlotPolicy):
         self._buckets: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._epochs: list[int] = []          # heap of the keys of _buckets
         # The oldest bucket, sorted by last access, consumed from _pos on.
-        self._cur: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # (slot, stamp, last access) rows, sorted by the last; int64 (the clock is far below
+        # 2^63), one array so that _queues.lru_take reads it as it is.
+        self._cur: np.ndarray | None = None
         self._cur_epoch = -1
         self._pos = 0
+        self._scratch = np.empty((64, 3), dtype=np.int64)   # lru_take's moved and held
+
+    def state(self) -> dict:
+        out = super().state()
+        out["buckets"] = {e: sorted(zip(np.concatenate([c[0] for c in ch]).tolist(),
+                                        np.concatenate([c[1] for c in ch]).tolist()))
+                          for e, ch in sorted(self._buckets.items())}
+        out["epochs"] = sorted(self._epochs)
+        out["cur"] = None if self._cur is None else self._cur[self._pos:].tolist()
+        return out
+
+    def _bucket(self, e: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        chunks = self._buckets.get(e)
+        if chunks is None:
+            chunks = self._buckets[e] = []
+            heapq.heappush(self._epochs, e)
+        return chunks
 
     def _add(self, slots: np.ndarray, stamps: np.ndarray, last: np.ndarray) -> None:
         ep = (last >> np.uint64(EPOCH_SHIFT)).astype(np.int64)
@@ -104,14 +152,21 @@ class LruQueue(_SlotPolicy):
         else:
             groups = [(int(e), ep == e) for e in np.unique(ep)]
         for e, sel in groups:
-            if e not in self._buckets:
-                self._buckets[e] = []
-                heapq.heappush(self._epochs, e)
-            self._buckets[e].append((slots[sel], stamps[sel]))
+            self._bucket(e).append((slots[sel], stamps[sel]))
 
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        last = self.table.cols["last_access"]
+        if _queues is not None:
+            rows, slots = _i64(rows), _i64(slots)
+            stamps = np.empty(slots.size, dtype=np.int64)
+            e = _queues.lru_insert(self._per, self._where, self._st, rows, slots, last, stamps)
+            if e >= 0:                        # the batch's accesses are of one epoch
+                self._bucket(e).append((slots, stamps))
+            elif slots.size:
+                self._add(slots, stamps, last[rows])
+            return
         self._where[slots] = 0
-        self._add(slots, self._stamps(slots), self.table.cols["last_access"][rows])
+        self._add(slots, self._stamps(slots), last[rows])
 
     def on_remove(self, slots: np.ndarray) -> None:
         self._where[slots] = NONE
@@ -137,19 +192,48 @@ class LruQueue(_SlotPolicy):
                 slots, stamps, last = slots[~moved], stamps[~moved], last[~moved]
             if slots.size:
                 order = np.argsort(last, kind="stable")
-                self._cur = (slots[order], stamps[order], last[order])
+                self._cur = np.stack([slots[order], stamps[order],
+                                      last[order].astype(np.int64)], axis=1)
                 self._cur_epoch = e
                 self._pos = 0
                 return True
         return False
 
     def victims(self, n: int) -> np.ndarray:
+        if _queues is None:
+            return self._victims_numpy(n)
+        out = np.empty(n, dtype=np.int64)
+        if self._scratch.shape[0] < 2 * n + 32:
+            self._scratch = np.empty((2 * n + 32, 3), dtype=np.int64)
+        scratch, size = self._scratch, self._scratch.shape[0]
+        last_col, slot_row = self.table.cols["last_access"], self.st.slot_row
+        pinned: list[np.ndarray] = []
+        k = 0
+        while k < n:
+            if self._cur is None or self._pos >= self._cur.shape[0]:
+                self._cur = None
+                if not self._load_oldest():
+                    break
+            self._pos, took, moved, held = _queues.lru_take(
+                self._per, self._where, self._st, self._cur, self._pos, n - k, slot_row,
+                last_col, self.st.leases, out[k:], scratch)
+            k += took
+            if moved:                          # accessed since the sort: to their new bucket
+                m = scratch[:moved].copy()
+                self._add(m[:, 0], m[:, 1], m[:, 2].astype(np.uint64))
+            if held:                           # written from the end, last first
+                pinned.append(scratch[size - held:][::-1].copy())
+        for p in pinned:                       # leased now; they come round again
+            self._add(p[:, 0], p[:, 1], last_col[slot_row[p[:, 0]]])
+        return out[:k]
+
+    def _victims_numpy(self, n: int) -> np.ndarray:
         out: list[np.ndarray] = []
         need = n
         pinned: list[tuple[np.ndarray, np.ndarray]] = []
         last_col = self.table.cols["last_access"]
         while need > 0:
-            if self._cur is None or self._pos >= self._cur[0].size:
+            if self._cur is None or self._pos >= self._cur.shape[0]:
                 self._cur = None
                 if not self._load_oldest():
                     break
@@ -158,7 +242,8 @@ class LruQueue(_SlotPolicy):
                 break
             # Exactly as many as still needed, so that every entry looked at is settled here:
             # taken, re-bucketed, set aside while leased, or dropped as stale.
-            slots, stamps, last = (a[self._pos:self._pos + need] for a in cur)
+            slots, stamps, last = (cur[self._pos:self._pos + need, j] for j in range(3))
+            last = last.astype(np.uint64)
             self._pos += slots.size
             ok = self._valid(slots, stamps, 0)
             slots, stamps, last = slots[ok], stamps[ok], last[ok]
@@ -180,9 +265,14 @@ class LruQueue(_SlotPolicy):
 
 
 class S3Fifo(_SlotPolicy):
-    """S3-FIFO with a ghost sized as a multiple of the tier (see the module docstring)."""
+    """S3-FIFO with a ghost sized as a multiple of the tier (see the module docstring).
+
+    With kvtier.coherence.policies._queues built, each of on_insert, on_remove, victims and
+    give_back is one C call over the same arrays; the numpy methods (_*_numpy) are the
+    reference, and run where the module was not built."""
 
     SMALL, MAIN = 0, 1
+    COLUMNS = 3                    # stamp, base (freq when last looked at), cnt (aging counter)
 
     def __init__(self, st: SlotState, table: PageTable, small: float, ghost_blocks: int,
                  freq_max: int, leaf_first: bool) -> None:
@@ -191,17 +281,80 @@ class S3Fifo(_SlotPolicy):
         self.freq_max = int(freq_max)
         self.leaf_first = bool(leaf_first)
         self.ghost = Ghost(ghost_blocks)
-        self._rings = (Ring(min(self.n_slots, 1 << 16)), Ring(min(self.n_slots, 1 << 16)))
-        self._count = [0, 0]
-        self._base = np.zeros(self.n_slots, dtype=np.int64)   # freq column when last looked at
-        self._cnt = np.zeros(self.n_slots, dtype=np.int64)    # main queue's aging counter
-        self.ghost_hits = 0
-        self._replaced: tuple[np.ndarray, np.ndarray, np.ndarray] = _NO_REPLACED
+        self._st[ST_SMALL_TARGET] = self.small_target
+        self._st[ST_FREQ_MAX] = self.freq_max
+        self._st[ST_LEAF_FIRST] = int(self.leaf_first)
+        self._st[ST_COMPACT_AT] = 2 * self.n_slots + 1024
+        ring = min(self.n_slots, 1 << 16)
+        self._rings = (Ring(ring, self._st[ST_HEAD0:ST_LEN0 + 1]),
+                       Ring(ring, self._st[ST_HEAD1:ST_LEN1 + 1]))
+        self._count = self._st[ST_COUNT0:ST_COUNT1 + 1]        # a view: counts per queue
+        self._base = self._per[:, 1]
+        self._cnt = self._per[:, 2]
+        self._replaced: np.ndarray = _NO_REPLACED
+
+    ghost_hits = property(lambda self: int(self._st[ST_GHOST_HITS]))
+
+    def state(self) -> dict:
+        out = super().state()
+        g = self.ghost
+        out.update(counts=self._count.tolist(), ghost_hits=self.ghost_hits,
+                   rings=[[a.tolist() for a in r.entries()] for r in self._rings],
+                   replaced=self._replaced.tolist(),
+                   ghost=[g._st.tolist(), g._fp.tolist(), g._seq.tolist(), g._alive.tolist()])
+        return out
 
     def _hashes(self, slots: np.ndarray) -> np.ndarray:
         return self.table._hash(self.table.cols["key"][self.st.slot_row[slots]])
 
+    def _c_args(self) -> tuple[np.ndarray, ...]:
+        return (self._per, self._where, self._st, self._rings[0]._buf, self._rings[1]._buf)
+
+    def _ghost_args(self) -> tuple[np.ndarray, ...]:
+        g = self.ghost
+        return g._fp, g._seq, g._alive, g._st
+
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        if _queues is None:
+            return self._on_insert_numpy(rows, slots)
+        for ring in self._rings:
+            ring.reserve(rows.size)
+        cols = self.table.cols
+        _queues.s3_insert(*self._c_args(), *self._ghost_args(), cols["key"],
+                          self.table.key_width, cols["freq"], _i64(rows), _i64(slots),
+                          self._replaced)
+        self._replaced = _NO_REPLACED
+
+    def on_remove(self, slots: np.ndarray) -> None:
+        if _queues is None:
+            return self._on_remove_numpy(slots)
+        out = np.empty((slots.size, 3), dtype=np.int64)
+        k = _queues.s3_remove(self._per, self._where, self._st, *self._ghost_args(),
+                              self.st.slot_row, self.table.cols["key"], self.table.key_width,
+                              _i64(slots), out)
+        if k >= 0:
+            self._replaced = out[:k]
+
+    def victims(self, n: int) -> np.ndarray:
+        if _queues is None:
+            return self._victims_numpy(n)
+        # Probation's entries may all move to main in this call; nothing else adds entries.
+        self._rings[self.MAIN].reserve(len(self._rings[self.SMALL]))
+        out = np.empty(n, dtype=np.int64)
+        k = _queues.s3_victims(*self._c_args(), self.st.slot_row, self.table.cols["freq"],
+                               self.st.leases, n, out)
+        return out[:k]
+
+    def give_back(self, slots: np.ndarray) -> None:
+        if _queues is None:
+            return self._give_back_numpy(slots)
+        for ring in self._rings:
+            ring.reserve(slots.size)
+        _queues.s3_give_back(*self._c_args(), _i64(slots))
+
+    # ---------------------------------------------------------------- the numpy versions
+
+    def _on_insert_numpy(self, rows: np.ndarray, slots: np.ndarray) -> None:
         if self.leaf_first and rows.size > 1:
             rows, slots = rows[::-1], slots[::-1]
         stale = self._where[slots]
@@ -215,9 +368,10 @@ class S3Fifo(_SlotPolicy):
         self._cnt[slots] = 0
         where = np.zeros(slots.size, dtype=np.int8)
         fresh = np.ones(slots.size, dtype=bool)
-        old_h, old_w, old_cnt = self._replaced
-        if old_h.size:
+        rep = self._replaced
+        if rep.shape[0]:
             self._replaced = _NO_REPLACED
+            old_h, old_w, old_cnt = rep[:, 0].view(np.uint64), rep[:, 1], rep[:, 2]
             pos = _positions(old_h, hashes)
             back = pos >= 0
             where[back] = old_w[pos[back]]
@@ -226,7 +380,7 @@ class S3Fifo(_SlotPolicy):
             fresh &= ~back
         seen = np.zeros(slots.size, dtype=bool)
         seen[fresh] = self.ghost.take(hashes[fresh])
-        self.ghost_hits += int(seen.sum())
+        self._st[ST_GHOST_HITS] += int(seen.sum())
         where[seen] = self.MAIN
         for q in (self.MAIN, self.SMALL):
             sel = where == q
@@ -242,7 +396,7 @@ class S3Fifo(_SlotPolicy):
         if len(ring) > 2 * self.n_slots + 1024:
             ring.compact(self._live_stamps(q))
 
-    def on_remove(self, slots: np.ndarray) -> None:
+    def _on_remove_numpy(self, slots: np.ndarray) -> None:
         where = self._where[slots]
         gone = slots[where != NONE]
         if gone.size == 0:
@@ -256,16 +410,20 @@ class S3Fifo(_SlotPolicy):
         # again after a miss on an earlier block of its prefix): its standing is kept for the
         # on_insert that follows, as one more access.
         kept = gone[~evicted]
-        self._replaced = (self._hashes(kept), w[~evicted].astype(np.int8), self._cnt[kept])
+        rep = np.empty((kept.size, 3), dtype=np.int64)
+        rep[:, 0] = self._hashes(kept).view(np.int64)
+        rep[:, 1] = w[~evicted]
+        rep[:, 2] = self._cnt[kept]
+        self._replaced = rep
         self._where[gone] = NONE
 
-    def give_back(self, slots: np.ndarray) -> None:
+    def _give_back_numpy(self, slots: np.ndarray) -> None:
         w = self._where[slots]
         for q in (self.SMALL, self.MAIN):
             back = slots[w == self.PENDING + q]
             self._push(q, back, self._stamp[back], front=True)
 
-    def victims(self, n: int) -> np.ndarray:
+    def _victims_numpy(self, n: int) -> np.ndarray:
         out: list[np.ndarray] = []
         need = n
         budget = (self.freq_max + 2) * (self._count[0] + self._count[1]) + 64

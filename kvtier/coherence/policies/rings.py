@@ -1,4 +1,5 @@
-"""The maintained structures that eviction policies pop victims from, in numpy.
+"""The maintained structures that eviction policies pop victims from, in numpy (their C
+versions, which the policies call on the hot path, are in kvtier.coherence.policies._queues).
 
 ``Ring`` is a double-ended queue of (slot, stamp) pairs in a circular numpy buffer: pushes and pops
 of a batch are slice copies, so a policy's cost per evicted block does not depend on how many blocks
@@ -17,50 +18,67 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from kvtier.coherence import _fast
+    from kvtier.coherence.policies import _queues
 except ImportError:                       # not built: the numpy versions below run instead
-    _fast = None
+    _queues = None
 
 
 class Ring:
-    """A deque of (slot int64, stamp int64) pairs; grows by doubling."""
+    """A deque of (slot int64, stamp int64) pairs; grows by doubling.
 
-    def __init__(self, capacity: int = 1024) -> None:
+    The pairs are one (capacity, 2) array and (head, length) a 2-element array, which may be a
+    view into the owner's state (S3Fifo keeps both rings' there, so that the C versions in
+    kvtier.coherence.policies._queues update them in place). Those cannot grow a ring: the
+    owner calls reserve(extra) before a C call that may add up to extra entries."""
+
+    def __init__(self, capacity: int = 1024, state: np.ndarray | None = None) -> None:
         cap = 1 << max(4, int(capacity - 1).bit_length())
-        self._slot = np.zeros(cap, dtype=np.int64)
-        self._stamp = np.zeros(cap, dtype=np.int64)
-        self._head = 0          # index of the first entry
-        self._n = 0
+        self._buf = np.zeros((cap, 2), dtype=np.int64)
+        self._st = np.zeros(2, dtype=np.int64) if state is None else state
+        self._st[:] = 0
+
+    _head = property(lambda self: int(self._st[0]),
+                     lambda self, v: self._st.__setitem__(0, v))
+    _n = property(lambda self: int(self._st[1]),
+                  lambda self, v: self._st.__setitem__(1, v))
 
     def __len__(self) -> int:
-        return self._n
+        return int(self._st[1])
+
+    @property
+    def capacity(self) -> int:
+        return int(self._buf.shape[0])
 
     def _index(self, start: int, n: int) -> np.ndarray:
-        return (start + np.arange(n)) & (self._slot.size - 1)
+        return (start + np.arange(n)) & (self._buf.shape[0] - 1)
 
-    def _reserve(self, extra: int) -> None:
-        if self._n + extra <= self._slot.size:
+    def reserve(self, extra: int) -> None:
+        """Room for extra more entries without growing."""
+        n = int(self._st[1])
+        if n + extra <= self._buf.shape[0]:
             return
-        cap = self._slot.size
-        while cap < self._n + extra:
+        cap = self._buf.shape[0]
+        while cap < n + extra:
             cap *= 2
+        new = np.zeros((cap, 2), dtype=np.int64)
+        new[:n] = self._buf[self._index(int(self._st[0]), n)]
+        self._buf = new
+        self._st[0] = 0
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, stamps) from head to tail, without taking them."""
         idx = self._index(self._head, self._n)
-        for name in ("_slot", "_stamp"):
-            old = getattr(self, name)
-            new = np.zeros(cap, dtype=np.int64)
-            new[: self._n] = old[idx]
-            setattr(self, name, new)
-        self._head = 0
+        return self._buf[idx, 0], self._buf[idx, 1]
 
     def push(self, slots: np.ndarray, stamps: np.ndarray) -> None:
         """Append at the tail, in order (the last one pushed leaves last)."""
         n = int(slots.size)
         if n == 0:
             return
-        self._reserve(n)
+        self.reserve(n)
         idx = self._index(self._head + self._n, n)
-        self._slot[idx] = slots
-        self._stamp[idx] = stamps
+        self._buf[idx, 0] = slots
+        self._buf[idx, 1] = stamps
         self._n += n
 
     def push_front(self, slots: np.ndarray, stamps: np.ndarray) -> None:
@@ -68,19 +86,19 @@ class Ring:
         n = int(slots.size)
         if n == 0:
             return
-        self._reserve(n)
-        self._head = (self._head - n) & (self._slot.size - 1)
+        self.reserve(n)
+        self._head = (self._head - n) & (self._buf.shape[0] - 1)
         idx = self._index(self._head, n)
-        self._slot[idx] = slots
-        self._stamp[idx] = stamps
+        self._buf[idx, 0] = slots
+        self._buf[idx, 1] = stamps
         self._n += n
 
     def pop(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Take up to n entries from the head."""
         n = min(n, self._n)
         idx = self._index(self._head, n)
-        out = self._slot[idx], self._stamp[idx]
-        self._head = (self._head + n) & (self._slot.size - 1)
+        out = self._buf[idx, 0], self._buf[idx, 1]
+        self._head = (self._head + n) & (self._buf.shape[0] - 1)
         self._n -= n
         return out
 
@@ -117,7 +135,7 @@ class Ghost:
         self._mask = np.uint64(sets - 1)
         self._alive = np.zeros(1 << max(4, int(4 * self.size).bit_length()), dtype=bool)
         # head (next sequence number), tail (oldest one still counted), live, size: one array,
-        # which the C versions (kvtier.coherence._fast.ghost_add/take) update in place.
+        # which the C versions (kvtier.coherence.policies._queues) update in place.
         self._st = np.array([0, 0, 0, self.size], dtype=np.int64)
 
     _head = property(lambda self: int(self._st[0]),
@@ -155,8 +173,8 @@ class Ghost:
     def add(self, hashes: np.ndarray) -> None:
         if not self.size or hashes.size == 0:
             return
-        if _fast is not None:
-            _fast.ghost_add(self._fp, self._seq, self._alive, self._st,
+        if _queues is not None:
+            _queues.ghost_add(self._fp, self._seq, self._alive, self._st,
                             np.ascontiguousarray(hashes, dtype=np.uint64))
             return
         if hashes.size > self.size:
@@ -228,9 +246,9 @@ class Ghost:
         """Which keys are remembered; those are forgotten, as they are resident again."""
         if not self.size or hashes.size == 0:
             return np.zeros(hashes.size, dtype=bool)
-        if _fast is not None:
+        if _queues is not None:
             found = np.empty(hashes.size, dtype=bool)
-            _fast.ghost_take(self._fp, self._seq, self._alive, self._st,
+            _queues.ghost_take(self._fp, self._seq, self._alive, self._st,
                              np.ascontiguousarray(hashes, dtype=np.uint64), found)
             return found
         a, b, fp = self._split(hashes)
