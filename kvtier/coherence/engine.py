@@ -456,23 +456,28 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             res = self._take_reservation(rid, owner)
             ns, tier, slots, karr = res.ns, res.tier, res.slots, res.keys
             # Within one batch, the last write of a key wins; earlier duplicates are dropped.
-            keep = _last_occurrences(ns.table, karr) if res.repeats else np.arange(karr.size)
+            keep = _last_occurrences(ns.table, karr) if res.repeats else None
+            if keep is not None and keep.size == karr.size:
+                keep = None                   # a hash collision, no repeat
+            # Every position kept (the common case) is a slice: views, not a gather per array.
+            sel = slice(None) if keep is None else keep
+            n_keep = karr.size if keep is None else keep.size
             host_slots = None
             try:
-                given_sums = _trusted(checksums, karr.size)[keep] if trusted else None
+                given_sums = _trusted(checksums, karr.size)[sel] if trusted else None
                 if tier is Tier.HOST:
                     sums = (given_sums if trusted
-                            else checksums_of(ns.slots[Tier.HOST].pool, slots[keep]))
+                            else checksums_of(ns.slots[Tier.HOST].pool, slots[sel]))
                 else:
                     # A GPU write: written through to host; the checksum is the host copy's.
-                    host_slots = self._alloc(ns, Tier.HOST, keep.size)
+                    host_slots = self._alloc(ns, Tier.HOST, n_keep)
                     ns.slots[Tier.HOST].pool.write(
-                        host_slots, to_numpy(ns.slots[tier].pool.read(slots[keep])))
+                        host_slots, to_numpy(ns.slots[tier].pool.read(slots[sel])))
                     sums = (given_sums if trusted
                             else checksums_of(ns.slots[Tier.HOST].pool, host_slots))
                 if checksums is not None:
                     given = np.asarray(checksums, dtype=np.uint64).reshape(-1)
-                    if given.size != karr.size or not np.array_equal(given[keep], sums):
+                    if given.size != karr.size or not np.array_equal(given[sel], sums):
                         from kvtier.errors import ChecksumError
                         raise ChecksumError(
                             "a reserved slot does not match its checksum (torn or overlapping "
@@ -486,15 +491,17 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             res.state = HoldState.COMMITTED
             # (setdiff1d sorts twice: ~1 ms for 4,096 keys on the dev VM, for nothing in the
             # common case of a batch without repeats)
-            dup = (np.setdiff1d(np.arange(karr.size), keep) if keep.size < karr.size
+            dup = (np.setdiff1d(np.arange(karr.size), keep) if keep is not None
                    else np.empty(0, dtype=np.int64))
             if dup.size:
                 self._free_slots(ns, tier, slots[dup])
-            rows = self._install(ns, karr[keep], tier, slots[keep], sums,
-                                 None if res.parents is None else res.parents[keep], host_slots)
-            versions_by_pos = np.zeros(karr.size, dtype=np.uint64)
-            versions_by_pos[keep] = ns.table.cols["version"][rows]
-            if dup.size:
+            rows = self._install(ns, karr[sel], tier, slots[sel], sums,
+                                 None if res.parents is None else res.parents[sel], host_slots)
+            if keep is None:
+                versions_by_pos = ns.table.cols["version"][rows]
+            else:
+                versions_by_pos = np.zeros(karr.size, dtype=np.uint64)
+                versions_by_pos[keep] = ns.table.cols["version"][rows]
                 # A duplicate's version is the one its key ended with.
                 versions_by_pos[dup] = ns.table.cols["version"][ns.table.lookup(karr[dup])]
             self.counters.puts += int(karr.size)
@@ -516,8 +523,9 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         table = ns.table
         cols = table.cols
         rows, created = table.insert(karr)
-        for t in list(ns.slots):
-            self._drop_copies(ns, rows, t)
+        if not created.all():             # rows just made hold no copy anywhere
+            for t in list(ns.slots):
+                self._drop_copies(ns, rows, t)
         if _fast is None and created.any():
             cols["version"][rows[created]] = table.version_floor
         # A row restart brought back (or the remote tier filled) holds a version of an earlier

@@ -32,6 +32,7 @@ engine serialises access under its lock.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,12 @@ _M1, _M2, _M3 = int(_MIX1), int(_MIX2), int(_MIX3)
 _WORD = struct.Struct("<Q")
 _SCALAR_KEYS = 8
 _WINDOW = 8
+
+
+@functools.lru_cache(maxsize=16)
+def _tier_mask(tiers: tuple[int, ...]) -> int:
+    """A bit per tier (a prefix match's tier sets, computed once rather than per request)."""
+    return sum(1 << int(t) for t in tiers)
 
 
 def _repeats(h: np.ndarray) -> bool:
@@ -331,11 +338,10 @@ class PageTable:
         of the ``local`` tiers, and how many of those n have no such copy in ``memory``
         tiers. One C call with the helper (a prefix match is per request, issue 18)."""
         if _native is not None and self.live:
-            lm = sum(1 << int(t) for t in local)
-            mm = sum(1 << int(t) for t in memory)
             return _native.current_prefix(self._index, self.cols["key"], self.key_width,
                                           np.ascontiguousarray(karr), self.cols["version"],
-                                          self.cols["copy_ver"], lm, mm)
+                                          self.cols["copy_ver"], _tier_mask(local),
+                                          _tier_mask(memory))
         rows = self._rows_of(karr)
         cols = self.cols
         ok = rows >= 0
