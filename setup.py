@@ -17,9 +17,11 @@ setup(ext_modules=[
               extra_compile_args=["-O3", "-std=c11"], optional=True),
     # The eviction policies' queues and ghost (kvtier/coherence/policies/queues.py, rings.py).
     Extension("kvtier.coherence.policies._queues", ["kvtier/coherence/policies/_queues.c"],
-              depends=["kvtier/coherence/cviews.h", "kvtier/pagetable/keyhash.h"],
+              depends=["kvtier/coherence/cviews.h", "kvtier/pagetable/keyhash.h",
+                       "kvtier/coherence/policies/ghost.h"],
               extra_compile_args=["-O2", "-std=c11"], optional=True),
     Extension("kvtier.coherence._fast", ["kvtier/coherence/_fast.c"],
+              depends=["kvtier/coherence/cviews.h"],
               extra_compile_args=["-O2", "-std=c11"], optional=True),
     # Batch XXH3 through the system's libxxhash, GIL released (kvtier/checksums.py).
     Extension("kvtier._xxh", ["kvtier/_xxh.c"], extra_compile_args=["-O2", "-std=gnu11"],

@@ -66,51 +66,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-    Py_buffer b[16];
-    int n;
-} Views;
-
-static void views_release(Views *v)
-{
-    for (int i = 0; i < v->n; i++)
-        PyBuffer_Release(&v->b[i]);
-    v->n = 0;
-}
-
-/* The next argument as a C-contiguous array of itemsize-byte items; NULL (and an exception)
- * when it is not one. cols: its second dimension (1 for 1-D arrays) into *cols if not NULL. */
-static void *view(Views *v, PyObject *obj, Py_ssize_t itemsize, int writable, Py_ssize_t *len,
-                  Py_ssize_t *cols, const char *name)
-{
-    Py_buffer *b = &v->b[v->n];
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, b, flags) < 0)
-        return NULL;
-    v->n++;
-    Py_ssize_t width = b->ndim == 2 ? b->shape[1] : 1;
-    if (b->itemsize != itemsize || b->ndim < 1 || b->ndim > 2 || (cols == NULL && b->ndim != 1)) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous array of %zd-byte items",
-                     name, itemsize);
-        return NULL;
-    }
-    *len = b->shape[0];
-    if (cols)
-        *cols = width;
-    return b->buf;
-}
-
-static int as_index(PyObject *obj, Py_ssize_t *out, const char *name)
-{
-    *out = PyLong_AsSsize_t(obj);
-    if (*out == -1 && PyErr_Occurred())
-        return -1;
-    if (*out < 0) {
-        PyErr_Format(PyExc_ValueError, "%s must not be negative", name);
-        return -1;
-    }
-    return 0;
-}
+#include "cviews.h"
 
 static PyObject *lease_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
