@@ -21,6 +21,9 @@ works lazily: an entry is re-examined only when it reaches the head of its queue
                 evicted keys; a key found in the ghost skips probation. With leaf_first, each put
                 batch enters the queues deepest block first, so among blocks of equal standing a
                 chain loses its leaves before its parents.
+
+Each method is one call of kvtier.coherence.policies._queues where that module was built (the
+numpy code here is the reference, and the fallback; tests compare the two step by step).
 """
 
 from __future__ import annotations
