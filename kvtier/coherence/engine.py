@@ -75,6 +75,7 @@ MAX_KEY_WIDTH = 64
 EPOCH_BITS = 32             # versions of one run: below (epoch + 1) << EPOCH_BITS
 _LOCAL_TIERS = tuple(t for t in SERVE_ORDER if t is not Tier.REMOTE)
 _MEMORY_TIERS = (Tier.HBM, Tier.HOST)
+_COMMIT_NEXT = transition_array(Event.COMMIT)    # looked up once: an Enum hashes in Python
 
 
 def _trusted(checksums: np.ndarray | None, n: int) -> np.ndarray:
@@ -309,17 +310,24 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             if tier is Tier.HOST:
                 self.host_used -= gone.size * ns.block_bytes
 
-    def _drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier) -> None:
+    def _drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
+                     slots: np.ndarray | None = None) -> None:
         """Forget rows' copies in a slot tier (freeing or retiring their slots). Rows are
-        distinct. With the C helper: two calls around the policy's on_remove."""
+        distinct. With the C helper: two calls around the policy's on_remove. ``slots``: the
+        rows' slots in tier, when the caller knows each row holds its copy there (eviction's
+        victims: the policy's own slots), so they need not be looked up."""
         cols = ns.table.cols
         if _fast is not None:
             rows = np.ascontiguousarray(rows, dtype=np.int64)
-            held = np.empty(rows.size, dtype=np.int64)
-            k = _fast.copy_slots(cols["copy_ver"], cols["slot"], rows, int(tier), held)
-            if k == 0:
+            if slots is None:
+                held = np.empty(rows.size, dtype=np.int64)
+                k = _fast.copy_slots(cols["copy_ver"], cols["slot"], rows, int(tier), held)
+                if k == 0:
+                    return
+                slots = held[:k]
+            elif slots.size == 0:
                 return
-            self._tier_policy(ns, tier).on_remove(held[:k])
+            self._tier_policy(ns, tier).on_remove(slots)
             st = ns.slots[tier]
             free = np.empty(rows.size, dtype=np.int64)
             k = _fast.release_copies(cols["copy_ver"], cols["slot"], st.slot_row, st.leases,
@@ -565,7 +573,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             c["version"], c["leases"], c["size"], c["checksum"], c["state"], c["last_access"],
             c["prev_access"], c["freq"], c["slot"], c["copy_ver"], st.slot_row, rows,
             np.ascontiguousarray(created), np.ascontiguousarray(slots, dtype=np.int64),
-            np.ascontiguousarray(sums, dtype=np.uint64), transition_array(Event.COMMIT),
+            np.ascontiguousarray(sums, dtype=np.uint64), _COMMIT_NEXT,
             int(tier), ns.table.version_floor, self.epoch << EPOCH_BITS, self.clock,
             ns.block_bytes)
         if top < 0:

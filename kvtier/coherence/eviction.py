@@ -28,6 +28,8 @@ except ImportError:
 if TYPE_CHECKING:
     from kvtier.coherence.namespace import Namespace
 
+_LOST_NEXT = transition_array(Event.LOST)    # looked up once: an Enum hashes in Python
+
 
 class Eviction:
     def _tier_policy(self, ns: Namespace, tier: Tier) -> TierPolicy:
@@ -75,10 +77,10 @@ class Eviction:
                     break
                 rows = st.slot_row[slots]
                 if not lowers:             # the lowest tier: every victim can go as it is
-                    done += self._drop_victims(ns, tier, rows, lowers)
+                    done += self._drop_victims(ns, tier, rows, lowers, slots)
                     continue
                 covered = self._covered(cols, rows, tier, lowers)
-                done += self._drop_victims(ns, tier, rows[covered], lowers)
+                done += self._drop_victims(ns, tier, rows[covered], lowers, slots[covered])
                 slots, rows = slots[~covered], rows[~covered]
                 if slots.size == 0:
                     continue
@@ -92,7 +94,7 @@ class Eviction:
                 # drops every copy): a slot no longer holding its row is settled already.
                 ours = st.slot_row[slots] == rows
                 covered = ours & self._covered(cols, rows, tier, lowers)
-                done += self._drop_victims(ns, tier, rows[covered], lowers)
+                done += self._drop_victims(ns, tier, rows[covered], lowers, slots[covered])
                 # The rest stay out of the queue until this eviction ends, so that the next
                 # victims come from further down it (a full tier below holds only these back).
                 held.append(slots[ours & ~covered])
@@ -102,8 +104,10 @@ class Eviction:
         return done
 
     def _drop_victims(self, ns: Namespace, tier: Tier, victims: np.ndarray,
-                      lowers: list[Tier]) -> int:
-        self._drop_copies(ns, victims, tier)
+                      lowers: list[Tier], slots: np.ndarray) -> int:
+        """Evict victims (rows) from tier; slots: their copies' slots there (in the same
+        order, as the policy handed them out)."""
+        self._drop_copies(ns, victims, tier, slots)
         self.counters.tiers[tier].evictions += victims.size
         if lowers:
             self.counters.tiers[lowers[0]].demotions += victims.size
@@ -149,7 +153,7 @@ class Eviction:
             drop = np.empty(rows.size, dtype=np.int64)
             k = _fast.empty_rows(cols["version"], cols["copy_ver"], cols["state"],
                                  cols["checksum"], cols["nvme_checksum"], rows,
-                                 transition_array(Event.LOST), int(Tier.NVME),
+                                 _LOST_NEXT, int(Tier.NVME),
                                  int(BlockState.CLEAN), drop)
             if k < 0:
                 cur = cols["copy_ver"][rows] == cols["version"][rows, None]
