@@ -5,23 +5,27 @@ On disk::
     <data_dir>/nvme/ns-<id>/seg-00000001.kvt
         [4 KiB header: magic, block_bytes, record_bytes, namespace id, segment id, data start]
         [unused up to data start]
-        [record 0][record 1]...          each record_bytes = block_bytes rounded up to 4 KiB
+        [batch header][record][record]...[batch header][record]...
+                                         each slot record_bytes = block_bytes rounded up to 4 KiB
 
 Records begin at ``data start``: record_bytes rounded up from the header, at most 1 MiB, so a
 64 KiB record sits on a 64 KiB boundary and a 1 MiB one on a 1 MiB boundary, as fio's blocks do.
 Format 1 segments (magic KVTSEG01, written before 2026-12) have no such field and start their
-records right after the 4 KiB header; they are read as before. On the development VM's disk
+records right after the 4 KiB header; they are read as before. Format 3 (KVTSEG03) puts a batch
+header (tiers.batchlog: the keys, versions and checksums of the records that follow) before
+every append; format 1 and 2 segments have none: they are read, never appended to again. On the development VM's disk
 the 4 KiB offset cost fio 5-8% and kvtier's sequential reads 1.28x (docs/DESIGN-NOTES.md,
 "NVMe: aligned records and extending writes").
 
-A record is a block's bytes and nothing else: the page table (LMDB) says which key and version
-lives where, and the xxh3-64 checksum kept there is checked on every read, so a record never has
-to describe itself. Records start on 4 KiB boundaries, and when block_bytes is a multiple of 4 KiB
+A record is a block's bytes and nothing else; the batch header before it says which key and
+version it holds, so that one fdatasync makes bytes and index durable and LMDB, which the
+service reads at start, can be brought up to date later (coherence.journal). The xxh3-64
+checksum is checked on every read. Records start on 4 KiB boundaries, and when block_bytes is a multiple of 4 KiB
 the segment is opened with O_DIRECT and host slots (page-aligned, see tiers.host) go to the device
 with no bounce copy. Other block sizes go through an aligned staging buffer and the page cache.
 
-Appends are batched: one pwritev per run of up to IOV_MAX records, one fdatasync per segment
-touched, and only then does the caller commit LMDB (coherence.flush). Reads merge records that are
+Appends are batched: one pwritev per run of up to IOV_MAX records (header included), one
+fdatasync per segment touched, and only then is the caller's batch durable. Reads merge records that are
 adjacent on disk into one preadv and spread runs over ``io_threads`` threads.
 
 The tier keeps per-segment live byte counts so that coherence can choose segments to compact. It
@@ -48,8 +52,10 @@ import numpy as np
 
 from kvtier.errors import DataDirError, StorageError
 from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared, release_shared
+from kvtier.tiers.batchlog import fit, header_slots, pack
 
-MAGIC = b"KVTSEG02"
+MAGIC = b"KVTSEG03"
+MAGIC_V2 = b"KVTSEG02"             # no batch headers; still read, never appended to
 MAGIC_V1 = b"KVTSEG01"             # records at HEADER_BYTES; still read, never written
 HEADER_BYTES = 4096
 ALIGN = 4096
@@ -134,6 +140,8 @@ class Segment:
     born: int = 0      # creation order among all segments of this process (FIFO reclaim)
     readers: int = 0   # reads in flight (pinned by coherence); the file outlives them
     doomed: bool = False   # reclaimed: deleted when its last reader is done
+    batched: bool = True   # format 3: appends carry batch headers (older: read-only)
+    full: bool = False     # no more appends: restart found a torn or damaged tail in it
 
     def holds(self, offset: int, record_bytes: int) -> bool:
         """True when a whole record at file offset ``offset`` lies inside what was written."""
@@ -146,7 +154,7 @@ class SegmentLog:
 
     def __init__(self, directory: Path, ns_id: int, block_bytes: int, segment_bytes: int,
                  io_threads: int = 4, backend: Backend | None = None,
-                 readonly: bool = False, aio_depth: int = 256) -> None:
+                 readonly: bool = False, aio_depth: int = 256, index_bytes: int = 0) -> None:
         self.dir = Path(directory)
         self.readonly = readonly
         self.foreign: list[Path] = []     # files skipped in readonly mode (kvtier check)
@@ -155,7 +163,9 @@ class SegmentLog:
         self.record_bytes = round_up(block_bytes)
         # Where new segments put record 0 (see the module docstring).
         self.data_start = data_start(self.record_bytes)
-        self.segment_bytes = max(segment_bytes, self.data_start + self.record_bytes)
+        # Room for a batch header and one record at least.
+        self.segment_bytes = max(segment_bytes, self.data_start + 2 * self.record_bytes)
+        self.index_bytes = index_bytes     # bytes of one batch-header entry (capacity sums)
         self.direct = block_bytes % ALIGN == 0
         self.backend = backend or PosixBackend()
         self.segments: dict[int, Segment] = {}
@@ -225,7 +235,8 @@ class SegmentLog:
             size = os.fstat(fd).st_size
             size = start + max(0, size - start) // self.record_bytes * self.record_bytes
             self.segments[seg_id] = Segment(seg_id, path, fd, size, direct=_is_direct(fd),
-                                            start=start, born=next(_BORN))
+                                            start=start, born=next(_BORN),
+                                            batched=bytes(buf[:8]) == MAGIC)
 
     def _new_segment(self) -> Segment:
         # Never an id used before in this run: a reclaimed segment's file may still be open
@@ -247,10 +258,15 @@ class SegmentLog:
         self.segments[seg_id] = seg
         return seg
 
+    def _open_for_append(self, seg: Segment | None) -> bool:
+        """True when an append may go to seg: format 3, room for a header and a record."""
+        return (seg is not None and seg.batched and not seg.full
+                and seg.size + 2 * self.record_bytes <= self.segment_bytes)
+
     def _active(self) -> Segment:
         if self.segments:
             seg = self.segments[max(self.segments)]
-            if seg.size + self.record_bytes <= self.segment_bytes:
+            if self._open_for_append(seg):
                 return seg
         return self._new_segment()
 
@@ -267,19 +283,26 @@ class SegmentLog:
     def bytes_for(self, n: int) -> int:
         """Disk bytes that appending n records would add: the records, and the header of
         every segment they open."""
-        if n <= 0:
-            return 0
-        per = (self.segment_bytes - self.data_start) // self.record_bytes
+        rec, eb = self.record_bytes, self.index_bytes
         seg = self.segments.get(self.active_id)
-        room = (self.segment_bytes - seg.size) // self.record_bytes if seg else 0
-        rest = max(0, n - room)
-        return n * self.record_bytes + -(-rest // per) * self.data_start
+        room = (self.segment_bytes - seg.size) // rec if self._open_for_append(seg) else 0
+        per = (self.segment_bytes - self.data_start) // rec
+        total = 0
+        while n > 0:                  # as append() cuts it: chunks, each behind its header
+            take = fit(room, min(n, IOV_MAX), eb, rec)
+            if take == 0:
+                room, total = per, total + self.data_start
+                continue
+            slots = take + header_slots(take, eb, rec)
+            total += slots * rec
+            room -= slots
+            n -= take
+        return total
 
     def sealed(self) -> list[Segment]:
         """Segments no append goes to any more (every one but the newest, unless it is full)."""
         active = self.active_id
-        last = self.segments.get(active)
-        if last is not None and last.size + self.record_bytes > self.segment_bytes:
+        if not self._open_for_append(self.segments.get(active)):
             active = -1
         return [s for sid, s in self.segments.items() if sid != active]
 
@@ -288,12 +311,16 @@ class SegmentLog:
 
     # ------------------------------------------------------------------ append
 
-    def append(self, blocks: Sequence[memoryview]) -> tuple[np.ndarray, np.ndarray]:
+    def append(self, blocks: Sequence[memoryview], entries: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
         """Write blocks at the end of the log, fdatasync, return (segment ids, offsets in 4 KiB).
 
-        Every block is exactly block_bytes. When this returns, the bytes are durable; the caller
-        then commits the LMDB records that point to them. Raises StorageError (disk full, I/O).
+        Every block is exactly block_bytes. ``entries`` (one row of index_bytes per block, or
+        None) go into the batch header written before each chunk (tiers.batchlog); when this
+        returns, the bytes and their headers are durable. Raises StorageError (disk full, I/O).
         """
+        if entries is not None:
+            entries = np.ascontiguousarray(entries).view(np.uint8).reshape(len(blocks), -1)
         n = len(blocks)
         segs = np.empty(n, dtype=np.int32)
         offs = np.empty(n, dtype=np.uint32)
@@ -310,11 +337,16 @@ class SegmentLog:
             while i < n:
                 with self._lock:
                     seg = self._active()
-                room = (self.segment_bytes - seg.size) // self.record_bytes
-                take = min(room, n - i, IOV_MAX)
+                rec = self.record_bytes
+                eb = 0 if entries is None else entries.shape[1]
+                take = fit((self.segment_bytes - seg.size) // rec, min(n - i, IOV_MAX), eb, rec)
                 chunk = blocks[i: i + take]
+                head = _aligned(header_slots(take, eb, rec) * rec)
+                slots = pack(memoryview(head), self.ns_id, seg.seg_id, seg.size, take,
+                             None if entries is None else entries[i: i + take], rec)
                 direct_ok = self.record_bytes == self.block_bytes and all(map(_is_aligned, chunk))
-                bufs = chunk if direct_ok else self._stage(chunk)
+                bufs = [memoryview(head)[k * rec:(k + 1) * rec] for k in range(slots)]
+                bufs += chunk if direct_ok else self._stage(chunk)
                 try:
                     if self._aio is not None and seg.direct and len(bufs) > 1:
                         self._write_aio(seg, bufs)
@@ -324,10 +356,10 @@ class SegmentLog:
                     _truncate(seg)     # give a full disk back what the failed write took
                     raise
                 segs[i: i + take] = seg.seg_id
-                offs[i: i + take] = (seg.size + np.arange(take) * self.record_bytes) // ALIGN
+                offs[i: i + take] = (seg.size + (slots + np.arange(take)) * rec) // ALIGN
                 with self._lock:
-                    seg.size += take * self.record_bytes
-                    self.bytes_written += take * self.record_bytes
+                    seg.size += (slots + take) * rec
+                    self.bytes_written += (slots + take) * rec
                 touched[seg.seg_id] = seg
                 i += take
             for seg in touched.values():
@@ -611,7 +643,7 @@ class SegmentLog:
 def _unpack_header(raw: bytes) -> tuple:
     """(magic, block_bytes, record_bytes, ns_id, seg_id, data start) of either format; magic is
     None when the file is not a kvtier segment, or its data start is not a record boundary."""
-    if raw[:8] == MAGIC:
+    if raw[:8] in (MAGIC, MAGIC_V2):
         fields = _HEADER.unpack(raw[: _HEADER.size])
         start = fields[5]
         if start < HEADER_BYTES or start % ALIGN:
