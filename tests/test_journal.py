@@ -1,0 +1,186 @@
+"""Records that describe themselves in the log: batch headers, lazy LMDB, replay at restart.
+
+The kill tests run a real `kvtier serve` with checkpoint_interval far beyond the test, so that
+acknowledged write_through puts exist only in the segments' batch headers (LMDB, read from
+the test process, holds none of them) when the service is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from kvtier.coherence.journal import entries_of, replay
+from kvtier.pagetable.store import record_dtype
+from kvtier.tiers.nvme import ALIGN, SegmentLog
+from tests.service import Service
+
+BB = 4096
+
+
+def key(i: int) -> bytes:
+    return (i + 1).to_bytes(16, "big")
+
+
+def block(i: int, gen: int) -> np.ndarray:
+    return np.random.default_rng([i, gen]).integers(0, 256, BB, dtype=np.uint8)
+
+
+def lmdb_records(data_dir: Path) -> int:
+    """Records of every namespace as committed to LMDB, read beside the running service."""
+    env = lmdb.open(str(data_dir / "meta"), readonly=True, lock=False, max_dbs=1100)
+    try:
+        with env.begin() as txn:
+            names = [bytes(k) for k, _ in txn.cursor() if bytes(k).startswith(b"ns:")]
+        with env.begin() as txn:
+            return sum(txn.stat(env.open_db(n, txn=txn, create=False))["entries"]
+                       for n in names)
+    finally:
+        env.close()
+
+
+def serve(tmp_path: Path) -> Service:
+    return Service(tmp_path / "svc", admin=False, host_capacity="4MiB", nvme_capacity="64MiB",
+                   segment_bytes="1MiB", write_policy="write_through",
+                   checkpoint_interval=3600).start()
+
+
+def put_rounds(svc: Service, rounds: int) -> dict[int, np.ndarray]:
+    """Puts of 8 blocks, later rounds rewriting earlier keys; returns each key's last bytes."""
+    import kvtier
+    want: dict[int, np.ndarray] = {}
+    with kvtier.Client(svc.socket) as c:
+        ns = c.namespace("j", block_bytes=BB)
+        for gen in range(rounds):
+            ids = [(gen * 5 + j) % 40 for j in range(8)]
+            data = np.stack([block(i, gen) for i in ids])
+            ns.put(b"".join(key(i) for i in ids), data)       # acknowledged: durable
+            for i, d in zip(ids, data):
+                want[i] = d
+    return want
+
+
+def read_back(svc: Service, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    import kvtier
+    with kvtier.Client(svc.socket) as c:
+        return c.namespace("j", block_bytes=BB).get(b"".join(key(i) for i in ids))
+
+
+def test_a_killed_service_serves_acknowledged_puts_that_lmdb_never_got(tmp_path: Path):
+    svc = serve(tmp_path)
+    try:
+        want = put_rounds(svc, 20)
+        assert lmdb_records(svc.data_dir) == 0       # only the batch headers hold them
+        svc.kill()
+        svc.start()
+        ids = sorted(want)
+        found, out = read_back(svc, ids)
+        assert found.all()
+        assert all((o == want[i]).all() for i, o in zip(ids, out))
+        assert "replayed 20 batches (160 records)" in svc.output()
+        assert lmdb_records(svc.data_dir) == len(want)    # the replay was committed
+        svc.kill()                      # and a second crash finds it all in LMDB
+        svc.start()
+        found, out = read_back(svc, ids)
+        assert found.all() and all((o == want[i]).all() for i, o in zip(ids, out))
+    finally:
+        svc.stop()
+
+
+def test_a_key_deleted_before_the_crash_stays_deleted(tmp_path: Path):
+    import kvtier
+    svc = serve(tmp_path)
+    try:
+        want = put_rounds(svc, 4)
+        with kvtier.Client(svc.socket) as c:
+            assert c.namespace("j", block_bytes=BB).delete(key(0) + key(5)) == 2
+        svc.kill()
+        svc.start()
+        ids = sorted(want)
+        found, out = read_back(svc, ids)
+        assert [i for i, f in zip(ids, found.tolist()) if not f] == [0, 5]
+        assert all((o == want[i]).all() for i, o, f in zip(ids, out, found) if f)
+    finally:
+        svc.stop()
+
+
+def test_garbage_in_a_batch_header_is_skipped_loudly_and_never_served(tmp_path: Path):
+    svc = serve(tmp_path)
+    try:
+        want = put_rounds(svc, 6)
+        svc.kill()
+        seg = sorted((svc.data_dir / "nvme").glob("ns-*/seg-*.kvt"))[0]
+        # The segment: its 4 KiB header, then per put one header slot and 8 records.
+        second = 4096 + 9 * BB
+        with open(seg, "r+b") as fh:
+            fh.seek(second + 100)
+            fh.write(random.Random(3).randbytes(200))
+        svc.start()
+        assert "entries fail their checksum" in svc.output()
+        ids = sorted(want)
+        found, out = read_back(svc, ids)
+        first = {(j) % 40 for j in range(8)}             # the first put's keys, round 0
+        kept = [i for i, f in zip(ids, found.tolist()) if f]
+        assert set(kept) == first                        # batch 1 replays; nothing from 2 on
+        for i, o, f in zip(ids, out, found):
+            if f:
+                # round 0's bytes (later rounds' rewrites lay past the damage)
+                assert (o == block(i, 0)).all()
+    finally:
+        svc.stop()
+
+
+def test_a_torn_batch_is_skipped_and_the_older_version_kept(tmp_path: Path):
+    lg = SegmentLog(tmp_path, 1, BB, 1 << 20, index_bytes=16 + record_dtype(16).itemsize)
+    k = np.frombuffer(key(7), dtype="V16")
+    from kvtier.checksums import block_checksums
+    recs = []
+    for version in (1, 2):
+        data = block(7, version)
+        r = np.zeros(1, dtype=record_dtype(16))
+        r["size"], r["version"] = BB, version
+        r["checksum"] = block_checksums(data.reshape(1, BB))
+        segs, offs = lg.append([memoryview(data)], entries_of(k, r))
+        recs.append(int(offs[0]))
+    seg = lg.segments[int(segs[0])]
+    os.pwrite(os.open(seg.path, os.O_WRONLY), bytes(BB), recs[1] * ALIGN)   # v2 never landed
+    keys, got, counts = replay(1, 16, BB, lg, None)
+    assert counts == {"batches": 2, "records": 2, "torn": 1, "bad_headers": 0}
+    assert keys.tolist() == [key(7)] and got["version"].tolist() == [1]
+    assert got["off"].tolist() == [recs[0]]
+    lg.close()
+
+
+def test_replay_starts_at_lmdb_s_mark(tmp_path: Path):
+    lg = SegmentLog(tmp_path, 1, BB, 1 << 20, index_bytes=16 + record_dtype(16).itemsize)
+    from kvtier.checksums import block_checksums
+    for i in range(3):
+        data = block(i, 0)
+        r = np.zeros(1, dtype=record_dtype(16))
+        r["size"], r["version"] = BB, 1
+        r["checksum"] = block_checksums(data.reshape(1, BB))
+        segs, _ = lg.append([memoryview(data)], entries_of(np.frombuffer(key(i), "V16"), r))
+        if i == 0:
+            mark = {int(segs[0]): lg.segments[int(segs[0])].size}
+    keys, _, counts = replay(1, 16, BB, lg, mark)
+    assert sorted(keys.tolist()) == [key(1), key(2)] and counts["batches"] == 2
+    lg.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_clean_stop_leaves_nothing_to_replay(tmp_path: Path, policy: str):
+    svc = Service(tmp_path / "svc", admin=False, host_capacity="4MiB", nvme_capacity="64MiB",
+                  segment_bytes="1MiB", write_policy=policy, checkpoint_interval=3600).start()
+    try:
+        want = put_rounds(svc, 3)
+        svc.stop()
+        assert lmdb_records(svc.data_dir) == len(want)
+        svc.start()
+        assert "replayed" not in svc.output()
+    finally:
+        svc.stop()
