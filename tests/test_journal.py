@@ -184,3 +184,46 @@ def test_a_clean_stop_leaves_nothing_to_replay(tmp_path: Path, policy: str):
         assert "replayed" not in svc.output()
     finally:
         svc.stop()
+
+
+def _append(lg: SegmentLog, ids: list[int], gen: int) -> tuple[np.ndarray, np.ndarray]:
+    from kvtier.checksums import block_checksums
+    data = np.stack([block(i, gen) for i in ids])
+    r = np.zeros(len(ids), dtype=record_dtype(16))
+    r["size"], r["version"] = BB, gen
+    r["checksum"] = block_checksums(data)
+    k = np.frombuffer(b"".join(key(i) for i in ids), dtype="V16")
+    return lg.append([memoryview(d) for d in data], entries_of(k, r))
+
+
+def test_a_reclaimed_file_is_reused_and_its_old_life_never_replays(tmp_path: Path):
+    lg = SegmentLog(tmp_path, 1, BB, 64 << 10, index_bytes=16 + record_dtype(16).itemsize)
+    for gen in range(1, 4):                       # seg 1: three batches of 4 (15 slots)
+        segs, _ = _append(lg, list(range(gen * 4, gen * 4 + 4)), gen)
+    assert set(segs.tolist()) == {1}
+    _append(lg, [90, 91], 4)                      # seg 2
+    inode = os.stat(lg.segments[1].path).st_ino
+    lg.remove(1)
+    assert [p.name for p in tmp_path.glob("spare-*.kvt")] == ["spare-00000001.kvt"]
+    assert lg.total_bytes() == (64 << 10) + lg.segments[2].size     # the spare is disk too
+    assert lg.bytes_for(1) == 2 * BB              # header and record, in seg 2
+    while lg.active_id == 2:                      # fill seg 2 so that seg 3 is opened
+        segs, offs = _append(lg, [95], 5)
+    assert lg.active_id == 3 and os.stat(lg.segments[3].path).st_ino == inode
+    assert not list(tmp_path.glob("spare-*.kvt")) and lg.segments[3].recycled
+    lg.close()
+    # A restart: seg 3's length is the old file's; its batch headers end after one batch.
+    lg = SegmentLog(tmp_path, 1, BB, 64 << 10, index_bytes=16 + record_dtype(16).itemsize)
+    keys, recs, counts = replay(1, 16, BB, lg, None)
+    assert counts["torn"] == 0 and counts["bad_headers"] == 0
+    assert lg.segments[3].size == 4096 + 2 * BB   # the header slot and one record
+    assert int(offs[0]) * ALIGN == 4096 + BB
+    got = {bytes(k): int(r["seg"]) for k, r in zip(keys, recs)}
+    assert got[key(95)] == 3 and key(4) not in got      # seg 1's old batches stay dead
+    out = [memoryview(bytearray(BB))]
+    assert lg.read(np.array([3], np.int32), offs[:1], out).all()
+    assert bytes(out[0]) == block(95, 5).tobytes()
+    # The next append overwrites the old life from where the headers end.
+    segs, offs = _append(lg, [96], 6)
+    assert segs.tolist() == [3] and int(offs[0]) * ALIGN == 4096 + 3 * BB
+    lg.close()

@@ -112,10 +112,13 @@ def replay(ns_id: int, key_width: int, block_bytes: int, lg: SegmentLog,
         if not seg.batched:
             continue                        # format 1 and 2: LMDB was committed per flush
         start = max(seg.start, (marks or {}).get(sid, seg.start))
-        if start >= seg.size:
+        if start >= seg.size and not seg.recycled:
             continue
-        found = scan(seg.fd, ns_id, sid, start, seg.size, rec, buf)
-        if found.problem is not None:
+        found = scan(seg.fd, ns_id, sid, seg.nonce, start, seg.size, rec, buf)
+        if seg.recycled:
+            # Where its batch headers end is its size; the file's older life lies past it.
+            seg.size = min(found.end, seg.size)
+        elif found.problem is not None:
             seg.full = True                 # later appends go to a new segment, not past it
             if found.garbage:
                 counts["bad_headers"] += 1

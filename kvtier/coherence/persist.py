@@ -552,7 +552,9 @@ class NvmeStore:
         if seen["batches"]:
             log.info("%s: replayed %d batches (%d records) past LMDB's last checkpoint, %d "
                      "newer than LMDB", ns.name, seen["batches"], seen["records"], rkeys.size)
-        self.checkpoint(strict=False)
+        # Strict: the marks must name this start's segments only (a mark left from a deleted
+        # segment would hide the batches of a new one given its id).
+        self.checkpoint(strict=True)
         return int(keys.size) + added
 
     def _install(self, ns: "Namespace", keys: np.ndarray, recs: np.ndarray) -> None:

@@ -12,15 +12,16 @@ describes and made durable by the same fdatasync::
     24  u32  entry_bytes: bytes of each index entry (0: records without an index)
     28  u32  slots: record slots the header takes; its first record starts slots x record_bytes on
     32  u64  the header's own file offset (a header copied elsewhere does not validate)
-    40  u64  xxh3-64 of the entries
-    48  u64  xxh3-64 of bytes 0..56 with this field zero
-    56       (zero up to 64)
+    40  u64  the segment's nonce (random, from its file header: a recycled file's old bytes,
+             a client's block among them, cannot pass for a header of its new life)
+    48  u64  xxh3-64 of the entries
+    56  u64  xxh3-64 of bytes 0..64 with this field zero
     64       count x entry_bytes entries, opaque to the tier (coherence.journal: key + record)
 
 So the log describes itself: one fdatasync makes a batch's bytes and its index durable, and
 LMDB can be brought up to date later (coherence.journal). A header is trusted only when its
-magic, both checksums, its namespace, segment and offset all match and its records lie inside
-the file; anything else ends the walk of that segment (``scan``). The records' own checksums
+magic, both checksums, its namespace, segment, nonce and offset all match and its records lie
+inside the file; anything else ends the walk of that segment (``scan``). The records' own checksums
 (in the entries) are checked by whoever replays them, so a header that reached the disk ahead
 of its records (a torn tail) never makes a record current. Appends of one log are serialised
 and each is synced before the next begins, so only the tail of a segment can be torn.
@@ -38,7 +39,7 @@ import xxhash
 BATCH_MAGIC = b"KVTBATCH"
 FORMAT = 1
 FIXED_BYTES = 64                        # the fixed part; entries follow at this offset
-_FIXED = struct.Struct("<8sIIIIIIQQQ")  # 56 bytes: magic .. head checksum
+_FIXED = struct.Struct("<8sIIIIIIQQQQ")  # 64 bytes: magic .. head checksum
 
 
 def header_slots(count: int, entry_bytes: int, record_bytes: int) -> int:
@@ -58,7 +59,7 @@ def fit(room: int, want: int, entry_bytes: int, record_bytes: int) -> int:
     return t
 
 
-def pack(out: memoryview, ns_id: int, seg_id: int, offset: int, count: int,
+def pack(out: memoryview, ns_id: int, seg_id: int, nonce: int, offset: int, count: int,
          entries: np.ndarray | None, record_bytes: int) -> int:
     """Write the header of count records at file offset ``offset`` into out (zeroed, at
     least header_slots() x record_bytes). Returns its slots."""
@@ -68,9 +69,9 @@ def pack(out: memoryview, ns_id: int, seg_id: int, offset: int, count: int,
         raise ValueError(f"{len(body)} bytes of entries for {count} records")
     slots = header_slots(count, entry_bytes, record_bytes)
     fixed = _FIXED.pack(BATCH_MAGIC, FORMAT, ns_id, seg_id, count, entry_bytes, slots, offset,
-                        xxhash.xxh3_64_intdigest(body), 0)
+                        nonce, xxhash.xxh3_64_intdigest(body), 0)
     head = xxhash.xxh3_64_intdigest(fixed)
-    out[:_FIXED.size] = fixed[:48] + head.to_bytes(8, "little")
+    out[:_FIXED.size] = fixed[:56] + head.to_bytes(8, "little")
     out[FIXED_BYTES:FIXED_BYTES + len(body)] = body
     return slots
 
@@ -96,8 +97,8 @@ class Scan:
     garbage: bool            # the slot it stopped at holds non-zero bytes (damage, not a tail)
 
 
-def scan(fd: int, ns_id: int, seg_id: int, start: int, size: int, record_bytes: int,
-         buf: memoryview) -> Scan:
+def scan(fd: int, ns_id: int, seg_id: int, nonce: int, start: int, size: int,
+         record_bytes: int, buf: memoryview) -> Scan:
     """Walk the headers of one segment from ``start`` (a record boundary) to ``size``.
 
     ``buf`` is a page-aligned buffer of at least one record slot (O_DIRECT reads need one).
@@ -111,10 +112,10 @@ def scan(fd: int, ns_id: int, seg_id: int, start: int, size: int, record_bytes: 
         if got != record_bytes:
             return Scan(out, off, f"short read at {off}", False)
         raw = bytes(slot[:_FIXED.size])
-        why = _check_fixed(raw, ns_id, seg_id, off)
+        why = _check_fixed(raw, ns_id, seg_id, nonce, off)
         if why is not None:
             return Scan(out, off, why, _nonzero(slot))
-        (_m, _f, _ns, _sid, count, entry_bytes, slots, _o, body_sum, _h) = _FIXED.unpack(raw)
+        (_m, _f, _ns, _sid, count, entry_bytes, slots, _o, _n, body_sum, _h) = _FIXED.unpack(raw)
         body_len = count * entry_bytes
         if slots != header_slots(count, entry_bytes, record_bytes) or count == 0:
             return Scan(out, off, f"header at {off}: {slots} slots for {count} entries", True)
@@ -145,18 +146,18 @@ def scan(fd: int, ns_id: int, seg_id: int, start: int, size: int, record_bytes: 
     return Scan(out, off, None, False)
 
 
-def _check_fixed(raw: bytes, ns_id: int, seg_id: int, off: int) -> str | None:
+def _check_fixed(raw: bytes, ns_id: int, seg_id: int, nonce: int, off: int) -> str | None:
     if raw[:8] != BATCH_MAGIC:
         return f"no batch header at {off}"
     fields = _FIXED.unpack(raw)
-    want = xxhash.xxh3_64_intdigest(raw[:48] + bytes(8))
-    if fields[9] != want:
+    want = xxhash.xxh3_64_intdigest(raw[:56] + bytes(8))
+    if fields[10] != want:
         return f"header at {off} fails its checksum"
     if fields[1] != FORMAT:
         return f"header at {off} is of format {fields[1]}, this kvtier reads {FORMAT}"
-    if fields[2] != ns_id or fields[3] != seg_id or fields[7] != off:
+    if fields[2] != ns_id or fields[3] != seg_id or fields[7] != off or fields[8] != nonce:
         return (f"header at {off} names namespace {fields[2]}, segment {fields[3]}, offset "
-                f"{fields[7]}: not this one's")
+                f"{fields[7]}: not this one's (an earlier life of a recycled file?)")
     return None
 
 
