@@ -44,10 +44,14 @@ def lmdb_records(data_dir: Path) -> int:
         env.close()
 
 
-def serve(tmp_path: Path) -> Service:
-    return Service(tmp_path / "svc", admin=False, host_capacity="4MiB", nvme_capacity="64MiB",
-                   segment_bytes="1MiB", write_policy="write_through",
-                   checkpoint_interval=3600).start()
+@pytest.fixture
+def svc(tmp_path: Path):
+    """A write_through service whose LMDB gets no checkpoint while the test runs."""
+    s = Service(tmp_path / "svc", admin=False, host_capacity="4MiB", nvme_capacity="64MiB",
+                segment_bytes="1MiB", write_policy="write_through",
+                checkpoint_interval=3600).start()
+    yield s
+    s.stop()
 
 
 def put_rounds(svc: Service, rounds: int) -> dict[int, np.ndarray]:
@@ -71,102 +75,87 @@ def read_back(svc: Service, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         return c.namespace("j", block_bytes=BB).get(b"".join(key(i) for i in ids))
 
 
-def test_a_killed_service_serves_acknowledged_puts_that_lmdb_never_got(tmp_path: Path):
-    svc = serve(tmp_path)
-    try:
-        want = put_rounds(svc, 20)
-        assert lmdb_records(svc.data_dir) == 0       # only the batch headers hold them
-        svc.kill()
-        svc.start()
-        ids = sorted(want)
-        found, out = read_back(svc, ids)
-        assert found.all()
-        assert all((o == want[i]).all() for i, o in zip(ids, out))
-        assert "replayed 20 batches (160 records)" in svc.output()
-        assert lmdb_records(svc.data_dir) == len(want)    # the replay was committed
-        svc.kill()                      # and a second crash finds it all in LMDB
-        svc.start()
-        found, out = read_back(svc, ids)
-        assert found.all() and all((o == want[i]).all() for i, o in zip(ids, out))
-    finally:
-        svc.stop()
+def _append(lg: SegmentLog, ids: list[int], gen: int) -> tuple[np.ndarray, np.ndarray]:
+    from kvtier.checksums import block_checksums
+    data = np.stack([block(i, gen) for i in ids])
+    r = np.zeros(len(ids), dtype=record_dtype(16))
+    r["size"], r["version"] = BB, gen
+    r["checksum"] = block_checksums(data)
+    k = np.frombuffer(b"".join(key(i) for i in ids), dtype="V16")
+    return lg.append([memoryview(d) for d in data], entries_of(k, r))
 
 
-def test_a_key_deleted_before_the_crash_stays_deleted(tmp_path: Path):
+def killed_and_read(svc: Service, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """SIGKILL, restart on the same data directory, read ids back."""
+    svc.kill()
+    svc.start()
+    return read_back(svc, ids)
+
+
+def test_a_killed_service_serves_acknowledged_puts_that_lmdb_never_got(svc: Service):
+    want = put_rounds(svc, 20)
+    assert lmdb_records(svc.data_dir) == 0       # only the batch headers hold them
+    ids = sorted(want)
+    found, out = killed_and_read(svc, ids)
+    assert found.all()
+    assert all((o == want[i]).all() for i, o in zip(ids, out))
+    assert "replayed 20 batches (160 records)" in svc.output()
+    assert lmdb_records(svc.data_dir) == len(want)    # the replay was committed
+    found, out = killed_and_read(svc, ids)     # a second crash finds it all in LMDB
+    assert found.all() and all((o == want[i]).all() for i, o in zip(ids, out))
+
+
+def test_a_key_deleted_before_the_crash_stays_deleted(svc: Service):
     import kvtier
-    svc = serve(tmp_path)
-    try:
-        want = put_rounds(svc, 4)
-        with kvtier.Client(svc.socket) as c:
-            assert c.namespace("j", block_bytes=BB).delete(key(0) + key(5)) == 2
-        svc.kill()
-        svc.start()
-        ids = sorted(want)
-        found, out = read_back(svc, ids)
-        assert [i for i, f in zip(ids, found.tolist()) if not f] == [0, 5]
-        assert all((o == want[i]).all() for i, o, f in zip(ids, out, found) if f)
-    finally:
-        svc.stop()
+    want = put_rounds(svc, 4)
+    with kvtier.Client(svc.socket) as c:
+        assert c.namespace("j", block_bytes=BB).delete(key(0) + key(5)) == 2
+    ids = sorted(want)
+    found, out = killed_and_read(svc, ids)
+    assert [i for i, f in zip(ids, found.tolist()) if not f] == [0, 5]
+    assert all((o == want[i]).all() for i, o, f in zip(ids, out, found) if f)
 
 
-def test_garbage_in_a_batch_header_is_skipped_loudly_and_never_served(tmp_path: Path):
-    svc = serve(tmp_path)
-    try:
-        want = put_rounds(svc, 6)
-        svc.kill()
-        seg = sorted((svc.data_dir / "nvme").glob("ns-*/seg-*.kvt"))[0]
-        # The segment: its 4 KiB header, then per put one header slot and 8 records.
-        second = 4096 + 9 * BB
-        with open(seg, "r+b") as fh:
-            fh.seek(second + 100)
-            fh.write(random.Random(3).randbytes(200))
-        svc.start()
-        assert "entries fail their checksum" in svc.output()
-        ids = sorted(want)
-        found, out = read_back(svc, ids)
-        first = {(j) % 40 for j in range(8)}             # the first put's keys, round 0
-        kept = [i for i, f in zip(ids, found.tolist()) if f]
-        assert set(kept) == first                        # batch 1 replays; nothing from 2 on
-        for i, o, f in zip(ids, out, found):
-            if f:
-                # round 0's bytes (later rounds' rewrites lay past the damage)
-                assert (o == block(i, 0)).all()
-    finally:
-        svc.stop()
+def test_garbage_in_a_batch_header_is_skipped_loudly_and_never_served(svc: Service):
+    want = put_rounds(svc, 6)
+    svc.kill()
+    seg = sorted((svc.data_dir / "nvme").glob("ns-*/seg-*.kvt"))[0]
+    # The segment: its 4 KiB header, then per put one header slot and 8 records.
+    second = 4096 + 9 * BB
+    with open(seg, "r+b") as fh:
+        fh.seek(second + 100)
+        fh.write(random.Random(3).randbytes(200))
+    svc.start()
+    assert "entries fail their checksum" in svc.output()
+    ids = sorted(want)
+    found, out = read_back(svc, ids)
+    first = set(range(8))                            # the first put's keys, round 0
+    kept = [i for i, f in zip(ids, found.tolist()) if f]
+    assert set(kept) == first                        # batch 1 replays; nothing from 2 on
+    for i, o, f in zip(ids, out, found):
+        if f:
+            # round 0's bytes (later rounds' rewrites lay past the damage)
+            assert (o == block(i, 0)).all()
 
 
 def test_a_torn_batch_is_skipped_and_the_older_version_kept(tmp_path: Path):
     lg = SegmentLog(tmp_path, 1, BB, 1 << 20, index_bytes=16 + record_dtype(16).itemsize)
-    k = np.frombuffer(key(7), dtype="V16")
-    from kvtier.checksums import block_checksums
-    recs = []
-    for version in (1, 2):
-        data = block(7, version)
-        r = np.zeros(1, dtype=record_dtype(16))
-        r["size"], r["version"] = BB, version
-        r["checksum"] = block_checksums(data.reshape(1, BB))
-        segs, offs = lg.append([memoryview(data)], entries_of(k, r))
-        recs.append(int(offs[0]))
-    seg = lg.segments[int(segs[0])]
-    os.pwrite(os.open(seg.path, os.O_WRONLY), bytes(BB), recs[1] * ALIGN)   # v2 never landed
+    offs = [int(_append(lg, [7], version)[1][0]) for version in (1, 2)]
+    seg = lg.segments[lg.active_id]
+    os.pwrite(os.open(seg.path, os.O_WRONLY), bytes(BB), offs[1] * ALIGN)   # v2 never landed
     keys, got, counts = replay(1, 16, BB, lg, None)
     assert counts == {"batches": 2, "records": 2, "torn": 1, "bad_headers": 0}
     assert keys.tolist() == [key(7)] and got["version"].tolist() == [1]
-    assert got["off"].tolist() == [recs[0]]
+    assert got["off"].tolist() == [offs[0]]
     lg.close()
 
 
 def test_replay_starts_at_lmdb_s_mark(tmp_path: Path):
     lg = SegmentLog(tmp_path, 1, BB, 1 << 20, index_bytes=16 + record_dtype(16).itemsize)
-    from kvtier.checksums import block_checksums
-    for i in range(3):
-        data = block(i, 0)
-        r = np.zeros(1, dtype=record_dtype(16))
-        r["size"], r["version"] = BB, 1
-        r["checksum"] = block_checksums(data.reshape(1, BB))
-        segs, _ = lg.append([memoryview(data)], entries_of(np.frombuffer(key(i), "V16"), r))
-        if i == 0:
-            mark = {int(segs[0]): lg.segments[int(segs[0])].size}
+    segs, _ = _append(lg, [0], 1)
+    mark = {int(segs[0]): lg.segments[int(segs[0])].size}
+    _append(lg, [1], 1)
+    _append(lg, [2], 1)
     keys, _, counts = replay(1, 16, BB, lg, mark)
     assert sorted(keys.tolist()) == [key(1), key(2)] and counts["batches"] == 2
     lg.close()
@@ -184,16 +173,6 @@ def test_a_clean_stop_leaves_nothing_to_replay(tmp_path: Path, policy: str):
         assert "replayed" not in svc.output()
     finally:
         svc.stop()
-
-
-def _append(lg: SegmentLog, ids: list[int], gen: int) -> tuple[np.ndarray, np.ndarray]:
-    from kvtier.checksums import block_checksums
-    data = np.stack([block(i, gen) for i in ids])
-    r = np.zeros(len(ids), dtype=record_dtype(16))
-    r["size"], r["version"] = BB, gen
-    r["checksum"] = block_checksums(data)
-    k = np.frombuffer(b"".join(key(i) for i in ids), dtype="V16")
-    return lg.append([memoryview(d) for d in data], entries_of(k, r))
 
 
 def test_a_reclaimed_file_is_reused_and_its_old_life_never_replays(tmp_path: Path):
