@@ -27,8 +27,8 @@ Flush order, per batch (the crash-safety argument rests on it):
 
 A crash before 2's fdatasync leaves unreferenced bytes at the log's tail (dead space, reclaimed
 later; a header that reached the disk without its records names checksums they fail, so
-replay skips them); a crash after it loses nothing that was acknowledged as flushed. Room for a batch comes from
-coherence.space (whole-segment reclaim, headroom, the disk's real size).
+replay skips them); a crash after it loses nothing that was acknowledged as flushed. Room for
+a batch comes from coherence.space (whole-segment reclaim, headroom, the disk's real size).
 """
 
 from __future__ import annotations
@@ -245,6 +245,8 @@ class NvmeStore:
             return
         for attempt in range(2):
             room = self.space.make_room(ns, batch.rows.size)
+            if room < batch.rows.size and sum(lg.drop_spares() for lg in self._logs()):
+                room = self.space.make_room(ns, batch.rows.size)   # a spare's room is wanted
             if room < batch.rows.size:
                 self.counters.nvme_full += 1
                 self._cut(ns, batch, room)
@@ -428,7 +430,8 @@ class NvmeStore:
         strict=False: a failure is logged and they stay waiting (the batch headers hold them;
         the next checkpoint tries again)."""
         try:
-            self.journal.checkpoint({ns.ns_id: ns.log for ns in self.owner.namespaces.values()
+            self.journal.checkpoint({ns.ns_id: ns.log for ns in
+                                     list(self.owner.namespaces.values())
                                      if ns.log is not None})
         except StorageError as exc:
             if strict:

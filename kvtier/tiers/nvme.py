@@ -10,23 +10,25 @@ On disk::
 
 Records begin at ``data start``: record_bytes rounded up from the header, at most 1 MiB, so a
 64 KiB record sits on a 64 KiB boundary and a 1 MiB one on a 1 MiB boundary, as fio's blocks do.
-Format 1 segments (magic KVTSEG01, written before 2026-12) have no such field and start their
-records right after the 4 KiB header; they are read as before. Format 3 (KVTSEG03) puts a batch
-header (tiers.batchlog: the keys, versions and checksums of the records that follow) before
-every append; format 1 and 2 segments have none: they are read, never appended to again. On the development VM's disk
-the 4 KiB offset cost fio 5-8% and kvtier's sequential reads 1.28x (docs/DESIGN-NOTES.md,
-"NVMe: aligned records and extending writes").
+On the development VM's disk the 4 KiB offset cost fio 5-8% and kvtier's sequential reads 1.28x
+(docs/DESIGN-NOTES.md, "NVMe: aligned records and extending writes"). Format 1 segments (magic
+KVTSEG01, written before 2026-12) have no such field and start their records right after the
+4 KiB header. Format 3 (KVTSEG03) puts a batch header (tiers.batchlog: the keys, versions and
+checksums of the records that follow) in the slot(s) before every append; formats 1 and 2 have
+none: they are read as before, never appended to again.
 
 A record is a block's bytes and nothing else; the batch header before it says which key and
 version it holds, so that one fdatasync makes bytes and index durable and LMDB, which the
 service reads at start, can be brought up to date later (coherence.journal). The xxh3-64
-checksum is checked on every read. Records start on 4 KiB boundaries, and when block_bytes is a multiple of 4 KiB
-the segment is opened with O_DIRECT and host slots (page-aligned, see tiers.host) go to the device
-with no bounce copy. Other block sizes go through an aligned staging buffer and the page cache.
+checksum is checked on every read. Records start on 4 KiB boundaries, and when block_bytes is
+a multiple of 4 KiB the segment is opened with O_DIRECT and host slots (page-aligned, see
+tiers.host) go to the device with no bounce copy. Other block sizes go through an aligned
+staging buffer and the page cache.
 
 Appends are batched: one pwritev per run of up to IOV_MAX records (header included), one
-fdatasync per segment touched, and only then is the caller's batch durable. Reads merge records that are
-adjacent on disk into one preadv and spread runs over ``io_threads`` threads.
+fdatasync per segment touched, and only then is the caller's batch durable. A reclaimed
+segment's file is kept as a spare that the next segment takes over (see remove()). Reads merge
+records that are adjacent on disk into one preadv and spread runs over ``io_threads`` threads.
 
 The tier keeps per-segment live byte counts so that coherence can choose segments to compact. It
 holds no policy: what is live, and when to compact, is decided by coherence.
@@ -46,12 +48,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from kvtier.errors import DataDirError, StorageError
 from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared, release_shared
+from kvtier.tiers.backend import Backend, PosixBackend, make_backend  # noqa: F401 (re-exported)
 from kvtier.tiers.batchlog import fit, header_slots, pack
 
 MAGIC = b"KVTSEG03"
@@ -77,59 +80,6 @@ def round_up(n: int, align: int = ALIGN) -> int:
 def data_start(record_bytes: int) -> int:
     """Where a new segment puts record 0 (see the module docstring)."""
     return round_up(HEADER_BYTES, min(record_bytes, DATA_ALIGN_MAX))
-
-
-class Backend(Protocol):
-    name: str
-
-    def open(self, path: Path, create: bool, direct: bool) -> int: ...
-    def pwritev(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int: ...
-    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int: ...
-    def sync(self, fd: int) -> None: ...
-    def close(self, fd: int) -> None: ...
-
-
-class PosixBackend:
-    """pread/pwrite through the kernel, with O_DIRECT where the file system allows it."""
-
-    name = "posix"
-
-    def open(self, path: Path, create: bool, direct: bool) -> int:
-        # O_NOFOLLOW: a segment that is a symlink is refused (ELOOP), never followed.
-        flags = (os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-                 | (os.O_CREAT | os.O_EXCL if create else 0))
-        if direct:
-            try:
-                return os.open(path, flags | os.O_DIRECT, 0o600)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # tmpfs and some others refuse O_DIRECT
-                    raise
-        return os.open(path, flags, 0o600)
-
-    def pwritev(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
-        return os.pwritev(fd, bufs, offset)
-
-    def preadv(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
-        return os.preadv(fd, bufs, offset)
-
-    def sync(self, fd: int) -> None:
-        os.fdatasync(fd)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
-
-
-def make_backend(prefer: str = "auto") -> Backend:
-    """kvikio when asked for or when CUDA is present and kvikio imports; POSIX otherwise."""
-    if prefer in ("auto", "kvikio"):
-        from kvtier.tiers.kvikio_backend import kvikio_backend
-        backend = kvikio_backend()
-        if backend is not None:
-            return backend
-        if prefer == "kvikio":
-            raise StorageError("nvme backend 'kvikio' needs CUDA and the kvikio package "
-                               "(pip install 'kvtier[gpu]'); use the posix backend otherwise")
-    return PosixBackend()
 
 
 @dataclass(slots=True)
@@ -667,6 +617,14 @@ class SegmentLog:
         if not keep:
             self._delete(seg)
         return seg.file_bytes
+
+    def drop_spares(self) -> int:
+        """Delete the spare files (their room is wanted now). Returns their bytes."""
+        with self._lock:
+            gone, self.spares = self.spares, []
+        for seg in gone:
+            self._delete(seg)
+        return sum(seg.file_bytes for seg in gone)
 
     def _delete(self, seg: Segment) -> None:
         self.backend.close(seg.fd)
