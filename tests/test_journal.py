@@ -206,3 +206,14 @@ def test_a_reclaimed_file_is_reused_and_its_old_life_never_replays(tmp_path: Pat
     segs, offs = _append(lg, [96], 6)
     assert segs.tolist() == [3] and int(offs[0]) * ALIGN == 4096 + 3 * BB
     lg.close()
+
+
+def test_a_header_of_several_slots_replays_whole(tmp_path: Path):
+    lg = SegmentLog(tmp_path, 1, BB, 4 << 20, index_bytes=16 + record_dtype(16).itemsize)
+    segs, offs = _append(lg, list(range(200)), 1)    # 200 entries of 72 bytes: 4 header slots
+    assert int(offs[0]) * ALIGN == 4096 + 4 * BB
+    keys, recs, counts = replay(1, 16, BB, lg, None)
+    assert counts == {"batches": 1, "records": 200, "torn": 0, "bad_headers": 0}
+    assert sorted(keys.tolist()) == sorted(key(i) for i in range(200))
+    assert sorted(recs["off"].tolist()) == sorted(offs.tolist())
+    lg.close()
