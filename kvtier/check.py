@@ -6,7 +6,9 @@ checksum LMDB holds, and the record still binds to its namespace and key (store.
 flipped key bit is caught). Damage is listed record by record. With --repair the damaged
 records are moved to LMDB's quarantine database (their blocks are lost to the service; a
 restart would drop them on first read anyway) and segment files that no record points to are
-removed. A sound record is never touched.
+removed. A sound record is never touched. Records that only the segments' batch headers name
+(a crash came before LMDB's checkpoint: coherence.journal) are counted as ``unreplayed`` and
+their segments are in use: the service replays them at its next start.
 
 Run it with the service stopped: it opens LMDB for writing only with --repair.
 """
