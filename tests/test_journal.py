@@ -217,3 +217,20 @@ def test_a_header_of_several_slots_replays_whole(tmp_path: Path):
     assert sorted(keys.tolist()) == sorted(key(i) for i in range(200))
     assert sorted(recs["off"].tolist()) == sorted(offs.tolist())
     lg.close()
+
+
+def test_check_repair_after_a_crash_keeps_what_only_batch_headers_hold(svc: Service):
+    import json
+    import subprocess
+    import sys
+    want = put_rounds(svc, 10)
+    svc.kill()
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "check", "--repair", "--json",
+                          "--data-dir", str(svc.data_dir)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["unreplayed"] == len(want) and rep["removed_segments"] == 0   # newest per key
+    svc.start()
+    ids = sorted(want)
+    found, got = read_back(svc, ids)
+    assert found.all() and all((o == want[i]).all() for i, o in zip(ids, got))
