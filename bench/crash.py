@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -403,6 +404,9 @@ def main() -> None:
     ap.add_argument("--disk-full", action="store_true",
                     help="the data directory on a small tmpfs far below nvme_capacity (root)")
     ap.add_argument("--tmpfs-size", default="8m", help="with --disk-full: the tmpfs's size")
+    ap.add_argument("--checkpoint-interval", type=float, default=1.0,
+                    help="the service's checkpoint_interval: how far LMDB may lag the log's "
+                         "batch headers (a kill within it makes the restart replay them)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -432,7 +436,8 @@ def main() -> None:
             peak = watch_disk(data_dir) if args.disk_full else None
             svc = Service(data_dir, admin=False, host_capacity="2MiB",
                           nvme_capacity="256MiB", write_policy=policy,
-                          flush_interval=3600 if args.mutant else 0.2, **extra).start()
+                          flush_interval=3600 if args.mutant else 0.2,
+                          checkpoint_interval=args.checkpoint_interval, **extra).start()
             for _ in range(args.iterations):
                 lost, rec = iteration(svc, model, args, rng, stats)
                 out["iterations"] += 1
@@ -444,6 +449,11 @@ def main() -> None:
                 del out["acked_lost"]           # damage loses blocks: see lost_to_damage
             # Runs that found the disk smaller than nvme_capacity (each logs it once).
             out["disk_full_events"] = svc.output().count("the NVMe tier holds what the disk does")
+            # Restarts that found acknowledged records only in batch headers, and replayed them.
+            replays = [int(x) for x in re.findall(r"replayed \d+ batches \((\d+) records\)",
+                                                  svc.output())]
+            out["checkpoint_interval_s"] = args.checkpoint_interval
+            out["restarts_replaying"], out["records_replayed"] = len(replays), sum(replays)
             if peak is not None:
                 peak.set()
                 out["max_disk_used_bytes"] = peak.max_used

@@ -6,7 +6,9 @@ checksum LMDB holds, and the record still binds to its namespace and key (store.
 flipped key bit is caught). Damage is listed record by record. With --repair the damaged
 records are moved to LMDB's quarantine database (their blocks are lost to the service; a
 restart would drop them on first read anyway) and segment files that no record points to are
-removed. A sound record is never touched.
+removed. A sound record is never touched. Records that only the segments' batch headers name
+(a crash came before LMDB's checkpoint: coherence.journal) are counted as ``unreplayed`` and
+their segments are in use: the service replays them at its next start.
 
 Run it with the service stopped: it opens LMDB for writing only with --repair.
 """
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvtier.coherence.journal import replay
 from kvtier.errors import DataDirError, KvtierError
 from kvtier.pagetable.store import Catalog, CatalogDamaged
 from kvtier.tiers.nvme import ALIGN, SegmentLog, _aligned
@@ -44,6 +47,7 @@ class Report:
     quarantined: list[str] = field(default_factory=list)     # moved under quarantine/
     repaired: int = 0
     removed_segments: int = 0
+    unreplayed: int = 0      # records only batch headers name yet (replayed at the next start)
 
     def as_dict(self) -> dict[str, Any]:
         kinds = Counter(d["problem"] for d in self.damage)
@@ -52,7 +56,7 @@ class Report:
                 "orphan_segments": self.orphan_segments, "foreign_files": self.foreign_files,
                 "quarantined": self.quarantined,
                 "repaired": self.repaired,
-                "removed_segments": self.removed_segments}
+                "removed_segments": self.removed_segments, "unreplayed": self.unreplayed}
 
 
 def check(data_dir: str | Path, repair: bool = False) -> Report:
@@ -122,6 +126,12 @@ def _check(data_dir: Path, repair: bool) -> Report:
                     # missing_segment below and quarantined with the rest
                     rep.quarantined.append(str(_quarantine(data_dir, path, stamp)))
             used = _check_records(ns.name, ns.block_bytes, log, keys, recs, rep, bad_keys)
+            # Records that batch headers past LMDB's last checkpoint name (a crash came before
+            # it) are the service's to replay at its next start: their segments are in use.
+            _rk, pending, _ = replay(ns.ns_id, ns.key_width, ns.block_bytes, log,
+                                     cat.marks(ns.ns_id))
+            rep.unreplayed += int(pending.size)
+            used.update(int(x) for x in np.unique(pending["seg"]).tolist())
             for sid, seg in sorted(log.segments.items()):
                 if sid not in used:
                     rep.orphan_segments.append(str(seg.path))

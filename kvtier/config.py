@@ -206,6 +206,9 @@ SETTINGS: tuple[Setting, ...] = (
             "after a get, bring up to this many next blocks of the chain from NVMe to host; "
             "0 disables"),
     Setting("flush_interval", 1.0, _float, "write_back: seconds between background flushes", "s"),
+    Setting("checkpoint_interval", 1.0, _float,
+            "seconds LMDB may lag the NVMe log's batch headers (replayed at restart); "
+            "deletes and reclaims commit at once", "s"),
     Setting("segment_bytes", "256MiB", _size, "size at which an NVMe segment file rolls over",
             "bytes"),
     Setting("compact_threshold", 0.5, _float,
@@ -280,6 +283,7 @@ class Settings:
     eviction_leaf_first: str = ""
     prefetch_blocks: int = 8
     flush_interval: float = 1.0
+    checkpoint_interval: float = 1.0
     segment_bytes: int = 256 << 20
     compact_threshold: float = 0.5
     reserve_timeout: float = 30.0

@@ -559,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [_apply_all(j, cli).validate() for j in jobs]
     from rich.progress import Progress
     results, bases = [], []
+    load_before = os.getloadavg()       # a shared machine's load, reported beside the figures
     with Progress(disable=not sys.stderr.isatty(), transient=True) as prog:
         for job in jobs:
             task = prog.add_task(f"{job.name} {job.rw} {job.tier}", total=1.0)
@@ -567,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(results, args.plot)
     if args.fmt == "json":
-        out = {"fio version": "kvtier-bench-1", "timestamp": int(time.time()), "jobs": []}
+        out = {"fio version": "kvtier-bench-1", "timestamp": int(time.time()), "jobs": [],
+               "load_avg": {"before": load_before, "after": os.getloadavg()}}
         for r, b in zip(results, bases):
             r = {k: v for k, v in r.items() if not k.startswith("_")}
             if b:

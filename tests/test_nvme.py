@@ -48,7 +48,7 @@ def test_truncated_segment_reads_fail_instead_of_returning_garbage(tmp_path: Pat
     segs, offs = log.append(_blocks(4, 4096))
     log.close()
     path = next(tmp_path.glob("seg-*.kvt"))
-    os.truncate(path, HEADER_BYTES + 2 * 4096 + 100)
+    os.truncate(path, int(offs[2]) * 4096 + 100)      # inside the third record
     log = SegmentLog(tmp_path, 1, 4096, 1 << 20)
     ok = log.read(segs, offs, [memoryview(bytearray(4096)) for _ in range(4)])
     assert ok.tolist() == [True, True, False, False]
@@ -82,10 +82,12 @@ def test_compaction_candidates_follow_live_bytes(tmp_path: Path):
 @pytest.mark.parametrize("block_bytes, start", [(65536, 65536), (1 << 20, 1 << 20),
                                                  (4 << 20, 1 << 20), (20480, 20480)])
 def test_records_start_on_their_own_alignment(tmp_path: Path, block_bytes: int, start: int):
-    log = SegmentLog(tmp_path, 1, block_bytes, 16 << 20)
+    log = SegmentLog(tmp_path, 1, block_bytes, 32 << 20)
     segs, offs = log.append(_blocks(3, block_bytes))
     assert log.data_start == start
-    assert (offs.astype(np.int64) * 4096).tolist() == [start + i * block_bytes for i in range(3)]
+    # The batch header takes the first record slot; the records follow it, each aligned.
+    rec = -(-block_bytes // 4096) * 4096
+    assert (offs.astype(np.int64) * 4096).tolist() == [start + (i + 1) * rec for i in range(3)]
     log.close()
 
 
@@ -102,11 +104,11 @@ def test_format_1_segments_are_still_read(tmp_path: Path):
     assert log.read(segs, offs, outs).all()
     assert [bytes(o) for o in outs] == [bytes(d) for d in data]
     assert log.in_bounds(segs, offs).tolist() == [True, True, True]
-    # Appends continue the old segment on its own layout; the next segment is format 2.
+    # An old segment takes no appends (it has no batch headers to replay): they go to a new
+    # format 3 segment, behind its header slot.
     s2, o2 = log.append(data[:1])
-    assert s2.tolist() == [1] and int(o2[0]) * 4096 == HEADER_BYTES + 3 * 65536
-    s3, o3 = log.append(_blocks(15, 65536))
-    assert s3[-1] == 2 and int(o3[s3 == 2][0]) * 4096 == 65536
+    assert s2.tolist() == [2] and int(o2[0]) * 4096 == 2 * 65536
+    assert log.sealed()[0].seg_id == 1
     log.close()
 
 

@@ -153,6 +153,7 @@ class Server(ResidentGets):
             await asyncio.sleep(0.5)
             try:
                 await self._run(self.engine.reap)
+                await self._run(self.engine.nvme.tick)    # LMDB catches up with the log
                 if (self.settings.write_policy == "write_back"
                         and time.monotonic() - last_flush >= self.settings.flush_interval):
                     last_flush = time.monotonic()

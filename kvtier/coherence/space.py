@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.checksums import block_checksums
+from kvtier.coherence.journal import entries_of
 from kvtier.coherence.policies import POLICIES
 from kvtier.coherence.records import records_of, same_key
 from kvtier.coherence.states import BlockState, Event, next_states
@@ -265,11 +266,13 @@ class Space:
         new_segs = new_offs = np.empty(0)
         try:
             if good.size:
-                new_segs, new_offs = log_.append([outs[i] for i in good.tolist()])
                 recs = recs[good]
+                new_segs, new_offs = log_.append([outs[i] for i in good.tolist()],
+                                                 entries_of(keys[good], recs))
                 recs["seg"], recs["off"] = new_segs, new_offs
-                self.store.catalog.put_records(ns.ns_id, keys[good], recs)
-            self.store.catalog.delete_records(ns.ns_id, drop_keys)
+                self.store.journal.put(ns.ns_id, keys[good], recs)
+            self.store.journal.delete(ns.ns_id, drop_keys)
+            self.store.checkpoint()        # LMDB knows the moves before the file goes
         except StorageError as exc:
             log.warning("reclaiming segment %d of %s failed (%s); it stays", seg.seg_id,
                         ns.name, exc)
@@ -369,5 +372,5 @@ class Space:
                         break
                 victims = np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
                 keys = self.evict_rows(ns, victims)
-            self.store.catalog.delete_records(ns.ns_id, keys)
+            self.store.journal.delete(ns.ns_id, keys)
         return int(victims.size)

@@ -4,7 +4,9 @@ Databases in one environment (``<data_dir>/meta``):
 
     namespaces        name -> msgpack {id, block_bytes, key_width, layout}
     ns:<id>           key -> fixed 40 + key_width bytes (RECORD below)
-    meta              small service metadata (HBM demand history)
+    meta              small service metadata (HBM demand history; ``durable:<id>``, per
+                      segment of a namespace the file offset up to which LMDB holds every
+                      record its batch headers name: coherence.journal)
     quarantine        "<db>/<key>" -> a damaged value moved aside by `kvtier check --repair`
 
 Namespace records are read back with the decoder rules of the socket frames they came from
@@ -12,8 +14,9 @@ Namespace records are read back with the decoder rules of the socket frames they
 A record that does not decode is skipped and listed in ``Catalog.damaged``; it never keeps the
 other namespaces from opening, and its id is never given to a new namespace.
 
-A record is written only for a version whose bytes are already in a segment and fdatasync'ed
-(coherence.flush orders this); one write transaction per flush batch. Because every value of a
+A record is written only for a version whose bytes and batch header are already in a segment
+and fdatasync'ed; records are committed lazily, many flushes to one transaction, by
+coherence.journal (the segments' batch headers are replayed after a crash). Because every value of a
 namespace has one fixed size, restart reads a whole namespace with a cursor and turns it into
 numpy columns with one frombuffer: about a second per million entries on the development machine.
 
@@ -283,29 +286,56 @@ class Catalog:
 
     def put_records(self, ns_id: int, keys: np.ndarray, records: np.ndarray) -> None:
         """Write records (record_dtype) for keys (V{w}) in one transaction."""
-        db = self._db(ns_id)
-        records = records.copy()
-        records["flags"] |= FLAG_BOUND
-        records["binding"] = bindings(ns_id, keys, records)
-        kb = keys.tobytes()
-        rb = records.tobytes()
-        w, r = keys.dtype.itemsize, records.dtype.itemsize
-
-        def put_all(txn: lmdb.Transaction) -> None:
-            with txn.cursor(db=db) as cur:
-                cur.putmulti(((kb[i * w:(i + 1) * w], rb[i * r:(i + 1) * r])
-                              for i in range(len(keys))))
-        self._write(put_all)
+        self.commit([(ns_id, keys, records)], {})
 
     def delete_records(self, ns_id: int, keys: list[bytes]) -> None:
-        if not keys:
-            return
-        db = self._db(ns_id)
+        if keys:
+            self.commit([(ns_id, keys, None)], {})
 
-        def delete_all(txn: lmdb.Transaction) -> None:
-            for k in keys:
-                txn.delete(k, db=db)
-        self._write(delete_all)
+    def commit(self, ops: list[tuple[int, Any, np.ndarray | None]],
+               marks: dict[int, dict[int, int]]) -> None:
+        """One transaction: ops in order, each (ns_id, keys, records) to put records (keys
+        V{w}) or (ns_id, [key bytes], None) to delete them, then the durable marks of the
+        namespaces in ``marks`` (segment id -> file offset; see marks())."""
+        staged = []
+        for ns_id, keys, records in ops:
+            db = self._db(ns_id)
+            if records is None:
+                staged.append((db, keys, None))
+                continue
+            records = records.copy()
+            records["flags"] |= FLAG_BOUND
+            records["binding"] = bindings(ns_id, keys, records)
+            staged.append((db, keys, records))
+        packed = {ns_id: msgpack.packb({str(int(k)): int(v) for k, v in m.items()})
+                  for ns_id, m in marks.items()}
+
+        def apply(txn: lmdb.Transaction) -> None:
+            for db, keys, records in staged:
+                if records is None:
+                    for k in keys:
+                        txn.delete(k, db=db)
+                    continue
+                kb, rb = keys.tobytes(), records.tobytes()
+                w, r = keys.dtype.itemsize, records.dtype.itemsize
+                with txn.cursor(db=db) as cur:
+                    cur.putmulti(((kb[i * w:(i + 1) * w], rb[i * r:(i + 1) * r])
+                                  for i in range(len(keys))))
+            for ns_id, raw in packed.items():
+                txn.put(f"durable:{ns_id}".encode(), raw, db=self._meta_db)
+        self._write(apply)
+
+    def marks(self, ns_id: int) -> dict[int, int] | None:
+        """Per segment of a namespace, the file offset up to which every batch header's
+        records are in LMDB (restart replays what lies past it). None when never written or
+        unreadable: then every batch of every segment is replayed."""
+        m = self.meta(f"durable:{ns_id}")
+        if not isinstance(m, dict):
+            return None
+        try:
+            return {int(k): int(v) for k, v in m.items()}
+        except (TypeError, ValueError):
+            return None
 
     def load(self, ns_id: int, key_width: int) -> tuple[np.ndarray, np.ndarray, int]:
         """All sound records of a namespace: (keys V{w}, records, count of entries skipped)."""
