@@ -123,7 +123,9 @@ def test_chains_probation_of_2_percent_lets_a_burst_through_without_touching_mai
     # probation; with the default 2% (2 slots) none of it is taken from main, with 5% (5
     # slots) probation first grows to its share at main's expense.
     kw = {} if small is None else {"eviction_small": small}
-    eng = _engine(make_engine, 100, eviction="chain", **kw)
+    # NVMe big enough never to reclaim here: a reclaim drops its blocks from every tier, and
+    # each one-block write_through put takes two records (its batch header and the block).
+    eng = _engine(make_engine, 100, eviction="chain", nvme_capacity="16MiB", **kw)
     for k in range(200):
         eng.put("m", key(k), blocks(1, BB))
     for k in range(98):
