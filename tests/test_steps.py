@@ -93,3 +93,40 @@ def test_a_step_whose_lock_is_taken_runs_on_the_memory_lane_once_it_is_free(kind
         with pytest.raises(ValueError, match="bad step"):
             await runner._locked(broken)      # an error reaches the get's steps
     _run(kind, scenario)
+
+
+def test_a_get_whose_peer_resets_during_its_disk_read_leaves_no_lease(tmp_path):
+    # A worker that dies with a reply unread in its socket resets the connection: the server
+    # sees connection_lost (and ends the worker's holds) while the worker's NVMe get is still
+    # in its steps. The lease that get makes afterwards must end too, not 600 s later at
+    # lease_timeout, its host slots pinned until then.
+    import time
+
+    import kvtier
+    from kvtier.api import protocol as P
+    from tests.conftest import blocks, keys
+    from tests.service import Service, admin_evict
+
+    svc = Service(tmp_path / "svc", host_capacity="8MiB", nvme_capacity="64MiB",
+                  segment_bytes="4MiB").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("m", block_bytes=65536)
+            ns.put(keys(range(32)), blocks(32, 65536))
+            c.flush()
+            assert admin_evict(svc.url, svc.data_dir) == 32     # the get must read NVMe
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(svc.socket))
+            s.sendall(P.pack({"op": "hello", "id": 1, "version": P.PROTOCOL_VERSION}))
+            time.sleep(0.2)                   # its reply waits unread: close() resets
+            s.sendall(P.pack({"op": "get", "id": 2, "ns": "m", "keys": keys(range(32))}))
+            s.close()
+            deadline = time.monotonic() + 10
+            while c.stats()["tiers"]["host"]["blocks"] < 32 and time.monotonic() < deadline:
+                time.sleep(0.05)                  # until the get has installed its reads
+            assert c.stats()["tiers"]["host"]["blocks"] == 32
+            while c.stats()["leases"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.stats()["leases"] == 0
+    finally:
+        svc.stop()

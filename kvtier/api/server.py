@@ -670,6 +670,10 @@ class _Connection(asyncio.Protocol):
                 while self.transport.get_write_buffer_size() and not self.closed:
                     await asyncio.sleep(0.001)    # the fd must follow the bytes before it
             if self.closed:
+                # The peer went before its reply (a worker that died mid-get resets the
+                # socket): connection_lost's release_owner may have run before this op made
+                # its lease, which would pin its slots until lease_timeout. End it now.
+                await self.server._run(self.server.engine.release_owner, self.client.cid)
                 return
             self._write(reply, t0)
         except asyncio.CancelledError:
