@@ -130,3 +130,44 @@ def test_a_get_whose_peer_resets_during_its_disk_read_leaves_no_lease(tmp_path):
             assert c.stats()["leases"] == 0
     finally:
         svc.stop()
+
+
+def test_a_get_whose_disk_read_raises_leaves_no_lease_and_no_pinned_slot(tmp_path):
+    # The read itself raising (a mock: the AIO set closed after io_getevents failed, which
+    # cannot be produced on demand here). The get's error reaches the caller, who never sees
+    # the lease its steps made for the blocks already resident: that lease must end with the
+    # error, not pin those slots until lease_timeout (or for good, in process).
+    import errno
+
+    import numpy as np
+
+    from kvtier.coherence.engine import Engine
+    from kvtier.config import make_settings
+    from kvtier.types import Tier
+    from tests.conftest import blocks, keys
+
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
+                                "nvme_capacity": "16MiB"}))
+    try:
+        eng.create_namespace("m", 4096)
+        data = blocks(4, 4096)
+        eng.put("m", keys(range(4)), data)
+        eng.flush()
+        eng.evict(Tier.HOST, 4)
+        eng.read("m", keys(range(2)))          # two resident again, two on NVMe only
+        ns = eng.namespace("m")
+
+        def closed(*_a, **_k):
+            raise OSError(errno.EBADF, "this AIO context set is closed")
+
+        ns.log.read_rows = closed
+        ns.log.read = closed
+        with pytest.raises(OSError, match="closed"):
+            eng.get("m", keys(range(4)))
+        assert not eng.leases
+        assert int(np.asarray(ns.slots[Tier.HOST].leases).sum()) == 0
+        del ns.log.read_rows, ns.log.read
+        found, out = eng.read("m", keys(range(4)))
+        assert found.all() and (out == data).all()
+    finally:
+        eng.close(flush=False)

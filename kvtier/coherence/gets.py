@@ -102,8 +102,13 @@ class Gets:
                 try:
                     yield Step(False, partial(self.nvme.run_read, p.plan,
                                               p.ns.slots[tier].pool))
-                finally:
+                except BaseException:
+                    # Its slots go back, and the lease made for the blocks already here ends
+                    # with the error: the caller never sees it, so nobody would release it.
                     res = yield Step(True, partial(self._finish_get, p))
+                    yield Step(True, partial(self.release, res.lease_id, owner))
+                    raise
+                res = yield Step(True, partial(self._finish_get, p))
                 if p.plan.drop_keys:            # records that failed: deleted unlocked
                     yield Step(False, partial(self.nvme.after_read, p.plan))
                 # Read and verified, yet not installed: the block was rewritten meanwhile.
