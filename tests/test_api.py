@@ -222,8 +222,8 @@ def test_typed_errors_for_bad_requests(service):
 
 def test_single_key_get_answers_as_the_batch_get_and_its_piggybacked_releases_end(service):
     # A one-key resident get takes the server's short path: its reply carries the same fields
-    # as a batch get's, and the releases a resident get carries end (after its reply) before
-    # the next request is read: stats, the next request, sees only the lease the get made.
+    # as a batch get's, and the releases a resident get carries end after its reply: stats,
+    # the next request (on a thread, after them), sees only the lease the get made.
     with kvtier.Client(service.socket) as c:
         ns = c.namespace("one", block_bytes=BB)
         ns.put(keys(range(2)), blocks(2, BB))

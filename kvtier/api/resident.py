@@ -11,8 +11,11 @@ release of the previous get's lease was part of every reply. An HBM-tier get wen
 
 Rules kept: replies are the general path's (the same fields and encodings, so no protocol
 change); anything these paths do not serve returns None with nothing changed, and the general
-path answers; releases deferred past a reply end before the loop reads the next frame of any
-connection (call_soon), and only behind gets that allocate and evict nothing.
+path answers; releases are deferred past a reply only behind gets that allocate and evict
+nothing, and end after it: on the loop's next iteration (call_soon) when the engine lock is
+free then, else on the memory lane, whenever it gets the lock. So they may end after later
+requests (see _get_resident_first): a lease held longer keeps its slots from reuse and
+eviction, never serves a wrong block; at worst a later allocation finds less room.
 """
 
 from __future__ import annotations
@@ -37,10 +40,16 @@ class ResidentGets:
         """A get whose blocks are all where it asks for them (host or HBM tier, any number
         of keys) and that carries piggybacked releases (a worker's steady state: each get
         ends the leases of the one before): answered first, and the engine's part of the
-        releases runs after the reply is written (call_soon: before the loop reads the next
-        frame, so no later request of any connection sees those leases). Safe because such a
-        get evicts and allocates nothing, so it cannot need what they hold; the connection's
-        quota count of them ends before it, as before. On the H200 host a 1,024-block HBM get
+        releases runs after the reply is written. Not before every later request: frames of
+        this connection already buffered are answered first (an explicit release of one of
+        those leases then succeeds, and the piggybacked one is counted as an error), as are
+        other connections' frames read in the same loop iteration (all inline, so none
+        allocates or evicts); and when the lock is taken by then, the releases wait on the
+        memory lane, where any later request, a put's eviction included, may run first and
+        find those blocks still leased. Safe for the data because this get evicts and
+        allocates nothing, so it cannot need what they hold, and a lease held longer only
+        keeps its slots from reuse; the connection's quota count of them ends before it, as
+        before. On the H200 host a 1,024-block HBM get
         that carried the release of the one before waited ~0.35 ms for its reply, the same
         get alone 0.11 ms (one run; the release's share was not measured alone). None
         (nothing done) for any other get: then the releases come first, as the protocol

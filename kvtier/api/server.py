@@ -5,11 +5,12 @@ it disconnects, so a crashed worker leaks nothing. Requests on a connection are 
 order; a client may pipeline them.
 
 Where engine calls run. The engine is synchronous and takes a lock. Calls that cannot touch the
-disk (a get whose blocks are all resident in the host tier, release, match_prefix) run inline on
-the loop when the lock is free at once; a host get that reads NVMe runs as steps
-(kvtier.api.steps: its locked memory work on the loop, one step per loop iteration, its read on
-a worker thread); everything else (puts, flushes, HBM gets) runs on a worker thread, so disk
-I/O never blocks the loop. Measured on the dev VM: the thread hop costs about 60 us, which is
+disk (a get whose blocks are all resident in the tier it asks for, host or HBM: resident.py;
+release, match_prefix) run inline on the loop when the lock is free at once; a host get that
+reads NVMe runs as steps (kvtier.api.steps: its locked memory work on the loop, one step per
+loop iteration, its read on a worker thread), unless the service has a remote tier or the
+namespace an HBM tier; everything else (puts, flushes, those gets, HBM gets that move blocks)
+runs on a worker thread, so disk I/O never blocks the loop. Measured on the dev VM: the thread hop costs about 60 us, which is
 most of a single-block get's budget.
 
 Security. The socket is created mode 0600 (0660 with socket_group) in a directory that only the
