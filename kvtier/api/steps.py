@@ -12,7 +12,7 @@ what they held the lock for: its p99 was 76x alone on the 16-core H200 host. Her
 
 - the locked steps run on the loop itself, so that no other thread holds the GIL while the
   engine is decided on (when the lock is taken by some other thread, a flush or a prefetch, a
-  step waits for it on the memory lane instead);
+  step waits for it on the loop up to LOOP_WAIT_S, then on the memory lane);
 - they run one per loop iteration, in the order they came: between two of them the loop polls
   its sockets, and a resident get that arrived meanwhile is answered at once, inline in
   data_received, rather than behind every step that was ready. The next step is a zero-delay
