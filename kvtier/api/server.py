@@ -10,8 +10,8 @@ release, match_prefix) run inline on the loop when the lock is free at once; a h
 reads NVMe runs as steps (kvtier.api.steps: its locked memory work on the loop, one step per
 loop iteration, its read on a worker thread), unless the service has a remote tier or the
 namespace an HBM tier; everything else (puts, flushes, those gets, HBM gets that move blocks)
-runs on a worker thread, so disk I/O never blocks the loop. Measured on the dev VM: the thread hop costs about 60 us, which is
-most of a single-block get's budget.
+runs on a worker thread, so disk I/O never blocks the loop. Measured on the dev VM: the thread
+hop costs about 60 us, which is most of a single-block get's budget.
 
 Security. The socket is created mode 0600 (0660 with socket_group) in a directory that only the
 service's user may write. A namespace's shared memory fd is passed (SCM_RIGHTS) only to a peer
