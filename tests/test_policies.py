@@ -408,3 +408,15 @@ def test_the_c_queues_make_the_choices_numpy_makes(name, monkeypatch):
         assert len(with_c) == len(with_numpy)
         for step, (a, b) in enumerate(zip(with_c, with_numpy)):
             assert a == b, f"{name}, seed {seed}: the states part at step {step}"
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_an_admin_evict_of_everything_takes_every_unleased_block(make_engine, policy):
+    # The admin API's "evict all" asks for 2^30 copies; victims are bounded by the tier's
+    # slots, not allocated for the count asked (S3Fifo and LruQueue sized arrays by n).
+    eng = _engine(make_engine, 8, eviction=policy)
+    eng.put("m", keys(range(8)), blocks(8, BB))
+    res = eng.get("m", key(3))
+    assert eng.evict(Tier.HOST, 1 << 30) == 7
+    assert _host_keys(eng) == {3}
+    eng.release(res.lease_id)

@@ -203,6 +203,9 @@ class LruQueue(_SlotPolicy):
         return False
 
     def victims(self, n: int) -> np.ndarray:
+        # No more victims than slots: an admin evict of "everything" asks for 2^30, and the
+        # output and scratch arrays are sized by n.
+        n = min(n, int(self.st.slot_row.shape[0]))
         if _queues is None:
             return self._victims_numpy(n)
         out = np.empty(n, dtype=np.int64)
@@ -339,6 +342,9 @@ class S3Fifo(_SlotPolicy):
             self._replaced = out[:k]
 
     def victims(self, n: int) -> np.ndarray:
+        # No more victims than slots: an admin evict of "everything" asks for 2^30, and the
+        # output and scratch arrays are sized by n.
+        n = min(n, int(self.st.slot_row.shape[0]))
         if _queues is None:
             return self._victims_numpy(n)
         # Probation's entries may all move to main in this call; nothing else adds entries.
