@@ -132,15 +132,8 @@ def test_a_get_whose_peer_resets_during_its_disk_read_leaves_no_lease(tmp_path):
         svc.stop()
 
 
-def test_a_get_whose_disk_read_raises_leaves_no_lease_and_no_pinned_slot(tmp_path):
-    # The read itself raising (a mock: the AIO set closed after io_getevents failed, which
-    # cannot be produced on demand here). The get's error reaches the caller, who never sees
-    # the lease its steps made for the blocks already resident: that lease must end with the
-    # error, not pin those slots until lease_timeout (or for good, in process).
-    import errno
-
-    import numpy as np
-
+def _half_on_disk(tmp_path):
+    """An engine whose namespace m holds 4 blocks: 0 and 1 resident, 2 and 3 on NVMe only."""
     from kvtier.coherence.engine import Engine
     from kvtier.config import make_settings
     from kvtier.types import Tier
@@ -148,26 +141,70 @@ def test_a_get_whose_disk_read_raises_leaves_no_lease_and_no_pinned_slot(tmp_pat
 
     eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
                                 "nvme_capacity": "16MiB"}))
+    eng.create_namespace("m", 4096)
+    data = blocks(4, 4096)
+    eng.put("m", keys(range(4)), data)
+    eng.flush()
+    eng.evict(Tier.HOST, 4)
+    eng.read("m", keys(range(2)))
+    return eng, data
+
+
+def _no_lease_left_and_all_readable(eng, data) -> None:
+    import numpy as np
+
+    from kvtier.types import Tier
+    from tests.conftest import keys
+
+    assert not eng.leases
+    assert int(np.asarray(eng.namespace("m").slots[Tier.HOST].leases).sum()) == 0
+    found, out = eng.read("m", keys(range(4)))
+    assert found.all() and (out == data).all()
+
+
+def test_a_get_whose_disk_read_raises_leaves_no_lease_and_no_pinned_slot(tmp_path):
+    # The read itself raising (a mock: the AIO set closed after io_getevents failed, which
+    # cannot be produced on demand here). The get's error reaches the caller, who never sees
+    # the lease its steps made for the blocks already resident: that lease must end with the
+    # error, not pin those slots until lease_timeout (or for good, in process).
+    import errno
+
+    from tests.conftest import keys
+
+    eng, data = _half_on_disk(tmp_path)
     try:
-        eng.create_namespace("m", 4096)
-        data = blocks(4, 4096)
-        eng.put("m", keys(range(4)), data)
-        eng.flush()
-        eng.evict(Tier.HOST, 4)
-        eng.read("m", keys(range(2)))          # two resident again, two on NVMe only
-        ns = eng.namespace("m")
+        log = eng.namespace("m").log
 
         def closed(*_a, **_k):
             raise OSError(errno.EBADF, "this AIO context set is closed")
 
-        ns.log.read_rows = closed
-        ns.log.read = closed
+        log.read_rows = closed
+        log.read = closed
         with pytest.raises(OSError, match="closed"):
             eng.get("m", keys(range(4)))
-        assert not eng.leases
-        assert int(np.asarray(ns.slots[Tier.HOST].leases).sum()) == 0
-        del ns.log.read_rows, ns.log.read
-        found, out = eng.read("m", keys(range(4)))
-        assert found.all() and (out == data).all()
+        del log.read_rows, log.read
+        _no_lease_left_and_all_readable(eng, data)
+    finally:
+        eng.close(flush=False)
+
+
+def test_a_get_whose_write_down_raises_after_its_install_leaves_no_lease(tmp_path):
+    # The write-down after a get (drain, when eviction wanted dirty blocks written first)
+    # raising, e.g. a disk that filled: mocked at that one seam (wanted and drain), since a
+    # disk filling between a get's install and its drain cannot be timed here. The caller
+    # sees the error and never the lease, so the lease must end with it.
+    from kvtier.errors import StorageError
+    from tests.conftest import keys
+
+    eng, data = _half_on_disk(tmp_path)
+    try:
+        def full() -> None:
+            raise StorageError("the NVMe tier's disk is full")
+
+        eng.nvme.wanted, eng.nvme.drain = (lambda: True), full
+        with pytest.raises(StorageError, match="full"):
+            eng.get("m", keys(range(4)))
+        del eng.nvme.wanted, eng.nvme.drain
+        _no_lease_left_and_all_readable(eng, data)
     finally:
         eng.close(flush=False)

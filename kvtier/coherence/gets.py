@@ -110,20 +110,31 @@ class Gets:
                     raise
                 res = yield Step(True, partial(self._finish_get, p))
                 if p.plan.drop_keys:            # records that failed: deleted unlocked
-                    yield Step(False, partial(self.nvme.after_read, p.plan))
+                    yield from self._unlocked_or_release(partial(self.nvme.after_read, p.plan),
+                                                         res, owner)
                 # Read and verified, yet not installed: the block was rewritten meanwhile.
                 # Its new version is in the host tier now (a put lands there), so one more try
                 # serves it rather than a miss (issue 17: randrw jobs, rewrites beside reads).
                 raced = p.plan.ok is not None and not res.found[p.plan_pos[p.plan.ok]].all()
             wanted = self.nvme.wanted()
             if wanted:
-                yield Step(False, self.nvme.drain)
+                yield from self._unlocked_or_release(self.nvme.drain, res, owner)
             if attempt or not (raced or (p.short and wanted)):
                 return res
             # Room for the bring-up needed dirty blocks written down first (now they are), or
             # a block moved on under the read: again, once.
             yield Step(True, partial(self.release, res.lease_id, owner))
             attempt += 1
+
+    def _unlocked_or_release(self, fn: Callable[[], Any], res: GetResult,
+                             owner: int) -> Generator[Step, Any, None]:
+        """An unlocked step after the get's lease was made (record deletes, a write-down):
+        when it raises, the lease ends with the error, since the caller never sees it."""
+        try:
+            yield Step(False, fn)
+        except BaseException:
+            yield Step(True, partial(self.release, res.lease_id, owner))
+            raise
 
     def _room_for_get(self, namespace: str, keys: Any, tier: Tier) -> None:
         """Under the lock: evict for the blocks of keys that are not current in tier (those
