@@ -192,6 +192,23 @@ def test_a_block_rewritten_while_its_read_is_in_flight_is_not_installed(tmp_path
     eng.close(flush=False)
 
 
+def drive_by_hand(eng: Engine, steps, after) -> object:
+    """Run a get's steps here, as the server's StepRunner would, calling after(step) once
+    each has run; the get's result."""
+    value = None
+    while True:
+        try:
+            step = steps.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if step.locked:
+            with eng.lock:
+                value = step.fn()
+        else:
+            value = step.fn()
+        after(step)
+
+
 def test_get_steps_driven_by_hand_install_only_the_version_that_was_read(tmp_path: Path):
     # The socket server runs a get's steps itself (the locked ones on its loop, the read on
     # a thread). Here a rewrite lands between the read step and the install step: the old
@@ -202,26 +219,51 @@ def test_get_steps_driven_by_hand_install_only_the_version_that_was_read(tmp_pat
     disk.gate.set()
     cold = [i for i in range(6) if not eng.entry("m", key(i))["copies"].get("host")][:1]
     new = blocks(1, 4096, 99)
-    steps = eng.get_steps("m", keys(cold))
     kinds: list[bool] = []
-    value = None
-    while True:
-        try:
-            step = steps.send(value)
-        except StopIteration as stop:
-            res = stop.value
-            break
+
+    def after(step) -> None:
         kinds.append(step.locked)
-        if step.locked:
-            with eng.lock:
-                value = step.fn()
-        else:
-            value = step.fn()
+        if not step.locked:
             eng.put("m", keys(cold), new)          # after the read, before its install
+    res = drive_by_hand(eng, eng.get_steps("m", keys(cold)), after)
     assert kinds == [True, True, False, True, True, True, True]
     pool = eng.namespace("m").slots[Tier.HOST].pool
     assert res.found[0] and res.versions[0] == 2
     assert (pool.read(res.slots[:1])[0] == new[0]).all()
+    eng.release(res.lease_id)
+    eng.close(flush=False)
+
+
+def test_the_room_step_keeps_the_batchs_own_host_copies(tmp_path: Path):
+    # LRU, 16 host slots holding keys 16..31 (16 the coldest), a get of [16, 0..3]: the room
+    # step evicts 4 for the bring-ups, never 16, so the decide finds the room made and
+    # evicts nothing (before: it evicted 16, and the decide brought it up and evicted again).
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
+                                "nvme_capacity": "64MiB", "segment_bytes": "4MiB",
+                                "eviction": "lru", "write_policy": "write_through"}))
+    eng.create_namespace("t", BB)
+    for i in range(32):
+        eng.put("t", key(i), blocks(1, BB, i))
+    assert eng.entry("t", key(16))["copies"].get("host")
+    before = eng.stats()["tiers"]["host"]["evictions"]
+    steps = eng.get_steps("t", keys([16, 0, 1, 2, 3]))
+    room = next(steps)
+    with eng.lock:
+        room.fn()
+    assert eng.entry("t", key(16))["copies"].get("host")          # pinned while room was made
+    evicted = eng.stats()["tiers"]["host"]["evictions"]
+    assert evicted - before == 4
+    decides: list[int] = []
+
+    def after(step) -> None:
+        if step.fn.func.__name__ == "_get_decide":
+            decides.append(eng.stats()["tiers"]["host"]["evictions"])
+    res = drive_by_hand(eng, steps, after)
+    assert decides == [evicted]                                   # none in the decide
+    assert res.found.all()
+    pool = eng.namespace("t").slots[Tier.HOST].pool
+    for pos, i in enumerate([16, 0, 1, 2, 3]):
+        assert (pool.read(res.slots[pos:pos + 1]) == blocks(1, BB, i)).all()
     eng.release(res.lease_id)
     eng.close(flush=False)
 

@@ -147,9 +147,19 @@ class Gets:
         rows = ns.table.lookup(self._check_keys(ns, keys, zero_check=False))
         cols = ns.table.cols
         r = rows[rows >= 0]
-        want = int((cols["copy_ver"][r, tier] != cols["version"][r]).sum())
-        if want:
+        here = cols["copy_ver"][r, tier] == cols["version"][r]
+        want = int(r.size - here.sum())
+        if not want:
+            return
+        # The batch's own copies in tier are pinned while the room is made: evicting one
+        # would only make the decide bring it up again and evict once more (bench/stall.py
+        # in process: half the decides evicted a second time without the pins).
+        keep = cols["slot"][r[here], tier].astype(np.int64)
+        add_one(ns.slots[tier].leases, keep)
+        try:
             self._make_room(ns, tier, want)
+        finally:
+            self._unpin(ns, tier, keep)
 
     def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier
                     ) -> "tuple[GetResult | None, _PendingGet | None]":
