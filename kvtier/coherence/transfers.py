@@ -33,6 +33,8 @@ class Transfers:
         Copies from HBM or host are made here. NVMe copies are only planned: the returned
         plan (and the batch positions it serves) is read by the caller without the lock and
         installed by _install_read. The flag says some found no room in tier."""
+        if tier is Tier.HOST and Tier.HBM not in ns.slots:
+            return self._bring_up_from_nvme(ns, rows, todo, found)
         cols = ns.table.cols
         none = np.empty(0, dtype=np.int64)
         r = rows[todo]
@@ -85,6 +87,39 @@ class Transfers:
         slots[todo[mem]] = dst[mem]
         return plan, todo[~mem], dst.size < hit.sum()
 
+    def _bring_up_from_nvme(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray,
+                            found: np.ndarray) -> tuple[ReadPlan | None, np.ndarray, bool]:
+        """_bring_up into a host tier with no HBM tier above it: NVMe is the only source (the
+        remote tier serves its own reads), so each block is a planned read or a miss. Half the
+        numpy calls of the general path: this is the decide of every NVMe reader's get on the
+        server's loop (issue 17, bench/stall.py)."""
+        cols = ns.table.cols
+        none = np.empty(0, dtype=np.int64)
+        host = self.counters.tiers[Tier.HOST]
+        r = rows[todo]
+        hit = cols["copy_ver"][r, Tier.NVME] == cols["version"][r]
+        miss = todo.size - int(np.count_nonzero(hit))
+        if miss:
+            found[todo[~hit]] = False
+            host.misses += miss
+            todo, r = todo[hit], r[hit]
+            if todo.size == 0:
+                return None, none, False
+        dst = self._alloc(ns, Tier.HOST, todo.size, partial=True)
+        short = todo.size - dst.size
+        if short:                       # no room for the tail (the rest is leased): misses
+            found[todo[dst.size:]] = False
+            host.misses += short
+            todo, r = todo[:dst.size], r[:dst.size]
+            if dst.size == 0:
+                return None, none, True
+        ns.slots[Tier.HOST].leases[dst] += 1
+        nvme = self.counters.tiers[Tier.NVME]
+        nvme.hits += todo.size
+        nvme.bytes_read += todo.size * ns.block_bytes
+        host.promotions += todo.size
+        return self.nvme.plan_read(ns, r, dst), todo, short > 0
+
     def _install_read(self, plan: ReadPlan, tier: Tier, pos: np.ndarray, rows: np.ndarray,
                       slots: np.ndarray, found: np.ndarray) -> None:
         """Under the lock, after plan was read: install the copies that are still wanted into
@@ -97,6 +132,10 @@ class Transfers:
         r, dst = plan.rows, plan.dst.astype(np.int64)
         have = valid & (cols["copy_ver"][r, tier] == cols["version"][r])
         fresh = valid & ~have
+        if fresh.all():                 # the usual case: every copy read is installed
+            self._set_copy(ns, r, tier, dst, cols["version"][r])
+            slots[pos] = dst
+            return
         self._set_copy(ns, r[fresh], tier, dst[fresh], cols["version"][r[fresh]])
         slots[pos[fresh]] = dst[fresh]
         theirs = cols["slot"][r[have], tier].astype(np.int64)
