@@ -93,6 +93,16 @@ def test_stall_bench_smoke():
     assert r["reader_nvme_share"] > 0                 # the readers did read the disk
 
 
+def test_stall_steps_bench_smoke():
+    r = _bench("bench/stall_steps.py", "--cold-blocks", "512", "--host-capacity", "8MiB",
+               "--gets", "20")
+    steps = r["steps"]
+    assert set(steps) == {"_room_for_get", "_get_decide", "_finish_get"}   # an NVMe get's
+    for s in steps.values():
+        _positive(s, "p50_us", "p99_us")
+    assert steps["_room_for_get"]["steps_that_evicted"] > 0      # the host tier was full
+
+
 def test_single_split_bench_smoke():
     r = _bench("bench/single_split.py", "--quick")
     _positive(r, "dispatch_get_us", "dispatch_hello_us", "engine_get_release_us", "ping_us",
