@@ -28,9 +28,6 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
     offload_commit_ms_*                      the commit's share of a put (GPU checksums sent)
     offload_ratio_*_chunks_K                 the same put in chunks of K keys (4,096: one
                                              request); offload_chunks_*: the default's count
-    onboard_ratio_64k/16k_chunk_by_chunk     the onboard with every chunk moved as its reply
-                                             arrives (no chunk held for the batch); _pieces_4m
-                                             / _64m: the held batch in pieces of that size
     offload_hash_ms_*                        the put's GPU checksums alone
 """
 
@@ -188,20 +185,6 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
         finally:
             pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN = saved
     extra[f"offload_chunks_{tag}"] = len(pipeline.cuda_put_chunks(n, bb))
-    if tag != "2m":
-        # The onboard otherwise: each chunk moved as its reply arrives (the scattered chunks
-        # not held for the batch: DEFER_BYTES 0), and the held batch in pieces of 4 / 64 MiB.
-        from kvtier.gpu import device
-        saved_dev = device.DEFER_BYTES, device.PIECE_BYTES
-        for vname, defer, piece in (("chunk_by_chunk", 0, saved_dev[1]),
-                                    ("pieces_4m", saved_dev[0], 4 << 20),
-                                    ("pieces_64m", saved_dev[0], 64 << 20)):
-            device.DEFER_BYTES, device.PIECE_BYTES = defer, piece
-            try:
-                extra[f"onboard_ratio_{tag}_{vname}"] = round(
-                    n * bb / med(get, reps) / 1e9 / ceil["pinned_h2d_gbps"], 3)
-            finally:
-                device.DEFER_BYTES, device.PIECE_BYTES = saved_dev
     extra[f"offload_hash_ms_{tag}"] = round(hash_ms(ns, out, rows, reps) * 1e3, 3)
     host = np.empty((n, bb), np.uint8)
     ns.get(kb, out=host)
