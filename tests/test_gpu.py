@@ -471,38 +471,6 @@ def test_large_cuda_batches_round_trip_in_pipelined_chunks(gpu_service, put_chun
         assert c.stats()["leases"] == 0
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["dense", "interleaved"])
-def test_a_batch_asked_in_another_order_moves_its_slot_range_by_the_copy_engine(
-        gpu_service, interleaved, monkeypatch):
-    """Keys put together, asked in a shuffled order: every chunk's slots are scattered over
-    the batch's range, so the chunks wait for the batch and its range is staged piece by piece
-    (several pieces here). Interleaved with blocks not asked for, the slots spread twice as
-    wide as the batch: then each chunk moves by the kernel as its reply arrives."""
-    from kvtier.gpu import device
-    monkeypatch.setattr(device, "PIECE_BYTES", 1 << 20)        # 256 blocks a piece
-    transfer.set_policy(TransferPolicy())
-    try:
-        with kvtier.Client(gpu_service.socket) as c:
-            ns = c.namespace("shuffled", block_bytes=4096)
-            n = 3000
-            src = torch.randint(0, 255, (2 * n, 4096), dtype=torch.uint8, device="cuda")
-            put_rows = (np.arange(2 * n) if interleaved else np.arange(n))
-            ns.put(keys(range(len(put_rows))), src[:len(put_rows)])
-            asked = np.random.default_rng(4).permutation(n) * (2 if interleaved else 1)
-            dest = np.random.default_rng(5).permutation(n)
-            out = torch.zeros((n, 4096), dtype=torch.uint8, device="cuda")
-            h = ns.get_async(keys(asked.tolist()), out=out, rows=dest)
-            found = h.wait()
-            assert found.all()
-            assert h.staged is not interleaved
-            assert torch.equal(out[torch.as_tensor(dest, device="cuda")],
-                               src[torch.as_tensor(asked, device="cuda")])
-            c.ping()
-            assert c.stats()["leases"] == 0
-    finally:
-        transfer.set_policy(None)
-
-
 @pytest.mark.parametrize("policy", [TransferPolicy(),
                                     TransferPolicy(copy_engine_bytes=0, device_copy_engines=True)],
                          ids=["kernel", "copy_engines"])

@@ -11,8 +11,7 @@ import xxhash
 from kvtier.errors import BadRequest
 from kvtier.gpu import xxh3
 from kvtier.gpu.plan import (Copy, Method, PageTable, TransferPolicy, check_rows, copy_arrays,
-                             copy_runs, dense, kernel_launches, page_groups, slot_pieces,
-                             uniform_runs, vector_bytes)
+                             copy_runs, kernel_launches, page_groups, uniform_runs, vector_bytes)
 from kvtier.types import Tier
 from tests.conftest import blocks, keys
 
@@ -109,27 +108,6 @@ def test_kernel_launches_keep_32_bit_indices():
     parts = kernel_launches(1024, 32, (2 << 20) // 16)
     assert parts[0] == (0, 511) and parts[-1][1] == 1024
     assert all(0 < (hi - lo) * 32 * ((2 << 20) // 16) < 2 ** 31 for lo, hi in parts)
-
-
-def test_slots_are_dense_up_to_a_quarter_of_gaps():
-    assert dense(4096, 4096) and dense(5128, 4096)
-    assert not dense(5129, 4096)
-    assert dense(8, 0) and not dense(9, 0)
-
-
-def test_slot_pieces_are_the_batch_in_slot_order_with_each_row_beside_its_slot():
-    rng = np.random.default_rng(5)
-    slots = rng.permutation(1000).astype(np.int32) + 7
-    rows = rng.permutation(1000)
-    pieces = slot_pieces(slots, rows, 256)
-    assert [s.size for s, _r in pieces] == [256, 256, 256, 232]
-    got_s = np.concatenate([s for s, _r in pieces])
-    got_r = np.concatenate([r for _s, r in pieces])
-    assert (got_s == np.arange(7, 1007)).all()              # dense pieces, in slot order
-    assert (got_r == rows[np.argsort(slots)]).all()         # each row kept with its slot
-    assert all(dense(int(s.max()) - int(s.min()) + 1, s.size) for s, _r in pieces)
-    with pytest.raises(BadRequest):
-        slot_pieces(slots, rows, 0)
 
 
 def test_rows_are_checked_against_the_target():

@@ -15,16 +15,13 @@ import numpy as np
 from kvtier.errors import BadRequest, KvtierError
 from kvtier.gpu import kernels
 from kvtier.gpu.plan import (MAX_VECTORS, Method, PageTable, TransferPolicy, copy_arrays,
-                             copy_runs, dense, kernel_launches, slot_pieces, uniform_runs,
-                             vector_bytes)
+                             copy_runs, kernel_launches, uniform_runs, vector_bytes)
 from kvtier.gpu.slots import DeviceSlots, SlotRange
 from kvtier.gpu.streams import Lanes, Stream, can_wait_value, own, settle, wait_value
 _H2D, _D2H, _DEFAULT = 1, 2, 4       # cudaMemcpyHostToDevice, DeviceToHost, Default
 THREADS = 1024
 STAGE_BYTES = 256 << 20       # the largest staging buffer of a host->GPU move (two in turn)
 OUT_STAGE_BYTES = 64 << 20    # the pieces of a staged GPU->host move (two buffers in turn)
-DEFER_BYTES = 512 << 20       # the largest get whose scattered chunks wait for the whole batch
-PIECE_BYTES = 16 << 20        # the slot pieces of such a batch (Mover.move_deferred)
 _sm_counts: dict[int, int] = {}
 
 
@@ -301,34 +298,6 @@ class Mover:
                         rng, local, r, a, b):
                     self._launch(rng.base, self.slots.block_bytes, local, r, a, b, to_seg, d2d)
 
-    def defers(self, slots: np.ndarray, batch: int) -> bool:
-        """Whether a chunk of a get of batch keys (one page group) should wait for the batch's
-        other chunks (move_deferred) rather than move now: its slots are too scattered to stage
-        on their own, yet lie within a span that a dense batch of that size fills. That is a
-        batch put together and asked in another key order (each chunk's slots are then a
-        sample of the whole range): its whole slot range goes by the copy engine, where a
-        kernel per chunk reads host memory at ~0.8 of the link (H200 run 14: 4,096 x 64 KiB
-        rows 0.751 of H2D, the direct kernel's chunks). Slots spread wider than the batch
-        could fill still move chunk by chunk, as their replies arrive."""
-        if (not self.policy.staged or self.slots.device_to_device or slots.size == 0
-                or len(self.slots.ranges) != 1
-                or batch * self.slots.block_bytes > DEFER_BYTES
-                or len(uniform_runs(self.table.size, 0, self.table.pages)) != 1
-                or self.policy.method(int(self.table.size[0]), slots.size * self.table.pages,
-                                      False) is not Method.KERNEL):
-            return False
-        span = int(slots.max()) - int(slots.min()) + 1
-        return not dense(span, slots.size) and dense(span, batch)
-
-    def move_deferred(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        """The chunks defers() held back, once every reply is in: in slot order, in pieces of
-        PIECE_BYTES, each one copy of its slot range into the staging ring and the kernel from
-        device memory (_staged); a piece's kernel runs while the next piece's copy moves. A
-        piece that is not dense after all (the batch was not) goes by the direct kernel."""
-        per = max(1, PIECE_BYTES // self.slots.block_bytes)
-        for s, r in slot_pieces(slots, rows, per):
-            self.move(s, r, 0, self.table.pages, False)
-
     def _one(self, slot: int, row: int, lo: int, hi: int, to_seg: bool) -> None:
         self.methods.add(Method.COPY_ENGINE)
         copy_one(self.slots, self.table, self.stream, slot, row, lo, hi, to_seg)
@@ -348,7 +317,7 @@ class Mover:
         span = int(local.max()) - smin + 1
         off = int(self.table.offset[a])
         width = int(self.table.offset[b - 1] + self.table.size[b - 1]) - off
-        if not dense(span, local.size) or span * width > STAGE_BYTES:
+        if span > local.size + local.size // 4 + 8 or span * width > STAGE_BYTES:
             return False
         self.staged = True
         self.methods.add(Method.COPY_ENGINE)
@@ -512,7 +481,7 @@ class Mover:
             return None
         span = int(local.max()) - int(local.min()) + 1
         widest = max(int(self.table.size[a:b].sum()) for a, b in groups)
-        if not dense(span, local.size) or span * widest > STAGE_BYTES:
+        if span > local.size + local.size // 4 + 8 or span * widest > STAGE_BYTES:
             return None
         events = []
         for g_lo, g_hi in groups:

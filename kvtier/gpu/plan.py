@@ -160,23 +160,6 @@ def vector_bytes(seg_base: int, block_bytes: int, table: PageTable, lo: int, hi:
     raise BadRequest("the CUDA path needs pages, strides and tensors aligned to 8 bytes")
 
 
-def dense(span: int, count: int) -> bool:
-    """Whether count slots lying within span consecutive slots are dense enough to be copied as
-    that one range (the gaps, at most a quarter, are read and not used)."""
-    return span <= count + count // 4 + 8
-
-
-def slot_pieces(slots: np.ndarray, rows: np.ndarray, per: int
-                ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(slots, rows) in slot order, cut into pieces of at most per blocks: the pieces of a dense
-    batch are dense slot ranges, each copied in one call (device.Mover.move_deferred)."""
-    if per < 1:
-        raise BadRequest("a piece holds at least one block")
-    order = np.argsort(slots, kind="stable")
-    s, r = slots[order], rows[order]
-    return [(s[i:i + per], r[i:i + per]) for i in range(0, s.size, per)]
-
-
 def kernel_launches(n: int, pages: int, vectors: int) -> list[tuple[int, int]]:
     """[lo, hi) block ranges whose launch stays within 32-bit vector indices."""
     per = max(1, MAX_VECTORS // max(1, pages * vectors))

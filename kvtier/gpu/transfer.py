@@ -288,24 +288,16 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
         mover = Mover(seg, table, st, policy(), staging)
         events: list[Any] = []
         replies: list[tuple["GetReply", int]] = []
-        held: list[tuple[np.ndarray, np.ndarray]] = []      # chunks that wait for the batch
 
         def launch(rep: "GetReply", lo: int) -> None:
             idx = np.flatnonzero(rep.found)
             if len(groups) == 1:             # one event: move each chunk as its reply arrives
-                slots, rows_ = rep.slots[idx], dst_rows[lo + idx]
-                if mover.defers(slots, n):
-                    held.append((slots, rows_))
-                else:
-                    mover.move(slots, rows_, 0, table.pages, False)
+                mover.move(rep.slots[idx], dst_rows[lo + idx], 0, table.pages, False)
             else:
                 replies.append((rep, lo))
         extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
         found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra)
         try:
-            if error is None and held:
-                mover.move_deferred(np.concatenate([s for s, _r in held]),
-                                    np.concatenate([r for _s, r in held]))
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
                 slots = np.concatenate([rep.slots[i] for rep, _lo, i in found_at])
