@@ -17,7 +17,9 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              same for 64 KiB rows (_64k)
     variants_2m / _64k / _16k                the same transfers under other policies (copy-
                                              engine lanes, kernel only, no stream priority,
-                                             4..132 thread blocks, copy engines only): onboard
+                                             4..132 thread blocks, copy engines only, a share
+                                             of the blocks by copy engines beside the kernel:
+                                             copy_share_25 / _50): onboard
                                              alone, and beside the matmul or the offload; the
                                              basis of the defaults (kvtier.gpu.plan)
     layerwise_overlap                        a 32-layer load, each layer's compute waiting for
@@ -29,6 +31,10 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
     offload_ratio_*_chunks_K                 the same put in chunks of K keys (4,096: one
                                              request); offload_chunks_*: the default's count
     offload_hash_ms_*                        the put's GPU checksums alone
+    onboard_control_ms_64k / _16k            the onboard's leases alone (nothing moved);
+                                             _enqueue_ms: until get_async returns; _profile:
+                                             the client's top functions (cProfile); _chunk_K:
+                                             the get in chunks of K keys (4,096: one request)
 """
 
 from __future__ import annotations
@@ -185,6 +191,9 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
         finally:
             pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN = saved
     extra[f"offload_chunks_{tag}"] = len(pipeline.cuda_put_chunks(n, bb))
+    if tag != "2m":
+        extra.update(onboard_split(ns, kb, n, get, lambda: ns.get_async(
+            kb, out=out, rows=rows, stream=stream), tag, reps))
     extra[f"offload_hash_ms_{tag}"] = round(hash_ms(ns, out, rows, reps) * 1e3, 3)
     host = np.empty((n, bb), np.uint8)
     ns.get(kb, out=host)
@@ -217,6 +226,41 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
             transfer.set_policy(None)
         res.setdefault(f"variants_{tag}", {})[vname] = row
     return res
+
+
+def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) -> dict:
+    """Where a small-page onboard's time goes: the control path alone (every chunk leased and
+    released, nothing moved), the time until get_async returns (every reply read and every
+    chunk's move enqueued), and the client's top functions under cProfile."""
+    import torch
+    from kvtier.api import pipeline
+    c = ns._client
+
+    def control() -> None:
+        _found, leases, error, _moved = pipeline.lease(ns, kb, n, lambda rep, lo: None)
+        for lease in leases:
+            c._release_later(lease)
+        if error is not None:
+            raise error
+    enq = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h = get_async()
+        enq.append(time.perf_counter() - t0)
+        h.wait()
+    out = {}
+    saved = pipeline.CHUNK
+    for k in (512, 2048, 4096):          # the get's chunk size otherwise (4,096: one request)
+        pipeline.CHUNK = k
+        try:
+            out[f"onboard_ms_{tag}_chunk_{k}"] = round(med(get, reps) * 1e3, 3)
+            out[f"onboard_control_ms_{tag}_chunk_{k}"] = round(med(control, reps) * 1e3, 3)
+        finally:
+            pipeline.CHUNK = saved
+    return {**out, f"onboard_control_ms_{tag}": round(med(control, reps) * 1e3, 3),
+            f"onboard_enqueue_ms_{tag}": round(float(np.median(enq)) * 1e3, 3),
+            f"onboard_profile_{tag}": profile(get, 30, 10)}
 
 
 def hash_ms(ns, src, rows: np.ndarray, reps: int) -> float:
@@ -409,15 +453,20 @@ def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:
 
 def profile_single(ns, key: bytes, out, n: int = 300) -> list:
     """Where a single-block CUDA get's time goes: cProfile's top functions by own time."""
+    return profile(lambda: ns.get(key, out=out), n)
+
+
+def profile(fn, n: int, top: int = 14) -> list:
+    """cProfile's top functions by own time over n calls of fn, per call."""
     import cProfile
     import pstats
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):
-        ns.get(key, out=out)
+        fn()
     prof.disable()
     st = pstats.Stats(prof)
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:14]
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [f"{fn[2]} ({os.path.basename(fn[0])}:{fn[1]}): {v[2] / n * 1e6:.1f} us own, "
             f"{v[3] / n * 1e6:.1f} us cumulative" for fn, v in rows]
 
@@ -527,8 +576,10 @@ def main() -> None:
     v64k = {"direct_kernel": TP(staged=False),
             "kernel_without_priority": TP(kernel_priority=False),
             "copy_engines_only": TP(copy_engine_bytes=0),
-            **{f"blocks_{b}": TP(kernel_blocks=b) for b in (4, 16, 32, 132)}}
-    v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False)}
+            **{f"blocks_{b}": TP(kernel_blocks=b) for b in (4, 16, 32, 132)},
+            **{f"copy_share_{p}": TP(copy_engine_share=p / 100) for p in (25, 50)}}
+    v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
+            **{f"copy_share_{p}": TP(copy_engine_share=p / 100) for p in (25, 50)}}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
                                             mm_alone, v2m)),
              ("layers", lambda c: layers_case(c, reps, out, 1024)),

@@ -145,7 +145,7 @@ class Staging:
             self._off = 0
         addr = self._bufs[-1][0] + self._off
         if a.size:
-            np.ctypeslib.as_array((ctypes.c_int64 * a.size).from_address(addr))[:] = a
+            ctypes.memmove(addr, a.ctypes.data, a.nbytes)
         dev = cupy.empty(nbytes // 8, dtype=cupy.int64)
         self._keep.append(dev)
         cupy.cuda.runtime.memcpyAsync(dev.data.ptr, addr, nbytes, _H2D,
@@ -266,6 +266,7 @@ class Mover:
         self._out_ring: list[list[Any]] = []    # the same for GPU->host: [.., last copy out]
         self._out_turn = 0
         self._gather: Stream | None = None      # the stream of offload gathers (_staged_out)
+        self._vectors: dict[tuple[int, int, int, int], int] = {}    # vector_bytes, per launch
 
     def event(self) -> Any:
         """An event of the transfer's stream covering everything enqueued so far (the side
@@ -296,7 +297,20 @@ class Mover:
                     self._copy(rng, local, r, a, b, to_seg)
                 elif d2d or not (self._staged_out if to_seg else self._staged)(
                         rng, local, r, a, b):
-                    self._launch(rng.base, self.slots.block_bytes, local, r, a, b, to_seg, d2d)
+                    k = 0 if d2d else self._share(local.size)
+                    if k:                    # the copy engines beside the kernel, other blocks
+                        self._copy(rng, local[:k], r[:k], a, b, to_seg)
+                    self._launch(rng.base, self.slots.block_bytes, local[k:], r[k:], a, b,
+                                 to_seg, d2d, refork=False)
+
+    def _share(self, n: int) -> int:
+        """How many of n blocks of a direct host kernel move go by batched copy engines
+        beside it (policy.copy_engine_share; 0 where batches are not available)."""
+        k = int(n * self.policy.copy_engine_share)
+        if k <= self.policy.small_batch_copies or not self.policy.batch_copies or \
+                not batch_available():
+            return 0
+        return k
 
     def _one(self, slot: int, row: int, lo: int, hi: int, to_seg: bool) -> None:
         self.methods.add(Method.COPY_ENGINE)
@@ -553,11 +567,12 @@ class Mover:
 
     def _launch(self, base: int, bb: int, local: np.ndarray, rows: np.ndarray, a: int, b: int,
                 to_seg: bool, d2d: bool, fork: bool = True, on: Stream | None = None,
-                idx: int = 0) -> None:
+                idx: int = 0, refork: bool = True) -> None:
         """The kernel over pages a..b: slot i at base + local[i] * bb + offset, on the
         high-priority kernel stream (forked now, joined at the next event(): the next chunk's
-        copy runs meanwhile), fork=False: the caller's, or on: that stream, ordered by the
-        caller, reading local and rows from idx (uploaded by the caller: n slots, n rows)."""
+        copy runs meanwhile; refork=False: forked already where it was since the last
+        event()), fork=False: the caller's, or on: that stream, ordered by the caller, reading
+        local and rows from idx (uploaded by the caller: n slots, n rows)."""
         n = local.size
         if n == 0:
             return
@@ -565,10 +580,10 @@ class Mover:
         table = self.table
         if not self._tab:
             self._tab = self.staging.upload(table.staged())
-        vec = vector_bytes(base, bb, table, a, b)
+        vec = self._vectors.get((base, bb, a, b))
+        if vec is None:
+            vec = self._vectors[(base, bb, a, b)] = vector_bytes(base, bb, table, a, b)
         vecs = int(table.size[a]) // vec
-        if on is None:
-            idx = self.staging.upload(np.concatenate([local, rows]))
         # Pages of at least a vector per thread of each of four passes (64 KiB): below that
         # most of a block's threads would idle on every page.
         items = (d2d and vec == 16 and self.policy.device_items_kernel
@@ -577,11 +592,17 @@ class Mover:
                         "move_pages16_deep" if d2d else "move_pages16")
         cap = self.policy.blocks(d2d, sm_count(table.device))
         st = on or self.stream
-        if on is None and self.policy.kernel_priority and fork:  # after the uploads it reads
+        if on is None and self.policy.kernel_priority and fork:
             st = own(table.device, f"kernel-{int(to_seg)}", high_priority=True)
-            Lanes(self.stream, [st])
-            if st not in self._pending:
-                self._pending.append(st)
+            # Forked after what it reads on the transfer's stream (a staged copy: refork). A
+            # direct kernel reads only the slots, the engine's rows and its indices, uploaded
+            # on st itself, so the chunks of a get fork once until the next event().
+            if refork or st not in self._pending:
+                Lanes(self.stream, [st])
+                if st not in self._pending:
+                    self._pending.append(st)
+        if on is None:
+            idx = self.staging.upload(np.concatenate([local, rows]), st)
         self._kernel_stream = st
         with st.cupy:
             for l0, l1 in kernel_launches(n, b - a, vecs):

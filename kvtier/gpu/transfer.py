@@ -290,9 +290,13 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
         replies: list[tuple["GetReply", int]] = []
 
         def launch(rep: "GetReply", lo: int) -> None:
-            idx = np.flatnonzero(rep.found)
             if len(groups) == 1:             # one event: move each chunk as its reply arrives
-                mover.move(rep.slots[idx], dst_rows[lo + idx], 0, table.pages, False)
+                if rep.found.all():
+                    mover.move(rep.slots, dst_rows[lo:lo + rep.slots.size], 0, table.pages,
+                               False)
+                else:
+                    idx = np.flatnonzero(rep.found)
+                    mover.move(rep.slots[idx], dst_rows[lo + idx], 0, table.pages, False)
             else:
                 replies.append((rep, lo))
         extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
