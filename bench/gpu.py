@@ -17,9 +17,7 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              same for 64 KiB rows (_64k)
     variants_2m / _64k / _16k                the same transfers under other policies (copy-
                                              engine lanes, kernel only, no stream priority,
-                                             4..132 thread blocks, copy engines only, a share
-                                             of the blocks by copy engines beside the kernel:
-                                             copy_share_25 / _50): onboard
+                                             4..132 thread blocks, copy engines only): onboard
                                              alone, and beside the matmul or the offload; the
                                              basis of the defaults (kvtier.gpu.plan)
     layerwise_overlap                        a 32-layer load, each layer's compute waiting for
@@ -576,10 +574,9 @@ def main() -> None:
     v64k = {"direct_kernel": TP(staged=False),
             "kernel_without_priority": TP(kernel_priority=False),
             "copy_engines_only": TP(copy_engine_bytes=0),
-            **{f"blocks_{b}": TP(kernel_blocks=b) for b in (4, 16, 32, 132)},
-            **{f"copy_share_{p}": TP(copy_engine_share=p / 100) for p in (25, 50)}}
+            **{f"blocks_{b}": TP(kernel_blocks=b) for b in (4, 16, 32, 132)}}
     v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
-            **{f"copy_share_{p}": TP(copy_engine_share=p / 100) for p in (25, 50)}}
+            "copy_engines_only": TP(copy_engine_bytes=0)}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
                                             mm_alone, v2m)),
              ("layers", lambda c: layers_case(c, reps, out, 1024)),

@@ -57,9 +57,6 @@ POLICIES = {
     "staged_default_priority": TransferPolicy(copy_engine_bytes=1 << 40, kernel_priority=False),
     "kernel": TransferPolicy(copy_engine_bytes=1 << 40, staged=False),
     "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),
-    # half of each kernel move's blocks by batched copy engines beside the kernel
-    "kernel_and_copies": TransferPolicy(copy_engine_bytes=1 << 40, staged=False,
-                                        copy_engine_share=0.5),
 }
 
 

@@ -297,20 +297,8 @@ class Mover:
                     self._copy(rng, local, r, a, b, to_seg)
                 elif d2d or not (self._staged_out if to_seg else self._staged)(
                         rng, local, r, a, b):
-                    k = 0 if d2d else self._share(local.size)
-                    if k:                    # the copy engines beside the kernel, other blocks
-                        self._copy(rng, local[:k], r[:k], a, b, to_seg)
-                    self._launch(rng.base, self.slots.block_bytes, local[k:], r[k:], a, b,
-                                 to_seg, d2d, refork=False)
-
-    def _share(self, n: int) -> int:
-        """How many of n blocks of a direct host kernel move go by batched copy engines
-        beside it (policy.copy_engine_share; 0 where batches are not available)."""
-        k = int(n * self.policy.copy_engine_share)
-        if k <= self.policy.small_batch_copies or not self.policy.batch_copies or \
-                not batch_available():
-            return 0
-        return k
+                    self._launch(rng.base, self.slots.block_bytes, local, r, a, b, to_seg, d2d,
+                                 refork=False)
 
     def _one(self, slot: int, row: int, lo: int, hi: int, to_seg: bool) -> None:
         self.methods.add(Method.COPY_ENGINE)

@@ -55,15 +55,12 @@ class TransferPolicy:
     batch_copies: int = 128           # copies per cuMemcpyBatchAsync call; 0: one call each
     device_copy_engines: bool = False  # HBM-tier pages >= copy_engine_bytes by copy engines
     device_items_kernel: bool = True  # HBM-tier kernel: a thread block per page (move_items16)
-    copy_engine_share: float = 0.0    # of a direct host kernel move, the blocks given to batched
-    #                                   copy engines beside it (each alone ~0.8 of the link)
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
-                or self.batch_copies < 0 or not 0.0 <= self.copy_engine_share < 1.0):
+                or self.batch_copies < 0):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
-                             "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
-                             "0 <= copy_engine_share < 1")
+                             "gpu_device_kernel_blocks >= 0 and batch_copies >= 0")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
