@@ -185,8 +185,14 @@ def _order(job: Job, nblocks: int, rng: np.random.Generator, n: int) -> np.ndarr
     if not job.rw.startswith("rand"):
         return np.arange(n) % nblocks
     if job.zipf is not None:
-        ranks = rng.zipf(1.0 + job.zipf, n) - 1
-        return np.minimum(ranks, nblocks - 1)
+        # fio's zipf:THETA: rank k of the file's nblocks with probability proportional to
+        # k^-THETA, the ranks scattered over the file (fio hashes them). numpy's zipf(1 +
+        # THETA), used before, is unbounded and far steeper: at THETA 1.1 over 4,096 blocks it
+        # gave rank 1 64% of the picks (fio: 16%) and a 16-block batch 4.6 distinct blocks
+        # (fio: 13), so kvtier read and wrote fewer distinct blocks than fio did.
+        w = np.arange(1, nblocks + 1, dtype=np.float64) ** -job.zipf
+        ranks = rng.choice(nblocks, n, p=w / w.sum())
+        return np.random.default_rng(nblocks).permutation(nblocks)[ranks]
     return rng.integers(0, nblocks, n)
 
 

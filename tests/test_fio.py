@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.fio import Job, apply_option, main, parse_jobfile, run_job
+import numpy as np
+
+from kvtier.fio import Job, _order, apply_option, main, parse_jobfile, run_job
 
 
 def test_options_in_fio_units():
@@ -109,6 +111,18 @@ def test_zipf_and_mixed_run_through_the_engine(tmp_path: Path):
               directory=str(tmp_path), numjobs=2)
     res = run_job(job)
     assert res["read"]["total_ios"] > 0 and res["write"]["total_ios"] > 0 and res["error"] == 0
+
+
+def test_zipf_picks_follow_fio_s_bounded_zipf_scattered_over_the_file():
+    job = Job(rw="randrw", zipf=1.1)
+    picks = _order(job, 4096, np.random.default_rng(3), 400_000)
+    assert picks.min() >= 0 and picks.max() < 4096
+    counts = np.sort(np.bincount(picks, minlength=4096))[::-1]
+    w = np.arange(1, 4097, dtype=np.float64) ** -1.1
+    assert abs(counts[0] / picks.size - w[0] / w.sum()) < 0.005    # 0.160, as fio's zipf
+    assert 1.9 < counts[0] / counts[1] < 2.4                        # 2^1.1 = 2.14
+    hottest = np.argsort(np.bincount(picks, minlength=4096))[::-1][:8]
+    assert sorted(hottest.tolist()) != list(range(8))              # not the file's first blocks
 
 
 def test_rwmixread_sets_the_mix(tmp_path: Path):
