@@ -125,6 +125,17 @@ def test_zipf_picks_follow_fio_s_bounded_zipf_scattered_over_the_file():
     assert sorted(hottest.tolist()) != list(range(8))              # not the file's first blocks
 
 
+def test_zipf_over_a_large_file_keeps_its_shape_in_bounded_memory():
+    n = 1 << 28                                  # 1 TiB of 4 KiB blocks: no 2 GiB weight array
+    picks = _order(Job(rw="randread", zipf=1.1), n, np.random.default_rng(5), 200_000)
+    assert picks.min() >= 0 and picks.max() < n
+    values, counts = np.unique(picks, return_counts=True)
+    w = np.arange(1, 1 << 20, dtype=np.float64) ** -1.1
+    share = w[0] / (w.sum() + ((n + 0.5) ** -0.1 - (1 << 20) ** -0.1) / -0.1)
+    assert abs(counts.max() / picks.size - share) < 0.005
+    assert values.size > 50_000                  # the tail is drawn, not clipped to the head
+
+
 def test_rwmixread_sets_the_mix(tmp_path: Path):
     j = apply_option(apply_option(Job(), "rw", "randrw"), "rwmixread", "70")
     assert j.rwmixread == 70
