@@ -126,3 +126,12 @@ def test_bad_arrays_are_typed_errors_that_write_nothing(bad):
         _fast.unlease_rows(c["pool"], c["retired"], c["version"], c["leases"], 5,
                            np.array([SLOTS], np.int64), np.array([0], np.int64),
                            np.array([10], np.uint64), np.empty(1, np.int64))
+
+
+def test_pin_slots_adds_one_pin_per_listed_slot_and_refuses_a_slot_past_the_pool():
+    pool = np.zeros(SLOTS, np.uint32)
+    _fast.pin_slots(pool, np.array([3, 5, 3], np.int64))
+    assert pool[[3, 5]].tolist() == [2, 1] and int(pool.sum()) == 3
+    with pytest.raises(ValueError, match="past the pool"):
+        _fast.pin_slots(pool, np.array([1, SLOTS], np.int64))
+    assert int(pool.sum()) == 3                       # checked before anything is written

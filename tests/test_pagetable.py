@@ -156,20 +156,21 @@ def test_c_helper_links_and_removes_exactly_as_numpy_does(monkeypatch):
     _c_and_numpy_agree(monkeypatch, _random_table_ops, 7)
 
 
-def _removes_and_prefixes(t: PageTable, seed: int) -> list:
+def _removes_and_prefixes(t: PageTable, seed: int, batch: int = 40, gone_max: int = 6,
+                          keys: int = 400) -> list:
     """Removes with repeated rows, reinserts that reuse the freed rows, and prefix matches
     over rows whose versions and copies are set at random; returns what each step saw."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(40):
-        raw = np.zeros((int(rng.integers(1, 40)), 2), dtype=">u8")
-        raw[:, 1] = rng.integers(1, 400, raw.shape[0])
+        raw = np.zeros((int(rng.integers(1, batch)), 2), dtype=">u8")
+        raw[:, 1] = rng.integers(1, keys, raw.shape[0])
         rows, created = t.insert(raw.tobytes())
         t.cols["version"][rows] = rng.integers(0, 3, rows.size)
         t.cols["copy_ver"][rows] = rng.integers(0, 3, (rows.size, 4))
         t.link(rows[1:], rows[:-1])
         n, below = t.current_prefix(t.keys_array(raw.tobytes()), (0, 1, 2), (0, 1))
-        gone = rng.choice(rows, min(rows.size, 6))             # repeats allowed
+        gone = rng.choice(rows, min(rows.size, gone_max))      # repeats allowed
         t.remove(gone)
         reset = (t.cols["version"][gone].tolist(), t.cols["copy_ver"][gone].tolist(),
                  t.cols["slot"][gone].tolist(), bytes(t.cols["key"][gone].tobytes()))
@@ -182,6 +183,13 @@ def test_c_remove_and_prefix_match_leave_what_numpy_leaves(monkeypatch):
     # remove_rows + reset_rows (row reuse order, index, links, version floor) and
     # current_prefix (kvtier.pagetable._native) against the numpy code on the same steps.
     _c_and_numpy_agree(monkeypatch, _removes_and_prefixes, 11)
+
+
+def test_c_remove_of_large_batches_frees_rows_in_numpy_order(monkeypatch):
+    # Batches of hundreds of rows: remove_rows sorts the freed rows through a bitmap of the
+    # table's rows there (qsort below 65); the free stack must still be ascending as numpy's.
+    _c_and_numpy_agree(monkeypatch, lambda t, seed: _removes_and_prefixes(
+        t, seed, batch=600, gone_max=400, keys=5000), 13)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c-helper", "numpy"])

@@ -490,8 +490,24 @@ static PyObject *remove_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
         freelist[k++] = row;
     }
     PyMem_Free(seen.slot);
-    /* Ascending on the stack, as table.py's numpy remove (np.unique) leaves them. */
-    qsort(freelist + nfree, (size_t)(k - nfree), sizeof(int64_t), cmp_i64);
+    /* Ascending on the stack, as table.py's numpy remove (np.unique) leaves them. The rows are
+     * distinct: a large batch is sorted through a bitmap of the table's rows (one pass over
+     * nrows / 64 words), a small one by qsort. */
+    Py_ssize_t got = k - nfree;
+    uint64_t *bits = NULL;
+    if (got > 64 && nrows / 64 <= 8 * got)
+        bits = PyMem_Calloc((size_t)(nrows / 64 + 1), sizeof(uint64_t));
+    if (bits) {
+        for (Py_ssize_t i = nfree; i < k; i++)
+            bits[freelist[i] >> 6] |= (uint64_t)1 << (freelist[i] & 63);
+        Py_ssize_t out = nfree;
+        for (Py_ssize_t w = 0; w <= nrows / 64; w++)
+            for (uint64_t word = bits[w]; word; word &= word - 1)
+                freelist[out++] = (int64_t)w * 64 + __builtin_ctzll(word);
+        PyMem_Free(bits);
+    } else {
+        qsort(freelist + nfree, (size_t)got, sizeof(int64_t), cmp_i64);
+    }
     release_buffers(b, 10, writable);
     if (missing) {
         PyErr_SetString(PyExc_RuntimeError, "remove_rows: a row is not in the index");
@@ -531,8 +547,25 @@ static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
             ok = rows[i] >= 0 && rows[i] < cap;
         if (ok) {
             uint8_t *base = cb.buf;
-            for (Py_ssize_t i = 0; i < n; i++)
-                memcpy(base + rows[i] * row_bytes, fb.buf, (size_t)row_bytes);
+            /* The common widths as fixed-size copies (the compiler makes each one store):
+             * 16 columns of 4,096 rows were 65,536 calls of memcpy. */
+#define RESET_WIDTH(w)                                                          \
+            case w:                                                             \
+                for (Py_ssize_t i = 0; i < n; i++)                              \
+                    memcpy(base + rows[i] * (w), fb.buf, (w));                  \
+                break;
+            switch (row_bytes) {
+                RESET_WIDTH(1)
+                RESET_WIDTH(2)
+                RESET_WIDTH(4)
+                RESET_WIDTH(8)
+                RESET_WIDTH(16)
+                RESET_WIDTH(32)
+            default:
+                for (Py_ssize_t i = 0; i < n; i++)
+                    memcpy(base + rows[i] * row_bytes, fb.buf, (size_t)row_bytes);
+            }
+#undef RESET_WIDTH
         }
         PyBuffer_Release(&fb);
         PyBuffer_Release(&cb);

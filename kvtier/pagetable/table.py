@@ -446,8 +446,11 @@ class PageTable:
         need = self._index_used + extra
         if need * 2 <= self._index.size:
             return
+        # Removals leave tombstones, so a rebuild at the same load would come back after a
+        # few batches (a replay at 1e6 tokens rebuilt its 4,096-entry index on one put in
+        # six): the rebuilt index is at most 3/8 full, so the next one is size/8 inserts away.
         size = self._index.size
-        while (self.live + extra) * 2 > size:
+        while (self.live + extra) * 8 > size * 3:
             size *= 2
         rows = self.live_rows()
         self._index = np.full(size, EMPTY, dtype=np.int32)

@@ -226,7 +226,7 @@ static PyObject *s3_insert(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Pol p;
     Ghost g;
     Py_ssize_t nk, width, nf, n, n2, nrep, repc;
-    int64_t *tmp = NULL;
+    int64_t *tmp = NULL, *reptab = NULL;
     if (nargs != 15) {
         PyErr_SetString(PyExc_TypeError, "s3_insert takes 15 arguments");
         return NULL;
@@ -259,6 +259,30 @@ static PyObject *s3_insert(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_NoMemory();
         goto fail;
     }
+    /* The replaced copies by hash: an open-addressed table of positions into rep, the first
+     * entry of each hash kept (as the linear search it replaces found it: a rewrite of 4,096
+     * keys searched 4,096 entries per key, ~8M compares, 5 ms of a 6 ms commit). */
+    Py_ssize_t tmask = 0;
+    if (nrep) {
+        Py_ssize_t tsize = 16;
+        while (tsize < 2 * nrep)
+            tsize *= 2;
+        tmask = tsize - 1;
+        reptab = malloc(sizeof(int64_t) * (size_t)tsize);
+        if (!reptab) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        memset(reptab, 0xff, sizeof(int64_t) * (size_t)tsize);      /* -1: empty */
+        for (Py_ssize_t j = 0; j < nrep; j++) {
+            uint64_t h = (uint64_t)rep[3 * j];
+            Py_ssize_t at = (Py_ssize_t)(h & (uint64_t)tmask);
+            while (reptab[at] >= 0 && (uint64_t)rep[3 * reptab[at]] != h)
+                at = (at + 1) & tmask;
+            if (reptab[at] < 0)
+                reptab[at] = j;
+        }
+    }
     int rev = p.st[ST_LEAF_FIRST] && n > 1;
     for (Py_ssize_t i = 0; i < n; i++) {       /* copies replaced while queued leave a count */
         int8_t w = p.where[slots[i]];
@@ -276,7 +300,9 @@ static PyObject *s3_insert(PyObject *self, PyObject *const *args, Py_ssize_t nar
         BASE(&p, s) = fr;
         CNT(&p, s) = 0;
         int q = -1;
-        for (Py_ssize_t j = 0; j < nrep; j++)
+        for (Py_ssize_t at = (Py_ssize_t)(h & (uint64_t)tmask); nrep && reptab[at] >= 0;
+             at = (at + 1) & tmask) {
+            Py_ssize_t j = reptab[at];
             if ((uint64_t)rep[3 * j] == h) {   /* the first entry of that key, as _positions */
                 q = (int)rep[3 * j + 1];
                 int64_t c = rep[3 * j + 2] + 1;
@@ -284,6 +310,7 @@ static PyObject *s3_insert(PyObject *self, PyObject *const *args, Py_ssize_t nar
                 BASE(&p, s) = fr - (q == SMALL);
                 break;
             }
+        }
         if (q < 0) {
             int seen = ghost_pull(&g, h);
             p.st[ST_GHOST_HITS] += seen;
@@ -298,12 +325,14 @@ static PyObject *s3_insert(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (push(&p, MAIN, tmp + n, nm, 0) < 0 || push(&p, SMALL, tmp + 2 * n, nsm, 0) < 0)
         goto fail;
     free(tmp);
+    free(reptab);
     views_release(&v);
     Py_RETURN_NONE;
 bad:
     PyErr_SetString(PyExc_ValueError, "s3_insert: rows, slots or rep do not fit the arrays");
 fail:
     free(tmp);
+    free(reptab);
     views_release(&v);
     return NULL;
 }
