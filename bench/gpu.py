@@ -17,7 +17,8 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              same for 64 KiB rows (_64k)
     variants_2m / _64k / _16k                the same transfers under other policies (copy-
                                              engine lanes, kernel only, no stream priority,
-                                             4..132 thread blocks, copy engines only): onboard
+                                             4..132 thread blocks, copy engines only; 64 KiB:
+                                             kernel_onboard, the onboard by the kernel): onboard
                                              alone, and beside the matmul or the offload; the
                                              basis of the defaults (kvtier.gpu.plan)
     layerwise_overlap                        a 32-layer load, each layer's compute waiting for
@@ -571,10 +572,13 @@ def main() -> None:
     from kvtier.gpu.plan import TransferPolicy as TP
     v2m = {"kernel": TP(copy_engine_bytes=1 << 40), "copy_per_call": TP(batch_copies=0),
            "batch_16": TP(batch_copies=16), "batch_1024": TP(batch_copies=1024)}
-    v64k = {"direct_kernel": TP(staged=False),
-            "kernel_without_priority": TP(kernel_priority=False),
+    k64 = {"onboard_copy_engine_bytes": 0}      # the 64 KiB onboard by the kernel, as before
+    v64k = {"kernel_onboard": TP(**k64),
+            "direct_kernel": TP(staged=False, **k64),
+            "kernel_without_priority": TP(kernel_priority=False, **k64),
             "copy_engines_only": TP(copy_engine_bytes=0),
-            **{f"blocks_{b}": TP(kernel_blocks=b) for b in (4, 16, 32, 132)}}
+            "batch_512": TP(batch_copies=512),
+            **{f"blocks_{b}": TP(kernel_blocks=b, **k64) for b in (4, 16, 32, 132)}}
     v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
             "copy_engines_only": TP(copy_engine_bytes=0)}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,

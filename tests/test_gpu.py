@@ -52,10 +52,11 @@ def gpu_service(tmp_path: Path):
     svc.stop()
 
 
+_K = {"copy_engine_bytes": 1 << 40, "onboard_copy_engine_bytes": 0}    # every page by kernel
 POLICIES = {
-    "staged": TransferPolicy(copy_engine_bytes=1 << 40),      # host->GPU by device staging
-    "staged_default_priority": TransferPolicy(copy_engine_bytes=1 << 40, kernel_priority=False),
-    "kernel": TransferPolicy(copy_engine_bytes=1 << 40, staged=False),
+    "staged": TransferPolicy(**_K),      # host->GPU by device staging
+    "staged_default_priority": TransferPolicy(**_K, kernel_priority=False),
+    "kernel": TransferPolicy(**_K, staged=False),
     "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),
 }
 
@@ -449,6 +450,31 @@ def test_a_single_block_get(gpu_service):
             assert ns.get(keys([i]), out=out)[0].all()
             assert torch.equal(out[0], src[i])
         assert c.stats()["leases"] <= 1          # the last release rides on the next request
+
+
+def test_a_64k_row_onboard_goes_by_copy_engines_and_its_offload_by_the_kernel(gpu_service):
+    # The default policy: a get of 64 KiB rows host to GPU by batched copy engines, on a
+    # non-default stream beside work on torch's; the put of the same rows by the kernel.
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("ce64k", block_bytes=65536)
+        n = 300
+        src = torch.randint(0, 255, (n, 65536), dtype=torch.uint8, device="cuda")
+        rows = np.random.default_rng(5).permutation(n)
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        p = ns.put_async(keys(range(n)), src, rows=rows, stream=st)
+        assert "kernel" in p.methods and "copy_engine" not in p.methods
+        assert p.wait().tolist() == [1] * n
+        out = torch.full_like(src, 7)
+        dest = np.random.default_rng(6).permutation(n)
+        order = np.random.default_rng(7).permutation(n)      # slots scattered over the rows
+        st.wait_stream(torch.cuda.current_stream())
+        h = ns.get_async(keys(order.tolist()), out=out, rows=dest, stream=st)
+        assert h.methods == {"copy_engine"} and h.batched
+        assert h.wait().all()
+        assert torch.equal(out[torch.as_tensor(dest, device="cuda")],
+                           src[torch.as_tensor(rows[order], device="cuda")])
+        assert c.stats()["leases"] <= 1
 
 
 @pytest.mark.parametrize("put_chunk", [4096, 1024], ids=["put-one-request", "put-chunked"])

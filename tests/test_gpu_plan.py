@@ -40,6 +40,23 @@ def test_policy_sends_large_pages_to_copy_engines_and_small_ones_to_the_bounded_
     assert TransferPolicy(copy_engine_bytes=0).method(4096, 100, False) is Method.COPY_ENGINE
 
 
+def test_policy_onboards_64k_pages_by_copy_engines_and_keeps_the_kernel_elsewhere():
+    p = TransferPolicy()
+    # A get's move of 64 KiB pages host to GPU: copy engines; 16 KiB: the kernel.
+    assert p.method(64 << 10, 4096, False, onboard=True) is Method.COPY_ENGINE
+    assert p.method(32 << 10, 4096, False, onboard=True) is Method.KERNEL
+    assert p.method(16 << 10, 4096, False, onboard=True) is Method.KERNEL
+    # Offloads and the HBM tier keep the kernel at the same size.
+    assert p.method(64 << 10, 4096, False, onboard=False) is Method.KERNEL
+    assert p.method(64 << 10, 4096, True, onboard=True) is Method.KERNEL
+    # 0 turns the onboard threshold off: copy_engine_bytes alone decides.
+    off = TransferPolicy(onboard_copy_engine_bytes=0)
+    assert off.method(64 << 10, 4096, False, onboard=True) is Method.KERNEL
+    assert off.method(2 << 20, 1024, False, onboard=True) is Method.COPY_ENGINE
+    with pytest.raises(BadRequest, match="onboard_copy_engine_bytes"):
+        TransferPolicy(onboard_copy_engine_bytes=-1)
+
+
 def test_policy_refuses_a_kernel_without_blocks():
     with pytest.raises(BadRequest, match="gpu_kernel_blocks"):
         TransferPolicy(kernel_blocks=0)

@@ -293,7 +293,8 @@ class Mover:
             r = rows[pos]
             for a, b in uniform_runs(self.table.size, lo, hi):
                 size = int(self.table.size[a])
-                if self.policy.method(size, local.size * (b - a), d2d) is Method.COPY_ENGINE:
+                if self.policy.method(size, local.size * (b - a), d2d,
+                                      onboard=not to_seg) is Method.COPY_ENGINE:
                     self._copy(rng, local, r, a, b, to_seg)
                 elif d2d or not (self._staged_out if to_seg else self._staged)(
                         rng, local, r, a, b):

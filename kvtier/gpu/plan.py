@@ -55,12 +55,20 @@ class TransferPolicy:
     batch_copies: int = 128           # copies per cuMemcpyBatchAsync call; 0: one call each
     device_copy_engines: bool = False  # HBM-tier pages >= copy_engine_bytes by copy engines
     device_items_kernel: bool = True  # HBM-tier kernel: a thread block per page (move_items16)
+    # Host->GPU pages of at least this many bytes in a get's move of whole page groups go by
+    # copy engines too (0: copy_engine_bytes alone decides). The kernel's reads of mapped host
+    # memory stop at ~0.83 of the link; batched 64 KiB copies read 0.884 alone and 0.894 beside
+    # the matmul against the kernel's 0.828 / 0.581 (H200 run 16, variants_64k). Offloads keep
+    # the kernel (copy engines 0.730 against 0.786), and so do the per-layer loads, whose one
+    # launch or staged layers choose by copy_engine_bytes alone.
+    onboard_copy_engine_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
-                or self.batch_copies < 0):
+                or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
-                             "gpu_device_kernel_blocks >= 0 and batch_copies >= 0")
+                             "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
+                             "onboard_copy_engine_bytes >= 0")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
@@ -68,12 +76,17 @@ class TransferPolicy:
                    kernel_blocks=settings.gpu_kernel_blocks,
                    device_kernel_blocks=settings.gpu_device_kernel_blocks)
 
-    def method(self, page_bytes: int, copies: int, device_to_device: bool) -> Method:
-        """The method for ``copies`` page copies of page_bytes each."""
+    def method(self, page_bytes: int, copies: int, device_to_device: bool,
+               onboard: bool = False) -> Method:
+        """The method for ``copies`` page copies of page_bytes each; onboard: host to GPU in a
+        get's move of whole page groups (onboard_copy_engine_bytes applies)."""
         if copies <= self.small_batch_copies:
             return Method.COPY_ENGINE
         if device_to_device and not self.device_copy_engines:
             return Method.KERNEL
+        if (onboard and not device_to_device and self.onboard_copy_engine_bytes
+                and page_bytes >= self.onboard_copy_engine_bytes):
+            return Method.COPY_ENGINE
         return Method.COPY_ENGINE if page_bytes >= self.copy_engine_bytes else Method.KERNEL
 
     def blocks(self, device_to_device: bool, sm_count: int) -> int:
