@@ -177,6 +177,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gpu_copy_engine_bytes", "1MiB", _size,
             "a worker's CUDA transfers move pages at least this large by copy engines (no SMs "
             "taken from the model), smaller ones by an SM-bounded kernel", "bytes"),
+    Setting("gpu_onboard_copy_engine_bytes", "64KiB", _size,
+            "a worker's CUDA gets of whole host pages at least this large (and below "
+            "gpu_copy_engine_bytes) go by copy engines too; 0: gpu_copy_engine_bytes alone decides",
+            "bytes"),
     Setting("gpu_kernel_blocks", 16, _int,
             "thread blocks (so SMs, at most) of the transfer kernel between host and GPU"),
     Setting("gpu_device_kernel_blocks", 0, _int,
@@ -270,6 +274,7 @@ class Settings:
     hbm_reserve: str = "fixed"
     hbm_reserve_alpha: float = 0.7
     gpu_copy_engine_bytes: int = 1 << 20
+    gpu_onboard_copy_engine_bytes: int = 64 << 10
     gpu_kernel_blocks: int = 16
     gpu_device_kernel_blocks: int = 0
     write_policy: str = "write_through"

@@ -67,6 +67,9 @@ def test_policy_follows_the_settings_table():
     s = make_settings({"gpu_copy_engine_bytes": "256KiB", "gpu_kernel_blocks": 16})
     p = TransferPolicy.from_settings(s)
     assert (p.copy_engine_bytes, p.kernel_blocks, p.device_kernel_blocks) == (256 << 10, 16, 0)
+    assert p.onboard_copy_engine_bytes == 64 << 10
+    off = TransferPolicy.from_settings(make_settings({"gpu_onboard_copy_engine_bytes": "0"}))
+    assert off.onboard_copy_engine_bytes == 0
 
 
 def test_a_row_splits_into_equal_layer_pages():

@@ -68,13 +68,14 @@ class TransferPolicy:
                 or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
                              "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
-                             "onboard_copy_engine_bytes >= 0")
+                             "gpu_onboard_copy_engine_bytes >= 0")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
         return cls(copy_engine_bytes=settings.gpu_copy_engine_bytes,
                    kernel_blocks=settings.gpu_kernel_blocks,
-                   device_kernel_blocks=settings.gpu_device_kernel_blocks)
+                   device_kernel_blocks=settings.gpu_device_kernel_blocks,
+                   onboard_copy_engine_bytes=settings.gpu_onboard_copy_engine_bytes)
 
     def method(self, page_bytes: int, copies: int, device_to_device: bool,
                onboard: bool = False) -> Method:
