@@ -92,7 +92,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return block_checksums(pool.array, slots.tolist())
 
 
-class Engine(Gets, Eviction, Transfers, FastPath, Holds):
+class Engine(Gets, Eviction, Transfers, FastPath):
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -107,8 +107,15 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         self.hbm_pool_factory = hbm_pool_factory if settings.hbm_capacity > 0 else None
         self.counters = EngineCounters()
         self.namespaces: dict[str, Namespace] = {}
-        self.reservations: dict[int, Reservation] = {}
-        self.leases: dict[int, Lease] = {}
+        # The holds part owns the tables of leases and reservations and ends them; its public
+        # methods are the engine's, bound once (no hop per release on the latency path).
+        self.holds = Holds(self.lock, self.counters, self)
+        self.reservations: dict[int, Reservation] = self.holds.reservations
+        self.leases: dict[int, Lease] = self.holds.leases
+        self.release = self.holds.release
+        self.release_many = self.holds.release_many
+        self.release_owner = self.holds.release_owner
+        self.reap = self.holds.reap
         self._next_id = 1
         self.clock = 0
         self.host_used = 0       # bytes of host slots in use, all namespaces
@@ -276,7 +283,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             if tier is Tier.HOST:
                 self._evict_other_namespaces(ns, n)
 
-    def _free_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
+    def free_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         """Return slots to their pool, or retire the leased ones until their last release."""
         if slots.size == 0:
             return
@@ -289,6 +296,12 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         st.pool.free(free)
         if tier is Tier.HOST:
             self.host_used -= free.size * ns.block_bytes
+
+    def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
+        """Slots whose last pin went (retired ones, now unpinned) go back to their pool."""
+        ns.slots[tier].pool.free(slots)
+        if tier is Tier.HOST:
+            self.host_used -= slots.size * ns.block_bytes
 
     def _unpin(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         st = ns.slots[tier]
@@ -339,7 +352,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             return
         has = rows[cols["copy_ver"][rows, tier] > 0]
         if has.size:
-            self._free_slots(ns, tier, cols["slot"][has, tier].astype(np.int64))
+            self.free_slots(ns, tier, cols["slot"][has, tier].astype(np.int64))
             cols["slot"][has, tier] = -1
             cols["copy_ver"][has, tier] = 0
 
@@ -446,13 +459,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
     def abort(self, rid: int, owner: int = 0) -> None:
         with self.lock:
             res = self._take_reservation(rid, owner)
-            self._end_reservation(res, HoldState.RELEASED)
-
-    def _end_reservation(self, res: Reservation, state: HoldState) -> None:
-        res.state = state
-        ns = res.ns
-        self._unpin(ns, res.tier, res.slots)
-        self._free_slots(ns, res.tier, res.slots)
+            self.holds.end_reservation(res, HoldState.RELEASED)
 
     def commit(self, rid: int, owner: int = 0,
                checksums: np.ndarray | None = None, trusted: bool = False) -> np.ndarray:
@@ -497,8 +504,8 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                             "write); the batch was not committed")
             except BaseException:
                 if host_slots is not None:
-                    self._free_slots(ns, Tier.HOST, host_slots)
-                self._end_reservation(res, HoldState.RELEASED)
+                    self.free_slots(ns, Tier.HOST, host_slots)
+                self.holds.end_reservation(res, HoldState.RELEASED)
                 raise
             self._unpin(ns, tier, slots)
             res.state = HoldState.COMMITTED
@@ -507,7 +514,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             dup = (np.setdiff1d(np.arange(karr.size), keep) if keep is not None
                    else np.empty(0, dtype=np.int64))
             if dup.size:
-                self._free_slots(ns, tier, slots[dup])
+                self.free_slots(ns, tier, slots[dup])
             rows = self._install(ns, karr[sel], tier, slots[sel], sums,
                                  None if res.parents is None else res.parents[sel], host_slots)
             if keep is None:

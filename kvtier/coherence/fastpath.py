@@ -10,8 +10,9 @@ calls. Here:
   microsecond);
 - _lease_resident leases a batch that is all found and all current in the tier, gathering each
   column once;
-- _lease_native does _lease_resident's checks and work in one C call (kvtier.coherence._fast),
-  and _end_native the release's; where that module was not built, the numpy versions run.
+- _lease_native does _lease_resident's checks and work in one C call (kvtier.coherence._fast);
+  where that module was not built, the numpy versions run. (Ending these leases is
+  coherence.leases's.)
 
 Both leave exactly the state the general path leaves (rows, counters, lease, reply): the
 engine's tests compare the two field by field
@@ -27,7 +28,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.coherence.namespace import GetResult, Lease, add_one
-from kvtier.coherence.states import HoldState
 from kvtier.types import Tier
 
 try:
@@ -181,40 +181,3 @@ class FastPath:
         tc = c.tiers[tier]
         tc.hits += n
         tc.bytes_read += n * ns.block_bytes
-
-    def _end_native(self, lease: Lease) -> bool:
-        """_end_lease's unpinning and reader counts in one C call; False when the module is
-        missing (the caller runs the numpy version)."""
-        if _fast is None:
-            return False
-        ns = lease.ns
-        st = ns.slots[lease.tier]
-        gone = np.empty(lease.slots.size, dtype=np.int64)
-        k = _fast.unlease_rows(st.leases, st.retired, ns.table.cols["version"],
-                               ns.table.cols["leases"], ns.table.n_rows,
-                               np.ascontiguousarray(lease.slots, dtype=np.int64),
-                               np.ascontiguousarray(lease.rows, dtype=np.int64),
-                               np.ascontiguousarray(lease.versions, dtype=np.uint64), gone)
-        if k:
-            st.pool.free(gone[:k])
-            if lease.tier is Tier.HOST:
-                self.host_used -= k * ns.block_bytes
-        return True
-
-    def _end_lease_one(self, lease: Lease, state: HoldState) -> None:
-        """_end_lease for a lease of one slot."""
-        lease.state = state
-        ns = lease.ns
-        st = ns.slots[lease.tier]
-        slot = int(lease.slots[0])
-        st.leases[slot] -= 1
-        if st.leases[slot] == 0 and st.retired[slot]:
-            st.retired[slot] = False
-            st.pool.free(lease.slots)
-            if lease.tier is Tier.HOST:
-                self.host_used -= ns.block_bytes
-        row = int(lease.rows[0])
-        cols = ns.table.cols
-        if row < ns.table.n_rows and cols["version"][row] == lease.versions[0] \
-                and cols["leases"][row] > 0:
-            cols["leases"][row] -= 1

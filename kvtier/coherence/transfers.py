@@ -143,7 +143,7 @@ class Transfers:
         slots[pos[have]] = theirs
         back = dst[~fresh]
         st.leases[back] -= 1
-        self._free_slots(ns, tier, back)
+        self.free_slots(ns, tier, back)
         found[pos[~valid]] = False
         self.counters.tiers[tier].misses += int((~valid).sum())
 
