@@ -92,7 +92,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return block_checksums(pool.array, slots.tolist())
 
 
-class Engine(Gets, Eviction, Transfers, FastPath):
+class Engine(Gets, Eviction, Transfers):
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -116,6 +116,12 @@ class Engine(Gets, Eviction, Transfers, FastPath):
         self.release_many = self.holds.release_many
         self.release_owner = self.holds.release_owner
         self.reap = self.holds.reap
+        # The fast path leases resident gets (the latency figures): its two public methods
+        # are the engine's, bound once.
+        self.fast = FastPath(self.lock, self.namespace, self.leases, self.counters, settings,
+                             self)
+        self.lease_one = self.fast.lease_one
+        self.try_get_resident = self.fast.try_get_resident
         self._next_id = 1
         self.clock = 0
         self.host_used = 0       # bytes of host slots in use, all namespaces
@@ -374,7 +380,9 @@ class Engine(Gets, Eviction, Transfers, FastPath):
 
     # ------------------------------------------------------------------ put
 
-    def _check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray:
+    def check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray:
+        """A batch of keys of ns, packed: refuses an empty batch and (zero_check) the all-zero
+        key."""
         karr = ns.table.keys_array(keys)
         if karr.size == 0:
             raise BadRequest("empty key batch; send at least one key")
@@ -442,7 +450,7 @@ class Engine(Gets, Eviction, Transfers, FastPath):
             short = karr.size - ns.slots[Tier.HOST].pool.free_count
             if short > 0:
                 self._evict(ns, Tier.HOST, short)
-        rid = self._new_id()
+        rid = self.new_id()
         res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
                           slots, owner, time.monotonic() + self.settings.reserve_timeout,
                           repeats=repeats)
@@ -559,7 +567,7 @@ class Engine(Gets, Eviction, Transfers, FastPath):
             cols["size"][rows] = ns.block_bytes
             cols["checksum"][rows] = sums
             cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
-            self._touch(ns, rows)         # before the copies are placed: a policy counts from here
+            self.touch(ns, rows)         # before the copies are placed: a policy counts from here
             top = int(cols["version"][rows].max())
             self._set_copy(ns, rows, tier, slots, cols["version"][rows])
         if top >= self.version_ceiling:
@@ -602,7 +610,8 @@ class Engine(Gets, Eviction, Transfers, FastPath):
         ns.slots[tier].slot_row[slots] = rows
         self._placed(ns, tier, rows, slots)
 
-    def _touch(self, ns: Namespace, rows: np.ndarray) -> None:
+    def touch(self, ns: Namespace, rows: np.ndarray) -> None:
+        """An access of rows, in batch order: the clock advances by one per row."""
         cols = ns.table.cols
         n = rows.size
         cols["prev_access"][rows] = cols["last_access"][rows]
@@ -647,7 +656,7 @@ class Engine(Gets, Eviction, Transfers, FastPath):
         """Forget keys in every tier (LMDB included). Leased slots are freed on release."""
         with self.lock:
             ns = self.namespace(namespace)
-            karr = self._check_keys(ns, keys)
+            karr = self.check_keys(ns, keys)
             if self.remote is not None:
                 self.remote.delete_many(ns.name, [bytes(k) for k in karr])
             rows = ns.table.lookup(karr)
@@ -702,7 +711,7 @@ class Engine(Gets, Eviction, Transfers, FastPath):
         with self.lock:
             return engine_stats(self)
 
-    def _new_id(self) -> int:
+    def new_id(self) -> int:
         self._next_id += 1
         return self._next_id
 

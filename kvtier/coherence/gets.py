@@ -144,7 +144,7 @@ class Gets:
         ns = self.namespace(namespace)
         if tier not in ns.slots:
             return                              # the decide raises the error
-        rows = ns.table.lookup(self._check_keys(ns, keys, zero_check=False))
+        rows = ns.table.lookup(self.check_keys(ns, keys, zero_check=False))
         cols = ns.table.cols
         r = rows[rows >= 0]
         here = cols["copy_ver"][r, tier] == cols["version"][r]
@@ -217,22 +217,22 @@ class Gets:
         ns = self.namespace(namespace)
         if tier not in ns.slots:
             raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
-        karr = self._check_keys(ns, keys, zero_check=False)
+        karr = self.check_keys(ns, keys, zero_check=False)
         if karr.size == 1:
-            res = self._get_one(ns, karr, owner, tier)
+            res = self.fast.get_one(ns, karr, owner, tier)
             if res is not None:
                 return res
         cols = ns.table.cols
         n = karr.size
         rows = ns.table.lookup(karr)
-        res = self._lease_native(ns, rows, owner, tier)
+        res = self.fast.lease_native(ns, rows, owner, tier)
         if res is not None:
             return res
         found = rows >= 0
         if found.all():
             ver = cols["version"][rows]
             if ver.all() and (cols["copy_ver"][rows, tier] == ver).all():
-                return self._lease_resident(ns, rows, ver, owner, tier)
+                return self.fast.lease_resident(ns, rows, ver, owner, tier)
         else:
             _refuse_zero_key(karr[~found])      # never stored, so only a missing key can be it
         fr = rows[found]
@@ -299,11 +299,11 @@ class Gets:
         cur = srows[(cols["version"][srows] == versions)
                     & (cols["key"][srows] == p.karr[served])]
         add_one(cols["leases"], cur)
-        self._touch(ns, cur)          # in batch order: the last key of a prefix is the newest
+        self.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
         self.counters.gets += p.karr.size
         self.counters.get_hits += int(served.size)
         self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
-        lid = self._new_id()
+        lid = self.new_id()
         self.leases[lid] = Lease(lid, ns, tier, slots[served].astype(np.int64), srows,
                                  versions.copy(), p.owner,
                                  time.monotonic() + self.settings.lease_timeout)
