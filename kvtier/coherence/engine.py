@@ -92,7 +92,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return block_checksums(pool.array, slots.tolist())
 
 
-class Engine(Gets, Eviction, Transfers):
+class Engine(Gets, Transfers):
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -130,6 +130,16 @@ class Engine(Gets, Eviction, Transfers):
                          for t in (Tier.HBM, Tier.HOST, Tier.NVME)}
         self.remote = remote if remote is not None else remote_from_settings(settings)
         self.nvme = NvmeStore(self, self.catalog, settings, self.counters, self.backend)
+        # Eviction owns the tiers' policy objects; its methods are bound under the names the
+        # engine's paths call them by (one attribute lookup, as when it was a mixin).
+        self.eviction = Eviction(self.lock, settings, self.counters, self.namespaces,
+                                 self.namespace, self.nvme, self)
+        self.evict = self.eviction.evict
+        self.forget_empty = self.eviction.forget_empty          # persist.Coherence
+        self._evict = self.eviction.evict_copies
+        self._evict_other_namespaces = self.eviction.evict_other_namespaces
+        self._tier_policy = self.eviction.tier_policy
+        self._placed = self.eviction.placed
         self._start_epoch()
         for rec in self.catalog.namespaces():
             ns = self._open_namespace(rec)
@@ -242,7 +252,7 @@ class Engine(Gets, Eviction, Transfers):
 
     # ------------------------------------------------------------------ slots
 
-    def _alloc(self, ns: Namespace, tier: Tier, n: int, partial: bool = False) -> np.ndarray:
+    def alloc(self, ns: Namespace, tier: Tier, n: int, partial: bool = False) -> np.ndarray:
         """n fresh slots in ns's pool of tier, evicting if needed. Raises CapacityError, or
         with partial=True returns as many as could be had (possibly none)."""
         st = ns.slots.get(tier)
@@ -277,7 +287,7 @@ class Engine(Gets, Eviction, Transfers):
 
     def _make_room(self, ns: Namespace, tier: Tier, n: int) -> None:
         """Evict until n slots of ns's pool of tier are free and, for the host tier, within
-        host_capacity (as far as eviction can: _alloc says what is missing)."""
+        host_capacity (as far as eviction can: alloc says what is missing)."""
         st = ns.slots[tier]
         short = n - st.pool.free_count
         if tier is Tier.HOST:
@@ -329,7 +339,7 @@ class Engine(Gets, Eviction, Transfers):
             if tier is Tier.HOST:
                 self.host_used -= gone.size * ns.block_bytes
 
-    def _drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
+    def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
                      slots: np.ndarray | None = None) -> None:
         """Forget rows' copies in a slot tier (freeing or retiring their slots). Rows are
         distinct. With the C helper: two calls around the policy's on_remove. ``slots``: the
@@ -364,12 +374,6 @@ class Engine(Gets, Eviction, Transfers):
 
     # ------------------------------------------------------------------ for the NVMe store
     # (coherence.persist.Coherence: all that NvmeStore may call; the caller holds the lock)
-
-    def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier) -> None:
-        self._drop_copies(ns, rows, tier)
-
-    def forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
-        self._forget_empty(ns, rows)
 
     def pin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         add_one(ns.slots[tier].leases, slots)
@@ -438,7 +442,7 @@ class Engine(Gets, Eviction, Transfers):
                                  "per key (all-zero for none)")
         # int64 from here on: numpy indexes by the pool's int32 slots ~4x slower (a cast per
         # fancy index), and the commit's C helpers take int64 as they are.
-        slots = self._alloc(ns, tier, karr.size).astype(np.int64)
+        slots = self.alloc(ns, tier, karr.size).astype(np.int64)
         st = ns.slots[tier]
         if _fast is not None:          # a reservation pins its slots like a lease
             _fast.pin_slots(st.leases, slots)
@@ -498,7 +502,7 @@ class Engine(Gets, Eviction, Transfers):
                             else checksums_of(ns.slots[Tier.HOST].pool, slots[sel]))
                 else:
                     # A GPU write: written through to host; the checksum is the host copy's.
-                    host_slots = self._alloc(ns, Tier.HOST, n_keep)
+                    host_slots = self.alloc(ns, Tier.HOST, n_keep)
                     ns.slots[Tier.HOST].pool.write(
                         host_slots, to_numpy(ns.slots[tier].pool.read(slots[sel])))
                     sums = (given_sums if trusted
@@ -553,7 +557,7 @@ class Engine(Gets, Eviction, Transfers):
         rows, created = table.insert(karr)
         if not created.all():             # rows just made hold no copy anywhere
             for t in list(ns.slots):
-                self._drop_copies(ns, rows, t)
+                self.drop_copies(ns, rows, t)
         if _fast is None and created.any():
             cols["version"][rows[created]] = table.version_floor
         # A row restart brought back (or the remote tier filled) holds a version of an earlier
@@ -569,12 +573,12 @@ class Engine(Gets, Eviction, Transfers):
             cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
             self.touch(ns, rows)         # before the copies are placed: a policy counts from here
             top = int(cols["version"][rows].max())
-            self._set_copy(ns, rows, tier, slots, cols["version"][rows])
+            self.set_copy(ns, rows, tier, slots, cols["version"][rows])
         if top >= self.version_ceiling:
             self._next_epoch(top)
         if host_slots is not None:
             ver = cols["version"][rows]
-            self._set_copy(ns, rows, Tier.HOST, host_slots, ver)
+            self.set_copy(ns, rows, Tier.HOST, host_slots, ver)
         if parents is not None:
             # The all-zero parent (none) is never a row: puts refuse the zero key.
             table.link(rows, table.lookup(parents))
@@ -602,7 +606,7 @@ class Engine(Gets, Eviction, Transfers):
         self._placed(ns, tier, rows, slots)
         return top
 
-    def _set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
+    def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
                   versions: np.ndarray) -> None:
         cols = ns.table.cols
         cols["slot"][rows, tier] = slots
@@ -664,7 +668,7 @@ class Engine(Gets, Eviction, Transfers):
             if rows.size == 0:
                 return 0
             for t in list(ns.slots):
-                self._drop_copies(ns, rows, t)
+                self.drop_copies(ns, rows, t)
             gone = self.nvme.forget(ns, rows)
             next_states(ns.table.cols["state"][rows], Event.DELETE)
             ns.table.remove(rows)

@@ -49,7 +49,7 @@ class Transfers:
         if not hit.any():
             return None, none, False
         todo, r, src_of = todo[hit], r[hit], src_of[hit]
-        dst = self._alloc(ns, tier, todo.size, partial=True)
+        dst = self.alloc(ns, tier, todo.size, partial=True)
         if dst.size < todo.size:
             # No room for all of them (the rest of the tier is leased): the tail is a miss.
             short = todo.size - dst.size
@@ -83,7 +83,7 @@ class Transfers:
             return plan, todo, dst.size < hit.sum()
         else:
             mem = src_of != Tier.NVME
-        self._set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
+        self.set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
         slots[todo[mem]] = dst[mem]
         return plan, todo[~mem], dst.size < hit.sum()
 
@@ -105,7 +105,7 @@ class Transfers:
             todo, r = todo[hit], r[hit]
             if todo.size == 0:
                 return None, none, False
-        dst = self._alloc(ns, Tier.HOST, todo.size, partial=True)
+        dst = self.alloc(ns, Tier.HOST, todo.size, partial=True)
         short = todo.size - dst.size
         if short:                       # no room for the tail (the rest is leased): misses
             found[todo[dst.size:]] = False
@@ -133,10 +133,10 @@ class Transfers:
         have = valid & (cols["copy_ver"][r, tier] == cols["version"][r])
         fresh = valid & ~have
         if fresh.all():                 # the usual case: every copy read is installed
-            self._set_copy(ns, r, tier, dst, cols["version"][r])
+            self.set_copy(ns, r, tier, dst, cols["version"][r])
             slots[pos] = dst
             return
-        self._set_copy(ns, r[fresh], tier, dst[fresh], cols["version"][r[fresh]])
+        self.set_copy(ns, r[fresh], tier, dst[fresh], cols["version"][r[fresh]])
         slots[pos[fresh]] = dst[fresh]
         theirs = cols["slot"][r[have], tier].astype(np.int64)
         add_one(st.leases, theirs)
@@ -201,7 +201,7 @@ class Transfers:
             ns, rows = self._prefetch_rows(namespace, keys)
             if rows.size == 0:
                 return 0
-            dst = self._alloc(ns, Tier.HOST, rows.size, partial=True)
+            dst = self.alloc(ns, Tier.HOST, rows.size, partial=True)
             if dst.size == 0:
                 return 0
             ns.slots[Tier.HOST].leases[dst] += 1
@@ -231,7 +231,7 @@ class Transfers:
             keep = cols["slot"][resident, Tier.HOST].astype(np.int64)
             add_one(st.leases, keep)
             try:
-                dst = self._alloc(ns, Tier.HOST, want.size, partial=True)
+                dst = self.alloc(ns, Tier.HOST, want.size, partial=True)
             finally:
                 self._unpin(ns, Tier.HOST, keep)
             if dst.size == 0:
@@ -297,14 +297,14 @@ class Transfers:
         blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
         if pos.size == 0:
             return
-        dst = self._alloc(ns, Tier.HOST, pos.size, partial=True)
+        dst = self.alloc(ns, Tier.HOST, pos.size, partial=True)
         pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
             blobs[:dst.size]
         if dst.size == 0:
             return
         ns.slots[Tier.HOST].leases[dst] += 1
         for t in list(ns.slots):
-            self._drop_copies(ns, new_rows, t)
+            self.drop_copies(ns, new_rows, t)
         pool = ns.slots[Tier.HOST].pool
         for slot, blob in zip(dst.tolist(), blobs):
             pool.array[slot] = np.frombuffer(blob, dtype=np.uint8)
@@ -313,7 +313,7 @@ class Transfers:
         cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
         cols["size"][new_rows] = ns.block_bytes
         cols["leases"][new_rows] = 0
-        self._set_copy(ns, new_rows, Tier.HOST, dst, vr)
+        self.set_copy(ns, new_rows, Tier.HOST, dst, vr)
         cols["copy_ver"][new_rows, Tier.REMOTE] = vr
         rows[pos] = new_rows
         slots[pos] = dst
