@@ -92,7 +92,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return block_checksums(pool.array, slots.tolist())
 
 
-class Engine(Gets, Transfers):
+class Engine(Gets):
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -140,6 +140,11 @@ class Engine(Gets, Transfers):
         self._evict_other_namespaces = self.eviction.evict_other_namespaces
         self._tier_policy = self.eviction.tier_policy
         self._placed = self.eviction.placed
+        self.transfers = Transfers(self.lock, settings, self.counters, self.namespaces,
+                                   self.namespace, self.nvme, self.remote, self)
+        self.prefetch_after = self.transfers.prefetch_after
+        self.wants_prefetch = self.transfers.wants_prefetch
+        self.stage = self.transfers.stage
         self._start_epoch()
         for rec in self.catalog.namespaces():
             ns = self._open_namespace(rec)
@@ -540,7 +545,7 @@ class Engine(Gets, Transfers):
             self.counters.tiers[tier].bytes_written += int(karr.size) * ns.block_bytes
             write_through = self.settings.write_policy == "write_through"
             if write_through and self.remote is not None:
-                self._push_remote(ns, rows)
+                self.transfers.push_remote(ns, rows)
         if write_through and ns.log is not None:
             # Durable before the put is acknowledged, written with the lock released: a full
             # or failing disk fails the put (StorageError) instead of acknowledging it.
@@ -687,7 +692,7 @@ class Engine(Gets, Transfers):
                 for ns in targets:
                     c = ns.table.cols
                     n = ns.table.n_rows
-                    self._push_remote(ns, np.flatnonzero(
+                    self.transfers.push_remote(ns, np.flatnonzero(
                         (c["version"][:n] > 0) & (c["copy_ver"][:n, Tier.REMOTE]
                                                   < c["version"][:n])))
         return sum(self.nvme.flush(ns, None, strict) for ns in targets)

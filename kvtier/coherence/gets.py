@@ -260,12 +260,12 @@ class Gets:
             # the set difference are only built when it says so.)
             tr = np.sort(rows[todo])
             if (tr[1:] != tr[:-1]).all():
-                p.plan, p.plan_pos, p.short = self._bring_up(ns, rows, todo, tier, slots,
+                p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier, slots,
                                                              found)
                 return p
             _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
             inv = inv.reshape(-1)
-            p.plan, p.plan_pos, p.short = self._bring_up(ns, rows, todo[first], tier, slots,
+            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier, slots,
                                                          found)
             rep = np.setdiff1d(np.arange(todo.size), first)
             if rep.size:
@@ -280,7 +280,7 @@ class Gets:
         cols = ns.table.cols
         st = ns.slots[tier]
         if p.plan is not None:
-            self._install_read(p.plan, tier, p.plan_pos, rows, slots, found)
+            self.transfers.install_read(p.plan, tier, p.plan_pos, rows, slots, found)
         if p.repeats.size:
             slots[p.repeats] = slots[p.repeat_src]
             found[p.repeats] = found[p.repeat_src]
@@ -288,7 +288,7 @@ class Gets:
             add_one(st.leases, slots[ok])
         if self.remote is not None and not found.all():
             before = found.copy()
-            self._from_remote(ns, p.karr, rows, found, slots, tier)
+            self.transfers.from_remote(ns, p.karr, rows, found, slots, tier)
             got = found & ~before
             p.versions[got] = cols["version"][rows[got]]
             p.sums[got] = cols["checksum"][rows[got]]
