@@ -92,7 +92,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return block_checksums(pool.array, slots.tolist())
 
 
-class Engine(Gets):
+class Engine:
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -145,6 +145,15 @@ class Engine(Gets):
         self.prefetch_after = self.transfers.prefetch_after
         self.wants_prefetch = self.transfers.wants_prefetch
         self.stage = self.transfers.stage
+        self.gets = Gets(self.lock, settings, self.counters, self.namespaces, self.namespace,
+                         self.leases, self.release, self.fast, self.transfers, self.nvme,
+                         self.remote, self)
+        self.get = self.gets.get
+        self.drive = self.gets.drive
+        self.get_steps = self.gets.get_steps
+        self.try_get = self.gets.try_get
+        self.looks_resident = self.gets.looks_resident
+        self.read = self.gets.read
         self._start_epoch()
         for rec in self.catalog.namespaces():
             ns = self._open_namespace(rec)
@@ -271,7 +280,7 @@ class Engine(Gets):
         need_budget = tier is Tier.HOST
         if tier is Tier.HBM:
             st.peak_demand = max(st.peak_demand, st.pool.n_slots - st.pool.free_count + n)
-        self._make_room(ns, tier, n)
+        self.make_room(ns, tier, n)
         if partial:
             n = min(n, st.pool.free_count)
             if need_budget:
@@ -290,7 +299,7 @@ class Engine(Gets):
             self.host_used += n * ns.block_bytes
         return slots
 
-    def _make_room(self, ns: Namespace, tier: Tier, n: int) -> None:
+    def make_room(self, ns: Namespace, tier: Tier, n: int) -> None:
         """Evict until n slots of ns's pool of tier are free and, for the host tier, within
         host_capacity (as far as eviction can: alloc says what is missing)."""
         st = ns.slots[tier]

@@ -1,5 +1,5 @@
-"""Gets, as a part of the Engine (a mixin, as coherence.fastpath is; each public method takes
-the engine lock itself).
+"""Gets: the part of the engine that serves get batches (each public method takes the engine
+lock itself; the steps' locked functions run under it).
 
 A get is decided under the lock: the batch is looked up, the copies already in the wanted tier
 are pinned, HBM or host copies are brought up, and NVMe copies are planned into pinned slots
@@ -14,6 +14,13 @@ run by a driver: Engine.get runs them on the caller's thread; the socket server 
 locked ones on its event loop and the read on a worker thread (kvtier.api.steps, issue 17:
 a resident get beside NVMe readers). The steps split at the same lock boundaries as before,
 with the eviction for the bring-ups as a step of its own ahead of the decide.
+
+Interface. Owns nothing but the gets in flight (their _PendingGet). Public: get, drive,
+get_steps, try_get, looks_resident, read (the engine's methods of those names are these,
+bound). Calls: the fast path (resident batches and single keys), the transfers (bring-ups, NVMe
+installs, the remote tier), the NVMe store (reads without the lock, drains), the holds' release
+and lease table, and through ``GetOwner`` the engine's key checks, room making, unpinning, lease
+ids and touch; the namespaces, counters and settings.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Generator, cast
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, cast
 
 import numpy as np
 
@@ -29,6 +37,13 @@ from kvtier.coherence.namespace import GetResult, Lease, Namespace, add_one
 from kvtier.coherence.persist import ReadPlan
 from kvtier.errors import BadRequest
 from kvtier.types import Tier
+
+if TYPE_CHECKING:
+    from kvtier.coherence.fastpath import FastPath
+    from kvtier.coherence.namespace import EngineCounters
+    from kvtier.coherence.persist import NvmeStore
+    from kvtier.coherence.transfers import Transfers
+    from kvtier.config import Settings
 
 @dataclass(slots=True)
 class Step:
@@ -52,7 +67,29 @@ def advance(steps: GetSteps, value: Any, exc: BaseException | None
         return None, stop.value
 
 
+class GetOwner(Protocol):
+    """What a get needs of the engine itself (the caller holds the lock)."""
+
+    def check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray: ...
+    def make_room(self, ns: Namespace, tier: Tier, n: int) -> None: ...
+    def unpin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
+    def new_id(self) -> int: ...
+    def touch(self, ns: Namespace, rows: np.ndarray) -> None: ...
+
+
 class Gets:
+    def __init__(self, lock: threading.RLock, settings: Settings, counters: EngineCounters,
+                 namespaces: dict[str, Namespace], namespace: Callable[[str], Namespace],
+                 leases: dict[int, Lease], release: Callable[..., None], fast: FastPath,
+                 transfers: Transfers, nvme: NvmeStore, remote: Any, owner: GetOwner) -> None:
+        self.lock, self.settings, self.counters = lock, settings, counters
+        self.namespaces, self.namespace = namespaces, namespace     # the engine's lookup
+        # The holds' lease table (a get adds its lease to it) and Holds.release.
+        self.leases, self.release = leases, release
+        self.fast, self.transfers, self.nvme = fast, transfers, nvme
+        self.remote, self.owner = remote, owner      # remote: the remote tier, or None
+        self.check_keys = owner.check_keys       # bound once: each get checks its keys
+
     def get(self, namespace: str, keys: Any, owner: int = 0, tier: Tier = Tier.HOST) -> GetResult:
         """Lease the current version of each key in ``tier``, bringing it up if needed. NVMe
         reads run with the lock released (decide and pin, read, install with versions
@@ -157,9 +194,9 @@ class Gets:
         keep = cols["slot"][r[here], tier].astype(np.int64)
         add_one(ns.slots[tier].leases, keep)
         try:
-            self._make_room(ns, tier, want)
+            self.owner.make_room(ns, tier, want)
         finally:
-            self._unpin(ns, tier, keep)
+            self.owner.unpin_slots(ns, tier, keep)
 
     def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier
                     ) -> "tuple[GetResult | None, _PendingGet | None]":
@@ -299,11 +336,11 @@ class Gets:
         cur = srows[(cols["version"][srows] == versions)
                     & (cols["key"][srows] == p.karr[served])]
         add_one(cols["leases"], cur)
-        self.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
+        self.owner.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
         self.counters.gets += p.karr.size
         self.counters.get_hits += int(served.size)
         self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
-        lid = self.new_id()
+        lid = self.owner.new_id()
         self.leases[lid] = Lease(lid, ns, tier, slots[served].astype(np.int64), srows,
                                  versions.copy(), p.owner,
                                  time.monotonic() + self.settings.lease_timeout)
