@@ -61,7 +61,7 @@ def in_process() -> dict:
     srv = Server(eng, s)
     cl = ClientInfo(1, 1, 0)
     ns = eng.namespace("p")
-    karr = eng._check_keys(ns, keys[0], zero_check=False)
+    karr = eng.check_keys(ns, keys[0], zero_check=False)
     out: dict = {}
     pend: list[int] = []
 
@@ -94,11 +94,11 @@ def in_process() -> dict:
     out["engine_get_release_us"] = timed(engine)
 
     def one(i: int) -> None:
-        r = eng._get_one(ns, karr, 1, Tier.HOST)
+        r = eng.fast.get_one(ns, karr, 1, Tier.HOST)
         eng.release_many([r.lease_id], 1)
     out["engine_get_one_release_us"] = timed(one)
     out["table_lookup_us"] = timed(lambda i: ns.table.lookup(karr))
-    out["check_keys_us"] = timed(lambda i: eng._check_keys(ns, keys[0], zero_check=False))
+    out["check_keys_us"] = timed(lambda i: eng.check_keys(ns, keys[0], zero_check=False))
     req = P.pack({"id": 1, "op": "get", "ns": "p", "keys": keys[0]})[4:]
     out["unpack_us"] = timed(lambda i: P.unpack(req))
     # the general path's steps (server.op_get, _get_reply, _release_first)

@@ -92,7 +92,7 @@ def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     return block_checksums(pool.array, slots.tolist())
 
 
-class Engine(Gets, Eviction, Transfers, FastPath, Holds):
+class Engine:
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, hbm_pool_factory: PoolFactory | None = None,
@@ -107,8 +107,21 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         self.hbm_pool_factory = hbm_pool_factory if settings.hbm_capacity > 0 else None
         self.counters = EngineCounters()
         self.namespaces: dict[str, Namespace] = {}
-        self.reservations: dict[int, Reservation] = {}
-        self.leases: dict[int, Lease] = {}
+        # The holds part owns the tables of leases and reservations and ends them; its public
+        # methods are the engine's, bound once (no hop per release on the latency path).
+        self.holds = Holds(self.lock, self.counters, self)
+        self.reservations: dict[int, Reservation] = self.holds.reservations
+        self.leases: dict[int, Lease] = self.holds.leases
+        self.release = self.holds.release
+        self.release_many = self.holds.release_many
+        self.release_owner = self.holds.release_owner
+        self.reap = self.holds.reap
+        # The fast path leases resident gets (the latency figures): its two public methods
+        # are the engine's, bound once.
+        self.fast = FastPath(self.lock, self.namespace, self.leases, self.counters, settings,
+                             self)
+        self.lease_one = self.fast.lease_one
+        self.try_get_resident = self.fast.try_get_resident
         self._next_id = 1
         self.clock = 0
         self.host_used = 0       # bytes of host slots in use, all namespaces
@@ -117,6 +130,30 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                          for t in (Tier.HBM, Tier.HOST, Tier.NVME)}
         self.remote = remote if remote is not None else remote_from_settings(settings)
         self.nvme = NvmeStore(self, self.catalog, settings, self.counters, self.backend)
+        # Eviction owns the tiers' policy objects; its methods are bound under the names the
+        # engine's paths call them by (one attribute lookup, as when it was a mixin).
+        self.eviction = Eviction(self.lock, settings, self.counters, self.namespaces,
+                                 self.namespace, self.nvme, self)
+        self.evict = self.eviction.evict
+        self.forget_empty = self.eviction.forget_empty          # persist.Coherence
+        self._evict = self.eviction.evict_copies
+        self._evict_other_namespaces = self.eviction.evict_other_namespaces
+        self._tier_policy = self.eviction.tier_policy
+        self._placed = self.eviction.placed
+        self.transfers = Transfers(self.lock, settings, self.counters, self.namespaces,
+                                   self.namespace, self.nvme, self.remote, self)
+        self.prefetch_after = self.transfers.prefetch_after
+        self.wants_prefetch = self.transfers.wants_prefetch
+        self.stage = self.transfers.stage
+        self.gets = Gets(self.lock, settings, self.counters, self.namespaces, self.namespace,
+                         self.leases, self.release, self.fast, self.transfers, self.nvme,
+                         self.remote, self)
+        self.get = self.gets.get
+        self.drive = self.gets.drive
+        self.get_steps = self.gets.get_steps
+        self.try_get = self.gets.try_get
+        self.looks_resident = self.gets.looks_resident
+        self.read = self.gets.read
         self._start_epoch()
         for rec in self.catalog.namespaces():
             ns = self._open_namespace(rec)
@@ -229,7 +266,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
 
     # ------------------------------------------------------------------ slots
 
-    def _alloc(self, ns: Namespace, tier: Tier, n: int, partial: bool = False) -> np.ndarray:
+    def alloc(self, ns: Namespace, tier: Tier, n: int, partial: bool = False) -> np.ndarray:
         """n fresh slots in ns's pool of tier, evicting if needed. Raises CapacityError, or
         with partial=True returns as many as could be had (possibly none)."""
         st = ns.slots.get(tier)
@@ -243,7 +280,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         need_budget = tier is Tier.HOST
         if tier is Tier.HBM:
             st.peak_demand = max(st.peak_demand, st.pool.n_slots - st.pool.free_count + n)
-        self._make_room(ns, tier, n)
+        self.make_room(ns, tier, n)
         if partial:
             n = min(n, st.pool.free_count)
             if need_budget:
@@ -262,9 +299,9 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             self.host_used += n * ns.block_bytes
         return slots
 
-    def _make_room(self, ns: Namespace, tier: Tier, n: int) -> None:
+    def make_room(self, ns: Namespace, tier: Tier, n: int) -> None:
         """Evict until n slots of ns's pool of tier are free and, for the host tier, within
-        host_capacity (as far as eviction can: _alloc says what is missing)."""
+        host_capacity (as far as eviction can: alloc says what is missing)."""
         st = ns.slots[tier]
         short = n - st.pool.free_count
         if tier is Tier.HOST:
@@ -276,7 +313,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             if tier is Tier.HOST:
                 self._evict_other_namespaces(ns, n)
 
-    def _free_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
+    def free_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         """Return slots to their pool, or retire the leased ones until their last release."""
         if slots.size == 0:
             return
@@ -289,6 +326,12 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         st.pool.free(free)
         if tier is Tier.HOST:
             self.host_used -= free.size * ns.block_bytes
+
+    def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
+        """Slots whose last pin went (retired ones, now unpinned) go back to their pool."""
+        ns.slots[tier].pool.free(slots)
+        if tier is Tier.HOST:
+            self.host_used -= slots.size * ns.block_bytes
 
     def _unpin(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         st = ns.slots[tier]
@@ -310,7 +353,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             if tier is Tier.HOST:
                 self.host_used -= gone.size * ns.block_bytes
 
-    def _drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
+    def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
                      slots: np.ndarray | None = None) -> None:
         """Forget rows' copies in a slot tier (freeing or retiring their slots). Rows are
         distinct. With the C helper: two calls around the policy's on_remove. ``slots``: the
@@ -339,18 +382,12 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             return
         has = rows[cols["copy_ver"][rows, tier] > 0]
         if has.size:
-            self._free_slots(ns, tier, cols["slot"][has, tier].astype(np.int64))
+            self.free_slots(ns, tier, cols["slot"][has, tier].astype(np.int64))
             cols["slot"][has, tier] = -1
             cols["copy_ver"][has, tier] = 0
 
     # ------------------------------------------------------------------ for the NVMe store
     # (coherence.persist.Coherence: all that NvmeStore may call; the caller holds the lock)
-
-    def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier) -> None:
-        self._drop_copies(ns, rows, tier)
-
-    def forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
-        self._forget_empty(ns, rows)
 
     def pin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         add_one(ns.slots[tier].leases, slots)
@@ -361,7 +398,9 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
 
     # ------------------------------------------------------------------ put
 
-    def _check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray:
+    def check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray:
+        """A batch of keys of ns, packed: refuses an empty batch and (zero_check) the all-zero
+        key."""
         karr = ns.table.keys_array(keys)
         if karr.size == 0:
             raise BadRequest("empty key batch; send at least one key")
@@ -417,7 +456,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                                  "per key (all-zero for none)")
         # int64 from here on: numpy indexes by the pool's int32 slots ~4x slower (a cast per
         # fancy index), and the commit's C helpers take int64 as they are.
-        slots = self._alloc(ns, tier, karr.size).astype(np.int64)
+        slots = self.alloc(ns, tier, karr.size).astype(np.int64)
         st = ns.slots[tier]
         if _fast is not None:          # a reservation pins its slots like a lease
             _fast.pin_slots(st.leases, slots)
@@ -429,7 +468,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             short = karr.size - ns.slots[Tier.HOST].pool.free_count
             if short > 0:
                 self._evict(ns, Tier.HOST, short)
-        rid = self._new_id()
+        rid = self.new_id()
         res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
                           slots, owner, time.monotonic() + self.settings.reserve_timeout,
                           repeats=repeats)
@@ -446,13 +485,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
     def abort(self, rid: int, owner: int = 0) -> None:
         with self.lock:
             res = self._take_reservation(rid, owner)
-            self._end_reservation(res, HoldState.RELEASED)
-
-    def _end_reservation(self, res: Reservation, state: HoldState) -> None:
-        res.state = state
-        ns = res.ns
-        self._unpin(ns, res.tier, res.slots)
-        self._free_slots(ns, res.tier, res.slots)
+            self.holds.end_reservation(res, HoldState.RELEASED)
 
     def commit(self, rid: int, owner: int = 0,
                checksums: np.ndarray | None = None, trusted: bool = False) -> np.ndarray:
@@ -483,7 +516,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                             else checksums_of(ns.slots[Tier.HOST].pool, slots[sel]))
                 else:
                     # A GPU write: written through to host; the checksum is the host copy's.
-                    host_slots = self._alloc(ns, Tier.HOST, n_keep)
+                    host_slots = self.alloc(ns, Tier.HOST, n_keep)
                     ns.slots[Tier.HOST].pool.write(
                         host_slots, to_numpy(ns.slots[tier].pool.read(slots[sel])))
                     sums = (given_sums if trusted
@@ -497,8 +530,8 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                             "write); the batch was not committed")
             except BaseException:
                 if host_slots is not None:
-                    self._free_slots(ns, Tier.HOST, host_slots)
-                self._end_reservation(res, HoldState.RELEASED)
+                    self.free_slots(ns, Tier.HOST, host_slots)
+                self.holds.end_reservation(res, HoldState.RELEASED)
                 raise
             self._unpin(ns, tier, slots)
             res.state = HoldState.COMMITTED
@@ -507,7 +540,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             dup = (np.setdiff1d(np.arange(karr.size), keep) if keep is not None
                    else np.empty(0, dtype=np.int64))
             if dup.size:
-                self._free_slots(ns, tier, slots[dup])
+                self.free_slots(ns, tier, slots[dup])
             rows = self._install(ns, karr[sel], tier, slots[sel], sums,
                                  None if res.parents is None else res.parents[sel], host_slots)
             if keep is None:
@@ -521,7 +554,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             self.counters.tiers[tier].bytes_written += int(karr.size) * ns.block_bytes
             write_through = self.settings.write_policy == "write_through"
             if write_through and self.remote is not None:
-                self._push_remote(ns, rows)
+                self.transfers.push_remote(ns, rows)
         if write_through and ns.log is not None:
             # Durable before the put is acknowledged, written with the lock released: a full
             # or failing disk fails the put (StorageError) instead of acknowledging it.
@@ -538,7 +571,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         rows, created = table.insert(karr)
         if not created.all():             # rows just made hold no copy anywhere
             for t in list(ns.slots):
-                self._drop_copies(ns, rows, t)
+                self.drop_copies(ns, rows, t)
         if _fast is None and created.any():
             cols["version"][rows[created]] = table.version_floor
         # A row restart brought back (or the remote tier filled) holds a version of an earlier
@@ -552,14 +585,14 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             cols["size"][rows] = ns.block_bytes
             cols["checksum"][rows] = sums
             cols["state"][rows] = next_states(cols["state"][rows], Event.COMMIT)
-            self._touch(ns, rows)         # before the copies are placed: a policy counts from here
+            self.touch(ns, rows)         # before the copies are placed: a policy counts from here
             top = int(cols["version"][rows].max())
-            self._set_copy(ns, rows, tier, slots, cols["version"][rows])
+            self.set_copy(ns, rows, tier, slots, cols["version"][rows])
         if top >= self.version_ceiling:
             self._next_epoch(top)
         if host_slots is not None:
             ver = cols["version"][rows]
-            self._set_copy(ns, rows, Tier.HOST, host_slots, ver)
+            self.set_copy(ns, rows, Tier.HOST, host_slots, ver)
         if parents is not None:
             # The all-zero parent (none) is never a row: puts refuse the zero key.
             table.link(rows, table.lookup(parents))
@@ -587,7 +620,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         self._placed(ns, tier, rows, slots)
         return top
 
-    def _set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
+    def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
                   versions: np.ndarray) -> None:
         cols = ns.table.cols
         cols["slot"][rows, tier] = slots
@@ -595,7 +628,8 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         ns.slots[tier].slot_row[slots] = rows
         self._placed(ns, tier, rows, slots)
 
-    def _touch(self, ns: Namespace, rows: np.ndarray) -> None:
+    def touch(self, ns: Namespace, rows: np.ndarray) -> None:
+        """An access of rows, in batch order: the clock advances by one per row."""
         cols = ns.table.cols
         n = rows.size
         cols["prev_access"][rows] = cols["last_access"][rows]
@@ -640,7 +674,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         """Forget keys in every tier (LMDB included). Leased slots are freed on release."""
         with self.lock:
             ns = self.namespace(namespace)
-            karr = self._check_keys(ns, keys)
+            karr = self.check_keys(ns, keys)
             if self.remote is not None:
                 self.remote.delete_many(ns.name, [bytes(k) for k in karr])
             rows = ns.table.lookup(karr)
@@ -648,7 +682,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
             if rows.size == 0:
                 return 0
             for t in list(ns.slots):
-                self._drop_copies(ns, rows, t)
+                self.drop_copies(ns, rows, t)
             gone = self.nvme.forget(ns, rows)
             next_states(ns.table.cols["state"][rows], Event.DELETE)
             ns.table.remove(rows)
@@ -667,7 +701,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
                 for ns in targets:
                     c = ns.table.cols
                     n = ns.table.n_rows
-                    self._push_remote(ns, np.flatnonzero(
+                    self.transfers.push_remote(ns, np.flatnonzero(
                         (c["version"][:n] > 0) & (c["copy_ver"][:n, Tier.REMOTE]
                                                   < c["version"][:n])))
         return sum(self.nvme.flush(ns, None, strict) for ns in targets)
@@ -695,7 +729,7 @@ class Engine(Gets, Eviction, Transfers, FastPath, Holds):
         with self.lock:
             return engine_stats(self)
 
-    def _new_id(self) -> int:
+    def new_id(self) -> int:
         self._next_id += 1
         return self._next_id
 

@@ -1,4 +1,5 @@
-"""Eviction, as a part of the Engine (a mixin: the engine's state, its lock held by the caller).
+"""Eviction: the part of the engine that drops copies from a tier to make room (the caller holds
+the engine lock, except for evict, which takes it itself).
 
 A tier drops a copy only when the copy is clean or a lower tier holds the same version; a dirty
 sole copy is written one tier down first (a demotion: HBM -> host, host -> NVMe). In a slot tier
@@ -7,17 +8,25 @@ engine keeps informed through three calls: _placed (a copy was set in a slot), o
 is freed) and victims/give_back here, so that choosing n victims costs O(n) whatever the number of
 resident blocks. Writing down can evict, in the tier below, the copy that covered another one
 here, so eviction takes victims in rounds until it has enough or the policy has none left.
+
+Interface. Owns: each slot tier's policy object (made on first use, kept in SlotState.policy).
+Public: evict (admin eviction; the engine's method of that name is this, bound), evict_copies,
+evict_other_namespaces, tier_policy, placed, forget_empty (the engine binds them under its own
+names). Calls: the engine's slot ops through ``SlotOwner`` (alloc, set_copy, drop_copies, and
+the host budget it reads), the NVMe store's write_down and whole-segment evict, the settings
+(the policy per tier), the counters and the namespaces.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from kvtier.coherence.policies import POLICIES, TierPolicy, make_tier_policy
 from kvtier.coherence.states import BlockState, Event, next_states, transition_array
-from kvtier.coherence.transfers import _to_numpy
+from kvtier.coherence.namespace import to_numpy as _to_numpy
 from kvtier.types import Tier, lower_tiers
 
 try:        # the C helper (setup.py builds it where a compiler is present); numpy otherwise
@@ -26,13 +35,35 @@ except ImportError:
     _fast = None
 
 if TYPE_CHECKING:
-    from kvtier.coherence.namespace import Namespace
+    from kvtier.coherence.namespace import EngineCounters, Namespace
+    from kvtier.config import Settings
 
 _LOST_NEXT = transition_array(Event.LOST)    # looked up once: an Enum hashes in Python
 
 
+class SlotOwner(Protocol):
+    """What eviction needs of the engine's slot tiers (the caller holds the lock)."""
+
+    host_used: int               # bytes of host slots in use, all namespaces
+
+    def alloc(self, ns: Namespace, tier: Tier, n: int, partial: bool = False) -> np.ndarray: ...
+    def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
+                 versions: np.ndarray) -> None: ...
+    def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
+                    slots: np.ndarray | None = None) -> None: ...
+
+
 class Eviction:
-    def _tier_policy(self, ns: Namespace, tier: Tier) -> TierPolicy:
+    def __init__(self, lock: threading.RLock, settings: Settings, counters: EngineCounters,
+                 namespaces: dict[str, Namespace], namespace: Any, nvme: Any,
+                 slots: SlotOwner) -> None:
+        self.lock, self.settings, self.counters = lock, settings, counters
+        # namespace: by name, raising NamespaceError (the engine's); nvme: its write_down, and
+        # space.evict for the NVMe tier.
+        self.namespaces, self.namespace, self.nvme = namespaces, namespace, nvme
+        self.slots = slots
+
+    def tier_policy(self, ns: Namespace, tier: Tier) -> TierPolicy:
         """The policy state of one slot tier of ns, made on first use (from the copies already
         there, in slot order, should any exist)."""
         st = ns.slots[tier]
@@ -49,11 +80,11 @@ class Eviction:
                 st.policy.on_insert(st.slot_row[held], held)
         return st.policy
 
-    def _placed(self, ns: Namespace, tier: Tier, rows: np.ndarray, slots: np.ndarray) -> None:
-        """Copies of rows now live in slots of a slot tier (the engine's _set_copy)."""
-        self._tier_policy(ns, tier).on_insert(rows, slots)
+    def placed(self, ns: Namespace, tier: Tier, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Copies of rows now live in slots of a slot tier (the engine's set_copy)."""
+        self.tier_policy(ns, tier).on_insert(rows, slots)
 
-    def _evict(self, ns: Namespace, tier: Tier, n: int) -> int:
+    def evict_copies(self, ns: Namespace, tier: Tier, n: int) -> int:
         """Drop up to n copies from a slot tier of ns, in the order of its policy.
 
         Eligible: unleased copies that are clean, or whose version a lower tier also holds, or
@@ -65,7 +96,7 @@ class Eviction:
         if n <= 0:
             return 0
         st = ns.slots[tier]
-        policy = self._tier_policy(ns, tier)
+        policy = self.tier_policy(ns, tier)
         cols = ns.table.cols
         lowers = [t for t in lower_tiers(tier) if t in ns.slots or (t is Tier.NVME and ns.log)]
         done = 0
@@ -107,11 +138,11 @@ class Eviction:
                       lowers: list[Tier], slots: np.ndarray) -> int:
         """Evict victims (rows) from tier; slots: their copies' slots there (in the same
         order, as the policy handed them out)."""
-        self._drop_copies(ns, victims, tier, slots)
+        self.slots.drop_copies(ns, victims, tier, slots)
         self.counters.tiers[tier].evictions += victims.size
         if lowers:
             self.counters.tiers[lowers[0]].demotions += victims.size
-        self._forget_empty(ns, victims)
+        self.forget_empty(ns, victims)
         return int(victims.size)
 
     @staticmethod
@@ -137,15 +168,15 @@ class Eviction:
         src_slots = cols["slot"][rows, tier].astype(np.int64)
         src.leases[src_slots] += 1
         try:
-            dst = self._alloc(ns, lower, rows.size, partial=True)
+            dst = self.slots.alloc(ns, lower, rows.size, partial=True)
         finally:
             src.leases[src_slots] -= 1
         rows = rows[: dst.size]
         ns.slots[lower].pool.write(dst, _to_numpy(src.pool.read(src_slots[: dst.size])))
-        self._set_copy(ns, rows, lower, dst, cols["copy_ver"][rows, tier])
+        self.slots.set_copy(ns, rows, lower, dst, cols["copy_ver"][rows, tier])
         self.counters.tiers[lower].bytes_written += int(dst.size) * ns.block_bytes
 
-    def _forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
+    def forget_empty(self, ns: Namespace, rows: np.ndarray) -> None:
         """Rows that no longer have any current copy lose their block (state LOST -> EMPTY)."""
         cols = ns.table.cols
         if _fast is not None:
@@ -178,13 +209,13 @@ class Eviction:
         if drop.size:
             ns.table.remove(drop)
 
-    def _evict_other_namespaces(self, ns: Namespace, n: int) -> None:
+    def evict_other_namespaces(self, ns: Namespace, n: int) -> None:
         for other in self.namespaces.values():
-            over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
+            over = self.slots.host_used + n * ns.block_bytes - self.settings.host_capacity
             if over <= 0:
                 return
             if other is not ns:
-                self._evict(other, Tier.HOST, -(-over // other.block_bytes))
+                self.evict_copies(other, Tier.HOST, -(-over // other.block_bytes))
 
     def evict(self, tier: Tier, count: int, namespace: str | None = None) -> int:
         """Admin eviction of up to count copies from a tier (all namespaces, or one)."""
@@ -197,5 +228,5 @@ class Eviction:
         with self.lock:
             for ns in targets:
                 if tier in ns.slots:
-                    done += self._evict(ns, tier, count - done)
+                    done += self.evict_copies(ns, tier, count - done)
             return done

@@ -1,33 +1,40 @@
-"""Gets whose every block is already resident, as a part of the Engine (a mixin; the caller
-holds the lock).
+"""FastPath: the part of the engine that leases gets whose every block is already resident
+(try_get_resident takes the engine lock; the other methods run under it).
 
 These are the worker API's hot cases: a single-key get is its latency figure (bench/api.py
 p50_us), and a batch of 4,096 resident keys is the control path that the GPU onboarding bench
 waits on. The general path in Engine._get handles misses, bring-ups and repeats with ~40 numpy
 calls. Here:
 
-- _get_one does the bookkeeping of one key on numpy scalars (a numpy call costs about a
+- get_one does the bookkeeping of one key on numpy scalars (a numpy call costs about a
   microsecond);
-- _lease_resident leases a batch that is all found and all current in the tier, gathering each
+- lease_resident leases a batch that is all found and all current in the tier, gathering each
   column once;
-- _lease_native does _lease_resident's checks and work in one C call (kvtier.coherence._fast),
-  and _end_native the release's; where that module was not built, the numpy versions run.
+- lease_native does lease_resident's checks and work in one C call (kvtier.coherence._fast);
+  where that module was not built, the numpy versions run. (Ending these leases is
+  coherence.leases's.)
 
 Both leave exactly the state the general path leaves (rows, counters, lease, reply): the
 engine's tests compare the two field by field
 (tests/test_engine.py::test_fast_paths_leave_the_state_the_batch_path_leaves). Anything else
 returns None, or is not called, and takes the general path.
+
+Interface. Owns nothing but its scratch outputs. Public: lease_one, try_get_resident (the
+engine's methods of those names are these, bound), get_one, lease_resident, lease_native,
+count_hits (coherence.gets calls them). Calls: the namespaces (by name), the table of leases it
+adds to (coherence.leases's), the counters, lease_timeout, and through ``Ledger`` the engine's
+access clock, its id counter and its touch.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
 from kvtier.coherence.namespace import GetResult, Lease, add_one
-from kvtier.coherence.states import HoldState
 from kvtier.types import Tier
 
 try:
@@ -36,22 +43,44 @@ except ImportError:                       # not built: the numpy versions below 
     _fast = None
 
 if TYPE_CHECKING:
-    from kvtier.coherence.namespace import Namespace
+    from kvtier.coherence.namespace import EngineCounters, Namespace
+    from kvtier.config import Settings
 
 _TRUE = np.ones(1, dtype=bool)
 # lease_one's outputs, read at once (the caller holds the engine lock).
 _ONE = (np.empty(1, dtype=np.int32), np.empty(1, dtype=np.uint64), np.empty(1, dtype=np.uint64))
 
 
+class Ledger(Protocol):
+    """What a lease needs of the engine: the access clock (last_access is on it), the next
+    lease id, and the touch of a batch's rows (advances the clock)."""
+
+    clock: int
+
+    def new_id(self) -> int: ...
+    def touch(self, ns: Namespace, rows: np.ndarray) -> None: ...
+
+
 class FastPath:
+    def __init__(self, lock: threading.RLock, namespace: Callable[[str], Namespace],
+                 leases: dict[int, Lease], counters: EngineCounters, settings: Settings,
+                 ledger: Ledger) -> None:
+        self.lock = lock
+        self.namespace = namespace
+        self.leases = leases
+        self.counters = counters
+        self.settings = settings
+        self.ledger = ledger
+        self._new_id = ledger.new_id         # bound once: one lookup less per lease
+
     def lease_one(self, ns: Namespace, key: bytes, owner: int,
                   tier: Tier = Tier.HOST) -> tuple[int, int, int, int] | None:
-        """_get_one for a socket reply: (lease id, slot, version, checksum) as Python ints, no
+        """get_one for a socket reply: (lease id, slot, version, checksum) as Python ints, no
         GetResult; None (nothing changed) when the key is not found or not current in tier.
         The checks and the touch are lease_rows' (one C call for a dozen numpy scalar
-        operations); without the module, _get_one's."""
+        operations); without the module, get_one's."""
         if _fast is None:
-            res = self._get_one(ns, ns.table.keys_array(key), owner, tier)
+            res = self.get_one(ns, ns.table.keys_array(key), owner, tier)
             if res is None:
                 return None
             return (res.lease_id, int(res.slots[0]), int(res.versions[0]),
@@ -59,14 +88,15 @@ class FastPath:
         rows = ns.table.lookup(key)
         cols = ns.table.cols
         st = ns.slots[tier]
+        ledger = self.ledger
         o_slot, o_ver, o_sum = _ONE
         if not _fast.lease_rows(cols["version"], cols["copy_ver"], cols["slot"], cols["leases"],
                                 cols["last_access"], cols["prev_access"], cols["freq"],
                                 cols["checksum"], st.leases, rows, ns.table.n_rows, int(tier),
-                                self.clock, o_slot, o_ver, o_sum):
+                                ledger.clock, o_slot, o_ver, o_sum):
             return None
-        self.clock += 1
-        self._count_hits(ns, 1, tier)
+        ledger.clock += 1
+        self.count_hits(ns, 1, tier)
         slot, version = int(o_slot[0]), int(o_ver[0])
         lid = self._new_id()
         self.leases[lid] = Lease(lid, ns, tier, np.array([slot], dtype=np.int64), rows,
@@ -74,7 +104,7 @@ class FastPath:
                                  time.monotonic() + self.settings.lease_timeout)
         return lid, slot, version, int(o_sum[0])
 
-    def _get_one(self, ns: Namespace, karr: np.ndarray, owner: int,
+    def get_one(self, ns: Namespace, karr: np.ndarray, owner: int,
                  tier: Tier) -> GetResult | None:
         """Lease the one key's copy in tier when it holds the current version; else None."""
         table = ns.table
@@ -89,9 +119,10 @@ class FastPath:
         st = ns.slots[tier]
         st.leases[slot] += 1
         cols["leases"][row] += 1
-        self.clock += 1
+        ledger = self.ledger
+        ledger.clock += 1
         cols["prev_access"][row] = cols["last_access"][row]
-        cols["last_access"][row] = self.clock
+        cols["last_access"][row] = ledger.clock
         cols["freq"][row] += 1
         c = self.counters
         c.gets += 1
@@ -123,16 +154,16 @@ class FastPath:
                 return None
             rows = ns.table.lookup(karr)
             if _fast is not None:
-                return self._lease_native(ns, rows, owner, tier)
+                return self.lease_native(ns, rows, owner, tier)
             cols = ns.table.cols
             if not (rows >= 0).all():
                 return None
             ver = cols["version"][rows]
             if not (ver.all() and (cols["copy_ver"][rows, tier] == ver).all()):
                 return None
-            return self._lease_resident(ns, rows, ver, owner, tier)
+            return self.lease_resident(ns, rows, ver, owner, tier)
 
-    def _lease_resident(self, ns: Namespace, rows: np.ndarray, versions: np.ndarray,
+    def lease_resident(self, ns: Namespace, rows: np.ndarray, versions: np.ndarray,
                         owner: int, tier: Tier) -> GetResult:
         """Lease rows (all found, all current in tier; versions = their versions)."""
         cols = ns.table.cols
@@ -141,17 +172,17 @@ class FastPath:
         slots64 = slots.astype(np.int64)
         add_one(ns.slots[tier].leases, slots64)
         add_one(cols["leases"], rows)
-        self._touch(ns, rows)
-        self._count_hits(ns, n, tier)
+        self.ledger.touch(ns, rows)
+        self.count_hits(ns, n, tier)
         lid = self._new_id()
         self.leases[lid] = Lease(lid, ns, tier, slots64, rows, versions, owner,
                                  time.monotonic() + self.settings.lease_timeout)
         return GetResult(np.ones(n, dtype=bool), slots, versions.copy(), cols["checksum"][rows],
                          lid, tier)
 
-    def _lease_native(self, ns: Namespace, rows: np.ndarray, owner: int,
+    def lease_native(self, ns: Namespace, rows: np.ndarray, owner: int,
                       tier: Tier) -> GetResult | None:
-        """_lease_resident in one C call, checks included: None when the module is missing or
+        """lease_resident in one C call, checks included: None when the module is missing or
         some row is not found or not current in tier (nothing was changed; the caller takes
         the general path)."""
         if _fast is None:
@@ -159,62 +190,26 @@ class FastPath:
         cols = ns.table.cols
         n = rows.size
         st = ns.slots[tier]
+        ledger = self.ledger
         slots = np.empty(n, dtype=np.int32)
         versions = np.empty(n, dtype=np.uint64)
         sums = np.empty(n, dtype=np.uint64)
         if not _fast.lease_rows(cols["version"], cols["copy_ver"], cols["slot"], cols["leases"],
                                 cols["last_access"], cols["prev_access"], cols["freq"],
                                 cols["checksum"], st.leases, rows, ns.table.n_rows, int(tier),
-                                self.clock, slots, versions, sums):
+                                ledger.clock, slots, versions, sums):
             return None
-        self.clock += n
-        self._count_hits(ns, n, tier)
+        ledger.clock += n
+        self.count_hits(ns, n, tier)
         lid = self._new_id()
         self.leases[lid] = Lease(lid, ns, tier, slots.astype(np.int64), rows, versions, owner,
                                  time.monotonic() + self.settings.lease_timeout)
         return GetResult(np.ones(n, dtype=bool), slots, versions.copy(), sums, lid, tier)
 
-    def _count_hits(self, ns: Namespace, n: int, tier: Tier) -> None:
+    def count_hits(self, ns: Namespace, n: int, tier: Tier) -> None:
         c = self.counters
         c.gets += n
         c.get_hits += n
         tc = c.tiers[tier]
         tc.hits += n
         tc.bytes_read += n * ns.block_bytes
-
-    def _end_native(self, lease: Lease) -> bool:
-        """_end_lease's unpinning and reader counts in one C call; False when the module is
-        missing (the caller runs the numpy version)."""
-        if _fast is None:
-            return False
-        ns = lease.ns
-        st = ns.slots[lease.tier]
-        gone = np.empty(lease.slots.size, dtype=np.int64)
-        k = _fast.unlease_rows(st.leases, st.retired, ns.table.cols["version"],
-                               ns.table.cols["leases"], ns.table.n_rows,
-                               np.ascontiguousarray(lease.slots, dtype=np.int64),
-                               np.ascontiguousarray(lease.rows, dtype=np.int64),
-                               np.ascontiguousarray(lease.versions, dtype=np.uint64), gone)
-        if k:
-            st.pool.free(gone[:k])
-            if lease.tier is Tier.HOST:
-                self.host_used -= k * ns.block_bytes
-        return True
-
-    def _end_lease_one(self, lease: Lease, state: HoldState) -> None:
-        """_end_lease for a lease of one slot."""
-        lease.state = state
-        ns = lease.ns
-        st = ns.slots[lease.tier]
-        slot = int(lease.slots[0])
-        st.leases[slot] -= 1
-        if st.leases[slot] == 0 and st.retired[slot]:
-            st.retired[slot] = False
-            st.pool.free(lease.slots)
-            if lease.tier is Tier.HOST:
-                self.host_used -= ns.block_bytes
-        row = int(lease.rows[0])
-        cols = ns.table.cols
-        if row < ns.table.n_rows and cols["version"][row] == lease.versions[0] \
-                and cols["leases"][row] > 0:
-            cols["leases"][row] -= 1

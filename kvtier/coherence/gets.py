@@ -1,5 +1,5 @@
-"""Gets, as a part of the Engine (a mixin, as coherence.fastpath is; each public method takes
-the engine lock itself).
+"""Gets: the part of the engine that serves get batches (each public method takes the engine
+lock itself; the steps' locked functions run under it).
 
 A get is decided under the lock: the batch is looked up, the copies already in the wanted tier
 are pinned, HBM or host copies are brought up, and NVMe copies are planned into pinned slots
@@ -14,6 +14,13 @@ run by a driver: Engine.get runs them on the caller's thread; the socket server 
 locked ones on its event loop and the read on a worker thread (kvtier.api.steps, issue 17:
 a resident get beside NVMe readers). The steps split at the same lock boundaries as before,
 with the eviction for the bring-ups as a step of its own ahead of the decide.
+
+Interface. Owns nothing but the gets in flight (their _PendingGet). Public: get, drive,
+get_steps, try_get, looks_resident, read (the engine's methods of those names are these,
+bound). Calls: the fast path (resident batches and single keys), the transfers (bring-ups, NVMe
+installs, the remote tier), the NVMe store (reads without the lock, drains), the holds' release
+and lease table, and through ``GetOwner`` the engine's key checks, room making, unpinning, lease
+ids and touch; the namespaces, counters and settings.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Generator, cast
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, cast
 
 import numpy as np
 
@@ -29,6 +37,13 @@ from kvtier.coherence.namespace import GetResult, Lease, Namespace, add_one
 from kvtier.coherence.persist import ReadPlan
 from kvtier.errors import BadRequest
 from kvtier.types import Tier
+
+if TYPE_CHECKING:
+    from kvtier.coherence.fastpath import FastPath
+    from kvtier.coherence.namespace import EngineCounters
+    from kvtier.coherence.persist import NvmeStore
+    from kvtier.coherence.transfers import Transfers
+    from kvtier.config import Settings
 
 @dataclass(slots=True)
 class Step:
@@ -52,7 +67,29 @@ def advance(steps: GetSteps, value: Any, exc: BaseException | None
         return None, stop.value
 
 
+class GetOwner(Protocol):
+    """What a get needs of the engine itself (the caller holds the lock)."""
+
+    def check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray: ...
+    def make_room(self, ns: Namespace, tier: Tier, n: int) -> None: ...
+    def unpin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
+    def new_id(self) -> int: ...
+    def touch(self, ns: Namespace, rows: np.ndarray) -> None: ...
+
+
 class Gets:
+    def __init__(self, lock: threading.RLock, settings: Settings, counters: EngineCounters,
+                 namespaces: dict[str, Namespace], namespace: Callable[[str], Namespace],
+                 leases: dict[int, Lease], release: Callable[..., None], fast: FastPath,
+                 transfers: Transfers, nvme: NvmeStore, remote: Any, owner: GetOwner) -> None:
+        self.lock, self.settings, self.counters = lock, settings, counters
+        self.namespaces, self.namespace = namespaces, namespace     # the engine's lookup
+        # The holds' lease table (a get adds its lease to it) and Holds.release.
+        self.leases, self.release = leases, release
+        self.fast, self.transfers, self.nvme = fast, transfers, nvme
+        self.remote, self.owner = remote, owner      # remote: the remote tier, or None
+        self.check_keys = owner.check_keys       # bound once: each get checks its keys
+
     def get(self, namespace: str, keys: Any, owner: int = 0, tier: Tier = Tier.HOST) -> GetResult:
         """Lease the current version of each key in ``tier``, bringing it up if needed. NVMe
         reads run with the lock released (decide and pin, read, install with versions
@@ -144,7 +181,7 @@ class Gets:
         ns = self.namespace(namespace)
         if tier not in ns.slots:
             return                              # the decide raises the error
-        rows = ns.table.lookup(self._check_keys(ns, keys, zero_check=False))
+        rows = ns.table.lookup(self.check_keys(ns, keys, zero_check=False))
         cols = ns.table.cols
         r = rows[rows >= 0]
         here = cols["copy_ver"][r, tier] == cols["version"][r]
@@ -157,9 +194,9 @@ class Gets:
         keep = cols["slot"][r[here], tier].astype(np.int64)
         add_one(ns.slots[tier].leases, keep)
         try:
-            self._make_room(ns, tier, want)
+            self.owner.make_room(ns, tier, want)
         finally:
-            self._unpin(ns, tier, keep)
+            self.owner.unpin_slots(ns, tier, keep)
 
     def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier
                     ) -> "tuple[GetResult | None, _PendingGet | None]":
@@ -217,22 +254,22 @@ class Gets:
         ns = self.namespace(namespace)
         if tier not in ns.slots:
             raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
-        karr = self._check_keys(ns, keys, zero_check=False)
+        karr = self.check_keys(ns, keys, zero_check=False)
         if karr.size == 1:
-            res = self._get_one(ns, karr, owner, tier)
+            res = self.fast.get_one(ns, karr, owner, tier)
             if res is not None:
                 return res
         cols = ns.table.cols
         n = karr.size
         rows = ns.table.lookup(karr)
-        res = self._lease_native(ns, rows, owner, tier)
+        res = self.fast.lease_native(ns, rows, owner, tier)
         if res is not None:
             return res
         found = rows >= 0
         if found.all():
             ver = cols["version"][rows]
             if ver.all() and (cols["copy_ver"][rows, tier] == ver).all():
-                return self._lease_resident(ns, rows, ver, owner, tier)
+                return self.fast.lease_resident(ns, rows, ver, owner, tier)
         else:
             _refuse_zero_key(karr[~found])      # never stored, so only a missing key can be it
         fr = rows[found]
@@ -260,12 +297,12 @@ class Gets:
             # the set difference are only built when it says so.)
             tr = np.sort(rows[todo])
             if (tr[1:] != tr[:-1]).all():
-                p.plan, p.plan_pos, p.short = self._bring_up(ns, rows, todo, tier, slots,
+                p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier, slots,
                                                              found)
                 return p
             _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
             inv = inv.reshape(-1)
-            p.plan, p.plan_pos, p.short = self._bring_up(ns, rows, todo[first], tier, slots,
+            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier, slots,
                                                          found)
             rep = np.setdiff1d(np.arange(todo.size), first)
             if rep.size:
@@ -280,7 +317,7 @@ class Gets:
         cols = ns.table.cols
         st = ns.slots[tier]
         if p.plan is not None:
-            self._install_read(p.plan, tier, p.plan_pos, rows, slots, found)
+            self.transfers.install_read(p.plan, tier, p.plan_pos, rows, slots, found)
         if p.repeats.size:
             slots[p.repeats] = slots[p.repeat_src]
             found[p.repeats] = found[p.repeat_src]
@@ -288,7 +325,7 @@ class Gets:
             add_one(st.leases, slots[ok])
         if self.remote is not None and not found.all():
             before = found.copy()
-            self._from_remote(ns, p.karr, rows, found, slots, tier)
+            self.transfers.from_remote(ns, p.karr, rows, found, slots, tier)
             got = found & ~before
             p.versions[got] = cols["version"][rows[got]]
             p.sums[got] = cols["checksum"][rows[got]]
@@ -299,11 +336,11 @@ class Gets:
         cur = srows[(cols["version"][srows] == versions)
                     & (cols["key"][srows] == p.karr[served])]
         add_one(cols["leases"], cur)
-        self._touch(ns, cur)          # in batch order: the last key of a prefix is the newest
+        self.owner.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
         self.counters.gets += p.karr.size
         self.counters.get_hits += int(served.size)
         self.counters.tiers[tier].bytes_read += int(served.size) * ns.block_bytes
-        lid = self._new_id()
+        lid = self.owner.new_id()
         self.leases[lid] = Lease(lid, ns, tier, slots[served].astype(np.int64), srows,
                                  versions.copy(), p.owner,
                                  time.monotonic() + self.settings.lease_timeout)

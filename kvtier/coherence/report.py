@@ -5,16 +5,36 @@ bookkeeping and counters."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.memory import shmem_huge_pages
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
-    from kvtier.coherence.engine import Engine
+    from kvtier.coherence.namespace import EngineCounters, Lease, Namespace, Reservation
+    from kvtier.coherence.persist import NvmeStore
+    from kvtier.config import Settings
+    from kvtier.pagetable.store import Catalog
 
 
-def engine_stats(engine: "Engine") -> dict[str, Any]:
+class Reported(Protocol):
+    """What the report reads of the engine (under its lock)."""
+
+    settings: "Settings"
+    counters: "EngineCounters"
+    namespaces: dict[str, "Namespace"]
+    leases: dict[int, "Lease"]
+    reservations: dict[int, "Reservation"]
+    host_used: int
+    hbm_pool_factory: Any
+    nvme: "NvmeStore"
+    backend: Any
+    remote: Any
+    catalog: "Catalog"
+    started: float
+
+
+def engine_stats(engine: Reported) -> dict[str, Any]:
     s = engine.settings
     c = engine.counters
     tiers: dict[str, Any] = {}

@@ -1,16 +1,23 @@
-"""Moving copies between tiers, as a part of the Engine (a mixin; the caller holds the lock,
-except where a method says it takes it itself).
+"""Transfers: the part of the engine that moves copies between tiers (the caller holds the
+engine lock, except where a method says it takes it itself).
 
 - bring-up: the current version into the tier a get wants it in, from the highest tier that
   holds it (HBM or host copy, or NVMe copy-on-read with the checksum verified);
 - prefetch: after a prefix hit, the chain's next blocks from NVMe to host, into free slots;
 - stage: a prefix an engine found and is about to load, from NVMe to host (evicting others);
 - the remote tier: write-through or write-back to Redis, and local misses filled from it.
+
+Interface. Owns nothing. Public: prefetch_after, wants_prefetch, stage (the engine's methods of
+those names are these, bound), bring_up, install_read, from_remote (coherence.gets calls them),
+push_remote (the engine's puts and flushes). Calls: the engine's slot ops through ``TierSlots``
+(alloc, set_copy, free_slots, unpin_slots, drop_copies, the host budget it reads), the NVMe
+store's read plans, the remote tier, the settings, the counters and the namespaces.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -21,18 +28,42 @@ from kvtier.config import Settings
 from kvtier.types import SERVE_ORDER, Tier
 
 if TYPE_CHECKING:
-    from kvtier.coherence.namespace import Namespace
+    from kvtier.coherence.namespace import EngineCounters, Namespace
+    from kvtier.coherence.persist import NvmeStore
+
+
+class TierSlots(Protocol):
+    """What moving copies needs of the engine's slot tiers (the caller holds the lock)."""
+
+    host_used: int               # bytes of host slots in use, all namespaces
+
+    def alloc(self, ns: Namespace, tier: Tier, n: int, partial: bool = False) -> np.ndarray: ...
+    def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
+                 versions: np.ndarray) -> None: ...
+    def free_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
+    def unpin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
+    def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
+                    slots: np.ndarray | None = None) -> None: ...
 
 
 class Transfers:
-    def _bring_up(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray, tier: Tier,
+    def __init__(self, lock: threading.RLock, settings: Settings, counters: EngineCounters,
+                 namespaces: dict[str, Namespace], namespace: Any, nvme: NvmeStore,
+                 remote: Any, slots: TierSlots) -> None:
+        self.lock, self.settings, self.counters = lock, settings, counters
+        # namespace: by name, raising NamespaceError (the engine's); remote: the remote
+        # tier, or None.
+        self.namespaces, self.namespace = namespaces, namespace
+        self.nvme, self.remote, self.slots = nvme, remote, slots
+
+    def bring_up(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray, tier: Tier,
                   slots: np.ndarray, found: np.ndarray
                   ) -> tuple[ReadPlan | None, np.ndarray, bool]:
         """Copy the current version of rows[todo] into tier, pinned; misses clear found.
 
         Copies from HBM or host are made here. NVMe copies are only planned: the returned
         plan (and the batch positions it serves) is read by the caller without the lock and
-        installed by _install_read. The flag says some found no room in tier."""
+        installed by install_read. The flag says some found no room in tier."""
         if tier is Tier.HOST and Tier.HBM not in ns.slots:
             return self._bring_up_from_nvme(ns, rows, todo, found)
         cols = ns.table.cols
@@ -49,7 +80,7 @@ class Transfers:
         if not hit.any():
             return None, none, False
         todo, r, src_of = todo[hit], r[hit], src_of[hit]
-        dst = self._alloc(ns, tier, todo.size, partial=True)
+        dst = self.slots.alloc(ns, tier, todo.size, partial=True)
         if dst.size < todo.size:
             # No room for all of them (the rest of the tier is leased): the tail is a miss.
             short = todo.size - dst.size
@@ -83,13 +114,13 @@ class Transfers:
             return plan, todo, dst.size < hit.sum()
         else:
             mem = src_of != Tier.NVME
-        self._set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
+        self.slots.set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
         slots[todo[mem]] = dst[mem]
         return plan, todo[~mem], dst.size < hit.sum()
 
     def _bring_up_from_nvme(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray,
                             found: np.ndarray) -> tuple[ReadPlan | None, np.ndarray, bool]:
-        """_bring_up into a host tier with no HBM tier above it: NVMe is the only source (the
+        """bring_up into a host tier with no HBM tier above it: NVMe is the only source (the
         remote tier serves its own reads), so each block is a planned read or a miss. Half the
         numpy calls of the general path: this is the decide of every NVMe reader's get on the
         server's loop (issue 17, bench/stall.py)."""
@@ -105,7 +136,7 @@ class Transfers:
             todo, r = todo[hit], r[hit]
             if todo.size == 0:
                 return None, none, False
-        dst = self._alloc(ns, Tier.HOST, todo.size, partial=True)
+        dst = self.slots.alloc(ns, Tier.HOST, todo.size, partial=True)
         short = todo.size - dst.size
         if short:                       # no room for the tail (the rest is leased): misses
             found[todo[dst.size:]] = False
@@ -120,7 +151,7 @@ class Transfers:
         host.promotions += todo.size
         return self.nvme.plan_read(ns, r, dst), todo, short > 0
 
-    def _install_read(self, plan: ReadPlan, tier: Tier, pos: np.ndarray, rows: np.ndarray,
+    def install_read(self, plan: ReadPlan, tier: Tier, pos: np.ndarray, rows: np.ndarray,
                       slots: np.ndarray, found: np.ndarray) -> None:
         """Under the lock, after plan was read: install the copies that are still wanted into
         batch positions pos, pinned. A copy that another get installed meanwhile is shared
@@ -133,17 +164,17 @@ class Transfers:
         have = valid & (cols["copy_ver"][r, tier] == cols["version"][r])
         fresh = valid & ~have
         if fresh.all():                 # the usual case: every copy read is installed
-            self._set_copy(ns, r, tier, dst, cols["version"][r])
+            self.slots.set_copy(ns, r, tier, dst, cols["version"][r])
             slots[pos] = dst
             return
-        self._set_copy(ns, r[fresh], tier, dst[fresh], cols["version"][r[fresh]])
+        self.slots.set_copy(ns, r[fresh], tier, dst[fresh], cols["version"][r[fresh]])
         slots[pos[fresh]] = dst[fresh]
         theirs = cols["slot"][r[have], tier].astype(np.int64)
         add_one(st.leases, theirs)
         slots[pos[have]] = theirs
         back = dst[~fresh]
         st.leases[back] -= 1
-        self._free_slots(ns, tier, back)
+        self.slots.free_slots(ns, tier, back)
         found[pos[~valid]] = False
         self.counters.tiers[tier].misses += int((~valid).sum())
 
@@ -176,7 +207,7 @@ class Transfers:
                 nxt.extend(ns.table.children(r))
             frontier = nxt
         room = min(len(want), limit, ns.slots[Tier.HOST].pool.free_count,
-                   (self.settings.host_capacity - self.host_used) // ns.block_bytes)
+                   (self.settings.host_capacity - self.slots.host_used) // ns.block_bytes)
         return ns, np.asarray(want[:max(room, 0)], dtype=np.int64)
 
     def wants_prefetch(self, namespace: str, keys: Any) -> bool | None:
@@ -201,7 +232,7 @@ class Transfers:
             ns, rows = self._prefetch_rows(namespace, keys)
             if rows.size == 0:
                 return 0
-            dst = self._alloc(ns, Tier.HOST, rows.size, partial=True)
+            dst = self.slots.alloc(ns, Tier.HOST, rows.size, partial=True)
             if dst.size == 0:
                 return 0
             ns.slots[Tier.HOST].leases[dst] += 1
@@ -231,9 +262,9 @@ class Transfers:
             keep = cols["slot"][resident, Tier.HOST].astype(np.int64)
             add_one(st.leases, keep)
             try:
-                dst = self._alloc(ns, Tier.HOST, want.size, partial=True)
+                dst = self.slots.alloc(ns, Tier.HOST, want.size, partial=True)
             finally:
-                self._unpin(ns, Tier.HOST, keep)
+                self.slots.unpin_slots(ns, Tier.HOST, keep)
             if dst.size == 0:
                 return 0
             st.leases[dst] += 1
@@ -256,8 +287,8 @@ class Transfers:
                 pos = np.arange(dst.size)
                 slots = np.full(dst.size, -1, dtype=np.int64)
                 found = np.ones(dst.size, dtype=bool)
-                self._install_read(plan, Tier.HOST, pos, plan.rows, slots, found)
-                self._unpin(ns, Tier.HOST, slots[found])       # a promoted copy is not leased
+                self.install_read(plan, Tier.HOST, pos, plan.rows, slots, found)
+                self.slots.unpin_slots(ns, Tier.HOST, slots[found])       # a promoted copy is not leased
                 moved = int(found.sum())
                 self.counters.tiers[Tier.HOST].misses -= int((~found).sum())
                 self.counters.tiers[Tier.HOST].prefetched += moved
@@ -267,7 +298,7 @@ class Transfers:
 
     # ------------------------------------------------------------------ remote tier
 
-    def _push_remote(self, ns: Namespace, rows: np.ndarray) -> None:
+    def push_remote(self, ns: Namespace, rows: np.ndarray) -> None:
         """Write rows' current versions to the remote tier (from their host copies)."""
         cols = ns.table.cols
         rows = rows[cols["copy_ver"][rows, Tier.HOST] == cols["version"][rows]]
@@ -279,7 +310,7 @@ class Transfers:
                                   cols["version"][rows], cols["checksum"][rows], views)
         cols["copy_ver"][rows[ok], Tier.REMOTE] = cols["version"][rows[ok]]
 
-    def _from_remote(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray,
+    def from_remote(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray,
                      found: np.ndarray, slots: np.ndarray, tier: Tier) -> None:
         """Fill local misses from the remote tier, checksummed; install a host copy, leased."""
         miss = np.flatnonzero(~found)
@@ -297,14 +328,14 @@ class Transfers:
         blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
         if pos.size == 0:
             return
-        dst = self._alloc(ns, Tier.HOST, pos.size, partial=True)
+        dst = self.slots.alloc(ns, Tier.HOST, pos.size, partial=True)
         pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
             blobs[:dst.size]
         if dst.size == 0:
             return
         ns.slots[Tier.HOST].leases[dst] += 1
         for t in list(ns.slots):
-            self._drop_copies(ns, new_rows, t)
+            self.slots.drop_copies(ns, new_rows, t)
         pool = ns.slots[Tier.HOST].pool
         for slot, blob in zip(dst.tolist(), blobs):
             pool.array[slot] = np.frombuffer(blob, dtype=np.uint8)
@@ -313,7 +344,7 @@ class Transfers:
         cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
         cols["size"][new_rows] = ns.block_bytes
         cols["leases"][new_rows] = 0
-        self._set_copy(ns, new_rows, Tier.HOST, dst, vr)
+        self.slots.set_copy(ns, new_rows, Tier.HOST, dst, vr)
         cols["copy_ver"][new_rows, Tier.REMOTE] = vr
         rows[pos] = new_rows
         slots[pos] = dst
