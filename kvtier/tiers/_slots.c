@@ -3,8 +3,9 @@
  * Why. On the dev VM a put's write of ~25 one-byte blocks (the replay's metadata-only case)
  * cost ~15 us: the slots' min and max (two numpy reductions of ~4 us each), the cast and the
  * fancy assignment, for work of well under a microsecond (issue 18, the replay's CPU).
- * host.py keeps the numpy version as the fallback and the reference; tests/test_tiers.py
- * writes the same slots both ways and compares the pools.
+ * host.py keeps the numpy version as the fallback and the reference;
+ * tests/test_host.py::test_the_c_write_writes_what_numpy_writes writes the same slots both
+ * ways and compares the pools.
  *
  *   write_rows(array u8[p, w], slots i64[n] or i32[n], data u8[n, w]) -> int
  *       1: every slot is in 0..p-1, and data[i] was copied into array[slots[i]] for each i
