@@ -51,8 +51,8 @@ def test_out_of_range_slot_is_a_bad_request():
 @pytest.mark.parametrize("width", [1, 3, 64])
 def test_the_c_write_writes_what_numpy_writes(width):
     """kvtier.tiers._slots against numpy's checked assignment: the same random batches (int64
-    and int32 slots, repeats, empty batches, a broadcast row, a source inside the pool) leave
-    the same bytes, and the same bad slots are refused with nothing written."""
+    and int32 slots, repeats, empty batches, strided arrays, a broadcast row, a source inside
+    the pool) leave the same bytes, and the same bad slots are refused with nothing written."""
     from kvtier.tiers import host
     if host._slots is None:
         pytest.skip("kvtier.tiers._slots is not built")
@@ -64,6 +64,9 @@ def test_the_c_write_writes_what_numpy_writes(width):
         data = rng.integers(0, 256, (n, width), dtype=np.uint8)
         if step % 37 == 5 and n:
             data = data[:1]                 # one row for every slot: numpy broadcasts it
+        if step % 29 == 11 and n:
+            slots = np.repeat(slots, 2)[::2]    # strided slots and rows: numpy's way
+            data = np.repeat(data, 2, axis=1)[:, ::2] if data.shape[0] == n else data
         if step % 41 == 7 and n:
             data = a.array[: n]             # a's own rows: numpy copies them first
             b_data = b.array[: n].copy()

@@ -63,13 +63,13 @@ class SlotPool(SlotStack):
 
         With kvtier.tiers._slots: one C call that checks every slot and copies the rows (a
         put of 25 small blocks: ~1 us against ~15 for numpy's two reductions, cast and fancy
-        assignment on the dev VM). Anything it does not take (other dtypes, a broadcast row,
-        data inside this pool) goes the numpy way, which is also the fallback."""
+        assignment on the dev VM). Anything it does not take (other dtypes, strided arrays, a
+        broadcast row, data inside this pool) goes the numpy way, which is also the fallback."""
         if _slots is not None:
             try:
                 done = _slots.write_rows(self.array, slots, data)
-            except TypeError:
-                done = -1
+            except (TypeError, ValueError, BufferError):   # not arrays it takes (strided ones
+                done = -1                                   # refuse a contiguous buffer)
             if done == 0:
                 raise BadRequest(f"slot out of range for pool {self.name} (0..{self.n_slots - 1})")
             if done == 1:
