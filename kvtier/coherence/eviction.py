@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvtier.coherence.namespace import Namespace
 
 _LOST_NEXT = transition_array(Event.LOST)    # looked up once: an Enum hashes in Python
+_NVME, _CLEAN = int(Tier.NVME), int(BlockState.CLEAN)
 
 
 class Eviction:
@@ -107,12 +108,41 @@ class Eviction:
                       lowers: list[Tier], slots: np.ndarray) -> int:
         """Evict victims (rows) from tier; slots: their copies' slots there (in the same
         order, as the policy handed them out)."""
+        if _fast is not None and slots.size:
+            return self._drop_victims_native(ns, tier, victims, lowers, slots)
         self._drop_copies(ns, victims, tier, slots)
         self.counters.tiers[tier].evictions += victims.size
         if lowers:
             self.counters.tiers[lowers[0]].demotions += victims.size
         self._forget_empty(ns, victims)
         return int(victims.size)
+
+    def _drop_victims_native(self, ns: Namespace, tier: Tier, victims: np.ndarray,
+                             lowers: list[Tier], slots: np.ndarray) -> int:
+        """_drop_victims with the C helper, in its order: the policy's on_remove, then
+        _fast.drop_rows (_drop_copies's release_copies and _forget_empty's empty_rows in one
+        call), the pool's free, the counters, the table's removal."""
+        cols, st = ns.table.cols, ns.slots[tier]
+        rows = np.ascontiguousarray(victims, dtype=np.int64)
+        self._tier_policy(ns, tier).on_remove(slots)
+        n = rows.size
+        out = np.empty(2 * n, dtype=np.int64)
+        k, d = _fast.drop_rows(cols["copy_ver"], cols["slot"], st.slot_row, st.leases,
+                               st.retired, rows, int(tier), out[:n], cols["version"],
+                               cols["state"], cols["checksum"], cols["nvme_checksum"],
+                               _LOST_NEXT, _NVME, _CLEAN, out[n:])
+        if k:
+            st.pool.free(out[:k])
+            if tier is Tier.HOST:
+                self.host_used -= k * ns.block_bytes
+        self.counters.tiers[tier].evictions += n
+        if lowers:
+            self.counters.tiers[lowers[0]].demotions += n
+        if d < 0:                      # a row without a LOST move: _forget_empty raises
+            self._forget_empty(ns, rows)
+        elif d > 0:
+            ns.table.remove(out[n:n + d])
+        return int(n)
 
     @staticmethod
     def _covered(cols: dict[str, np.ndarray], rows: np.ndarray, tier: Tier,
