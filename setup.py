@@ -3,8 +3,8 @@
 kvtier.pagetable._native (the page table's index: hashing, probing, inserts and
 removals), kvtier.coherence.policies._queues (the eviction queues and the ghost),
 kvtier.coherence._fast (the lease bookkeeping of a resident get, a put's rows and
-eviction's), kvtier._xxh (batch hashing through the system's libxxhash) and kvtier.tiers._aio
-(the NVMe tier's AIO loop) are built when a C compiler and the
+eviction's), kvtier._xxh (batch hashing through the system's libxxhash), kvtier.tiers._aio
+(the NVMe tier's AIO loop) and kvtier.tiers._slots (a host pool's checked write) are built when a C compiler and the
 Python headers are present; where they fail to build, the package installs anyway and the
 Python implementations run instead (the same results, slower).
 """
@@ -26,6 +26,10 @@ setup(ext_modules=[
     # Batch XXH3 through the system's libxxhash, GIL released (kvtier/checksums.py).
     Extension("kvtier._xxh", ["kvtier/_xxh.c"], extra_compile_args=["-O2", "-std=gnu11"],
               optional=True),
+    # SlotPool.write's bounds check and row copy (kvtier/tiers/host.py falls back to numpy).
+    Extension("kvtier.tiers._slots", ["kvtier/tiers/_slots.c"],
+              depends=["kvtier/coherence/cviews.h"],
+              extra_compile_args=["-O2", "-std=c11"], optional=True),
     # The NVMe tier's native-AIO submit/reap loop (Linux only; tiers/aio.py falls back to Python).
     Extension("kvtier.tiers._aio", ["kvtier/tiers/_aio.c"],
               extra_compile_args=["-O2", "-std=gnu11"], optional=True),

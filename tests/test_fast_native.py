@@ -135,3 +135,55 @@ def test_pin_slots_adds_one_pin_per_listed_slot_and_refuses_a_slot_past_the_pool
     with pytest.raises(ValueError, match="past the pool"):
         _fast.pin_slots(pool, np.array([1, SLOTS], np.int64))
     assert int(pool.sum()) == 3                       # checked before anything is written
+
+
+def test_drop_rows_does_what_release_copies_then_empty_rows_do():
+    """An eviction's fused call against its two parts on copies of the same random columns:
+    the same freed slots, dropped rows, fallbacks to NVMe and refusals (-1), column by column."""
+    from kvtier.coherence.states import BlockState, Event, transition_array
+    from kvtier.types import Tier
+    lost = transition_array(Event.LOST)
+    rng = np.random.default_rng(18)
+    cap, nt, ns, slots = 40, len(Tier), 3, 64
+    seen = set()
+    for step in range(400):
+        c = {"copy_ver": rng.integers(0, 3, (cap, nt)).astype(np.uint64),
+             "slot": np.full((cap, ns), -1, np.int32),
+             "slot_row": np.full(slots, -1, np.int64),
+             "pool": (rng.random(slots) < 0.2).astype(np.uint32),
+             "retired": np.zeros(slots, bool),
+             "version": rng.integers(0, 3, cap).astype(np.uint64),
+             "state": rng.choice([int(s) for s in BlockState], cap).astype(np.uint8),
+             "checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64),
+             "nvme_checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64)}
+        if step % 3:                                   # mostly states that can lose a block
+            c["state"][:] = int(BlockState.CLEAN)
+        tier = int(rng.integers(0, ns))
+        free_slots = rng.permutation(slots)
+        for r in range(cap):
+            if c["copy_ver"][r, tier]:
+                c["slot"][r, tier] = free_slots[r]
+                c["slot_row"][free_slots[r]] = r
+        rows = rng.choice(cap, int(rng.integers(0, 12)), replace=False).astype(np.int64)
+        a = {k: v.copy() for k, v in c.items()}
+        fa, da = np.empty(rows.size, np.int64), np.empty(rows.size, np.int64)
+        kf, kd = _fast.drop_rows(a["copy_ver"], a["slot"], a["slot_row"], a["pool"],
+                                 a["retired"], rows, tier, fa, a["version"], a["state"],
+                                 a["checksum"], a["nvme_checksum"], lost, int(Tier.NVME),
+                                 int(BlockState.CLEAN), da)
+        b = {k: v.copy() for k, v in c.items()}
+        fb, db = np.empty(rows.size, np.int64), np.empty(rows.size, np.int64)
+        kf2 = _fast.release_copies(b["copy_ver"], b["slot"], b["slot_row"], b["pool"],
+                                   b["retired"], rows, tier, fb)
+        kd2 = _fast.empty_rows(b["version"], b["copy_ver"], b["state"], b["checksum"],
+                               b["nvme_checksum"], rows, lost, int(Tier.NVME),
+                               int(BlockState.CLEAN), db)
+        assert (kf, kd) == (kf2, kd2), step
+        assert fa[:kf].tolist() == fb[:kf].tolist()
+        assert kd < 0 or da[:kd].tolist() == db[:kd].tolist()
+        for k in c:
+            assert np.array_equal(a[k], b[k]), (step, k)
+        seen.add((kf > 0, kd > 0, kd < 0))
+    assert {(True, True, False), (True, False, True)} <= seen   # drops and refusals both met
+    with pytest.raises(TypeError, match="16 arguments"):
+        _fast.drop_rows(1, 2, 3)

@@ -48,6 +48,45 @@ def test_out_of_range_slot_is_a_bad_request():
     pool.close()
 
 
+@pytest.mark.parametrize("width", [1, 3, 64])
+def test_the_c_write_writes_what_numpy_writes(width):
+    """kvtier.tiers._slots against numpy's checked assignment: the same random batches (int64
+    and int32 slots, repeats, empty batches, strided arrays, a broadcast row, a source inside
+    the pool) leave the same bytes, and the same bad slots are refused with nothing written."""
+    from kvtier.tiers import host
+    if host._slots is None:
+        pytest.skip("kvtier.tiers._slots is not built")
+    rng = np.random.default_rng(width)
+    a, b = SlotPool("a", width, 50, shared=False), SlotPool("b", width, 50, shared=False)
+    for step in range(300):
+        n = int(rng.integers(0, 12))
+        slots = rng.integers(0, 50, n).astype(np.int64 if step % 2 else np.int32)
+        data = rng.integers(0, 256, (n, width), dtype=np.uint8)
+        if step % 37 == 5 and n:
+            data = data[:1]                 # one row for every slot: numpy broadcasts it
+        if step % 29 == 11 and n:
+            slots = np.repeat(slots, 2)[::2]    # strided slots and rows: numpy's way
+            data = np.repeat(data, 2, axis=1)[:, ::2] if data.shape[0] == n else data
+        if step % 41 == 7 and n:
+            data = a.array[: n]             # a's own rows: numpy copies them first
+            b_data = b.array[: n].copy()
+        else:
+            b_data = data
+        bad = step % 23 == 3 and n
+        if bad:
+            slots[int(rng.integers(0, n))] = -1 if step % 2 else 50
+            with pytest.raises(BadRequest, match="slot out of range"):
+                a.write(slots, data)
+            with pytest.raises(BadRequest, match="slot out of range"):
+                b._write_numpy(slots, b_data)
+        else:
+            a.write(slots, data)
+            b._write_numpy(slots, b_data)
+        assert np.array_equal(a.array, b.array), step
+    a.close()
+    b.close()
+
+
 def test_wrong_block_size_and_empty_pool_are_refused():
     with pytest.raises(BadRequest):
         SlotPool("t", 0, 2)

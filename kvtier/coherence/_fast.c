@@ -60,6 +60,13 @@
  *       Eviction's _forget_empty: a row with a version and no current copy in any tier falls
  *       back to an older NVMe copy (version, checksum, state clean) or is written to out_drop
  *       for removal; -1 with nothing written when some such row has no LOST move.
+ *   drop_rows(copy_ver, slot, slot_row, pool_leases, retired, rows, tier, out_free,
+ *             version, state, checksum, nvme_checksum, lost_next, nvme, clean, out_drop)
+ *       -> (k_free, k_drop)
+ *       An eviction's victims in one call: release_copies(first eight arguments), then
+ *       empty_rows over the same rows (k_drop: its result, -1 as there). The same effects
+ *       in the same order as the two calls (the Python frames, casts and scratch arrays
+ *       between them were most of a small eviction's cost, issue 18).
  *
  * No reference to any argument is kept. The GIL is held: these run under the engine lock, on
  * batches that take microseconds.
@@ -505,6 +512,25 @@ fail:
     return NULL;
 }
 
+static PyObject *drop_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "drop_rows takes 16 arguments");
+        return NULL;
+    }
+    PyObject *freed = release_copies(self, args, 8);
+    if (freed == NULL)
+        return NULL;
+    PyObject *const eargs[10] = {args[8], args[0], args[9], args[10], args[11], args[5],
+                                 args[12], args[13], args[14], args[15]};
+    PyObject *dropped = empty_rows(self, eargs, 10);
+    if (dropped == NULL) {
+        Py_DECREF(freed);
+        return NULL;
+    }
+    return Py_BuildValue("NN", freed, dropped);
+}
+
 static PyMethodDef methods[] = {
     {"lease_rows", (PyCFunction)(void (*)(void))lease_rows, METH_FASTCALL,
      "lease_rows(...): pin and touch a batch of resident rows, or False (see _fast.c)."},
@@ -522,6 +548,8 @@ static PyMethodDef methods[] = {
      "release_copies(copy_ver, slot, slot_row, leases, retired, rows, tier, out) -> k freed."},
     {"empty_rows", (PyCFunction)(void (*)(void))empty_rows, METH_FASTCALL,
      "empty_rows(...) -> k rows to remove, or -1: eviction's _forget_empty (see _fast.c)."},
+    {"drop_rows", (PyCFunction)(void (*)(void))drop_rows, METH_FASTCALL,
+     "drop_rows(...) -> (k_free, k_drop): release_copies then empty_rows (see _fast.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,9 +12,9 @@ here, so eviction takes victims in rounds until it has enough or the policy has 
 Interface. Owns: each slot tier's policy object (made on first use, kept in SlotState.policy).
 Public: evict (admin eviction; the engine's method of that name is this, bound), evict_copies,
 evict_other_namespaces, tier_policy, placed, forget_empty (the engine binds them under its own
-names). Calls: the engine's slot ops through ``SlotOwner`` (alloc, set_copy, drop_copies, and
-the host budget it reads), the NVMe store's write_down and whole-segment evict, the settings
-(the policy per tier), the counters and the namespaces.
+names). Calls: the engine's slot ops through ``SlotOwner`` (alloc, set_copy, drop_copies,
+slots_freed, and the host budget it reads), the NVMe store's write_down and whole-segment evict,
+the settings (the policy per tier), the counters and the namespaces.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvtier.config import Settings
 
 _LOST_NEXT = transition_array(Event.LOST)    # looked up once: an Enum hashes in Python
+_NVME, _CLEAN = int(Tier.NVME), int(BlockState.CLEAN)
 
 
 class SlotOwner(Protocol):
@@ -51,6 +52,7 @@ class SlotOwner(Protocol):
                  versions: np.ndarray) -> None: ...
     def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
                     slots: np.ndarray | None = None) -> None: ...
+    def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
 
 
 class Eviction:
@@ -138,12 +140,39 @@ class Eviction:
                       lowers: list[Tier], slots: np.ndarray) -> int:
         """Evict victims (rows) from tier; slots: their copies' slots there (in the same
         order, as the policy handed them out)."""
+        if _fast is not None and slots.size:
+            return self._drop_victims_native(ns, tier, victims, lowers, slots)
         self.slots.drop_copies(ns, victims, tier, slots)
         self.counters.tiers[tier].evictions += victims.size
         if lowers:
             self.counters.tiers[lowers[0]].demotions += victims.size
         self.forget_empty(ns, victims)
         return int(victims.size)
+
+    def _drop_victims_native(self, ns: Namespace, tier: Tier, victims: np.ndarray,
+                             lowers: list[Tier], slots: np.ndarray) -> int:
+        """_drop_victims with the C helper, in its order: the policy's on_remove, then
+        _fast.drop_rows (drop_copies's release_copies and forget_empty's empty_rows in one
+        call), the pool's free, the counters, the table's removal."""
+        cols, st = ns.table.cols, ns.slots[tier]
+        rows = np.ascontiguousarray(victims, dtype=np.int64)
+        self.tier_policy(ns, tier).on_remove(slots)
+        n = rows.size
+        out = np.empty(2 * n, dtype=np.int64)
+        k, d = _fast.drop_rows(cols["copy_ver"], cols["slot"], st.slot_row, st.leases,
+                               st.retired, rows, int(tier), out[:n], cols["version"],
+                               cols["state"], cols["checksum"], cols["nvme_checksum"],
+                               _LOST_NEXT, _NVME, _CLEAN, out[n:])
+        if k:
+            self.slots.slots_freed(ns, tier, out[:k])
+        self.counters.tiers[tier].evictions += n
+        if lowers:
+            self.counters.tiers[lowers[0]].demotions += n
+        if d < 0:                      # a row without a LOST move: forget_empty raises
+            self.forget_empty(ns, rows)
+        elif d > 0:
+            ns.table.remove(out[n:n + d])
+        return int(n)
 
     @staticmethod
     def _covered(cols: dict[str, np.ndarray], rows: np.ndarray, tier: Tier,

@@ -31,7 +31,9 @@
  *       table.py's remove of each distinct row: its index entry becomes a tombstone (the
  *       hash computed from its key), it is unlinked as unlink_rows does, and it is pushed on
  *       the free-row stack free[nfree:]; returns the new stack height and the highest version
- *       among the rows (the table's version floor). Its columns are reset by reset_rows.
+ *       among the rows (the table's version floor). Its columns are reset by reset_rows,
+ *       in the same call when columns and fills follow (remove_rows(..., nfree, columns,
+ *       fills): table.remove's two calls as one; nothing is reset when the removal fails).
  *   reset_rows(columns, fills, rows)
  *       columns: a tuple of C-contiguous arrays whose first dimension is the row; fills: a
  *       tuple of one row's bytes each; every listed row of every column is set to its fill.
@@ -428,12 +430,15 @@ static int cmp_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 static PyObject *remove_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const int writable[10] = {1, 0, -1, 1, 1, 1, 0, 0, 1, -1};
     static const Py_ssize_t isz[10] = {4, 1, 0, 4, 4, 4, 8, 8, 8, 0};
     Py_buffer b[10];
-    if (get_buffers(args, nargs, "remove_rows", 10, b, writable) < 0
+    int reset = nargs == 12;           /* columns and fills follow: reset the rows too */
+    if (get_buffers(args, reset ? 10 : nargs, "remove_rows", 10, b, writable) < 0
             || whole_items(b, 10, isz, writable, "remove_rows") < 0)
         return NULL;
     Py_ssize_t width = PyLong_AsSsize_t(args[2]);
@@ -512,6 +517,13 @@ static PyObject *remove_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (missing) {
         PyErr_SetString(PyExc_RuntimeError, "remove_rows: a row is not in the index");
         return NULL;
+    }
+    if (reset) {
+        PyObject *const rargs[3] = {args[10], args[11], args[7]};
+        PyObject *done = reset_rows(self, rargs, 3);
+        if (done == NULL)
+            return NULL;
+        Py_DECREF(done);
     }
     return Py_BuildValue("nK", k, (unsigned long long)top);
 }

@@ -485,7 +485,7 @@ class PageTable:
     def remove(self, rows: np.ndarray) -> None:
         """Forget rows entirely: index entry, chain links and columns. Rows must be live; a
         row listed twice is removed once. With the C helper: two calls (remove_rows, then
-        reset_rows), whatever the batch."""
+        reset_rows, the second inside the first), whatever the batch."""
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         if rows.size == 0:
             return
@@ -495,9 +495,9 @@ class PageTable:
             before = self._nfree
             self._nfree, top = _native.remove_rows(
                 self._index, c["key"], self.key_width, c["parent"], c["first_child"],
-                c["next_sib"], c["version"], rows, self._free, before)
+                c["next_sib"], c["version"], rows, self._free, before, self._col_tuple,
+                self._row_fills)
             self.version_floor = max(self.version_floor, top)
-            self._reset_rows(rows)
             self.live -= self._nfree - before
             return
         rows = np.unique(rows)

@@ -28,6 +28,11 @@ from kvtier.errors import BadRequest, CapacityError
 from kvtier.memory import advise_huge_pages
 from kvtier.tiers.slots import SlotStack
 
+try:
+    from kvtier.tiers import _slots
+except ImportError:                   # not built: numpy's checked fancy assignment
+    _slots = None
+
 
 class SlotPool(SlotStack):
     """``n_slots`` slots of ``block_bytes`` each, in one memfd (or anonymous memory)."""
@@ -54,7 +59,24 @@ class SlotPool(SlotStack):
         self.pinned = _try_pin(self.array)
 
     def write(self, slots: np.ndarray, data: np.ndarray) -> None:
-        """Copy data (n x block_bytes) into slots."""
+        """Copy data (n x block_bytes) into slots.
+
+        With kvtier.tiers._slots: one C call that checks every slot and copies the rows (a
+        put of 25 small blocks: ~1 us against ~15 for numpy's two reductions, cast and fancy
+        assignment on the dev VM). Anything it does not take (other dtypes, strided arrays, a
+        broadcast row, data inside this pool) goes the numpy way, which is also the fallback."""
+        if _slots is not None:
+            try:
+                done = _slots.write_rows(self.array, slots, data)
+            except (TypeError, ValueError, BufferError):   # not arrays it takes (strided ones
+                done = -1                                   # refuse a contiguous buffer)
+            if done == 0:
+                raise BadRequest(f"slot out of range for pool {self.name} (0..{self.n_slots - 1})")
+            if done == 1:
+                return
+        self._write_numpy(slots, data)
+
+    def _write_numpy(self, slots: np.ndarray, data: np.ndarray) -> None:
         self.array[self.check_slots(slots)] = data
 
     def read(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
