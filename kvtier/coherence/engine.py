@@ -323,12 +323,11 @@ class Engine:
         leased = st.leases[slots] > 0
         st.retired[slots[leased]] = True
         free = slots[~leased]
-        st.pool.free(free)
-        if tier is Tier.HOST:
-            self.host_used -= free.size * ns.block_bytes
+        self.slots_freed(ns, tier, free)
 
     def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
-        """Slots whose last pin went (retired ones, now unpinned) go back to their pool."""
+        """Slots nothing pins any more go back to their pool, and the host budget with them
+        (the one place both change)."""
         ns.slots[tier].pool.free(slots)
         if tier is Tier.HOST:
             self.host_used -= slots.size * ns.block_bytes
@@ -340,18 +339,15 @@ class Engine:
             gone = np.empty(slots.size, dtype=np.int64)
             k = _fast.unpin_slots(st.leases, st.retired, slots, gone)
             if k:
-                st.pool.free(gone[:k] if k == 1 else np.sort(gone[:k]))   # as np.unique
-                if tier is Tier.HOST:
-                    self.host_used -= k * ns.block_bytes
+                # sorted, as np.unique leaves them on the numpy path
+                self.slots_freed(ns, tier, gone[:k] if k == 1 else np.sort(gone[:k]))
             return
         add_one(st.leases, slots, -1)
         gone = slots[(st.leases[slots] == 0) & st.retired[slots]]
         if gone.size:
             gone = np.unique(gone)
             st.retired[gone] = False
-            st.pool.free(gone)
-            if tier is Tier.HOST:
-                self.host_used -= gone.size * ns.block_bytes
+            self.slots_freed(ns, tier, gone)
 
     def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
                      slots: np.ndarray | None = None) -> None:
@@ -376,9 +372,7 @@ class Engine:
             k = _fast.release_copies(cols["copy_ver"], cols["slot"], st.slot_row, st.leases,
                                      st.retired, rows, int(tier), free)
             if k:
-                st.pool.free(free[:k])
-                if tier is Tier.HOST:
-                    self.host_used -= k * ns.block_bytes
+                self.slots_freed(ns, tier, free[:k])
             return
         has = rows[cols["copy_ver"][rows, tier] > 0]
         if has.size:
