@@ -72,6 +72,16 @@ def test_policy_follows_the_settings_table():
     assert off.onboard_copy_engine_bytes == 0
 
 
+@pytest.mark.parametrize("garbage", ["lots", "-1", "", "1e9"])
+def test_a_garbage_onboard_threshold_is_refused_by_name(garbage):
+    from kvtier.config import make_settings
+    from kvtier.errors import ConfigError
+    with pytest.raises(ConfigError, match="gpu_onboard_copy_engine_bytes"):
+        make_settings({"gpu_onboard_copy_engine_bytes": garbage})
+    with pytest.raises(BadRequest, match="gpu_onboard_copy_engine_bytes"):
+        TransferPolicy(onboard_copy_engine_bytes=-1)
+
+
 def test_a_row_splits_into_equal_layer_pages():
     t = PageTable.make([1 << 30], [BB * 32], [BB * 32], 10, 0).split_rows(32)
     assert t.pages == 32 and t.block_bytes == 32 * BB
