@@ -20,7 +20,9 @@ When threads are used: a batch of at least PARALLEL_BYTES, a machine with at lea
 cores, libxxhash and the C helper. On the 2-core VM two threads were slower than one
 (bench/api.py verified gets 8.5 -> 6.1 GB/s), so it keeps one thread. On one thread the C loop
 takes batches of many small rows (NATIVE_ROWS, NATIVE_WIDTH), where python-xxhash's per-call
-cost dominates; other batches go through python-xxhash, as before. Thread safety: the workers
+cost dominates, and a small batch of such rows goes through one call of _xxh.hash_slots (25
+one-byte rows: 0.5 us against 14 for the loop on the dev VM); batches of larger rows go
+through python-xxhash, as before. Thread safety: the workers
 only read the blocks, and block_checksums returns only after all of them have stopped.
 """
 
@@ -102,13 +104,21 @@ def block_checksums(arr: np.ndarray, rows: Sequence[int] | np.ndarray | None = N
                 return _in_c(arr, rows, n, threads)
         if release_gil or (n >= NATIVE_ROWS and arr.shape[1] <= NATIVE_WIDTH):
             return _in_c(arr, rows, n, 1)
+        if arr.shape[1] <= NATIVE_WIDTH and arr.strides[0] >= 0:
+            # A small batch of small rows (a put's 25 blocks of the replay): one C call,
+            # bounds checked there, in place of a python-xxhash call per row.
+            idx = (np.arange(n, dtype=np.int64) if rows is None
+                   else np.ascontiguousarray(rows, dtype=np.int64))
+            out = np.empty(n, dtype=np.uint64)
+            _xxh.hash_slots(_fn, arr, idx, out)
+            return out
     h = xxhash.xxh3_64_intdigest
     out = np.empty(n, dtype=np.uint64)
     if rows is None:
         for i in range(n):
             out[i] = h(arr[i])
     else:
-        for i, r in enumerate(rows):
+        for i, r in enumerate(rows.tolist() if isinstance(rows, np.ndarray) else rows):
             out[i] = h(arr[r])
     return out
 

@@ -67,3 +67,30 @@ def test_two_cores_or_no_libxxhash_hash_on_the_calling_thread(monkeypatch):
     assert checksums.usable_threads() == (checksums.MAX_THREADS if native else 1)
     monkeypatch.setattr(checksums, "_xxh", None)
     assert checksums.usable_threads() == 1
+
+
+@needs_lib
+@pytest.mark.parametrize("n, width", [(1, 1), (25, 1), (25, 240), (7, 4096), (255, 17)])
+def test_a_small_batch_hashed_in_one_c_call_gives_the_python_loop_s_values(monkeypatch, n,
+                                                                           width):
+    # Below NATIVE_ROWS, rows of at most NATIVE_WIDTH go through _xxh.hash_slots (a put's
+    # checksums); the python-xxhash loop is what it must equal, in every addressing.
+    rng = np.random.default_rng(n + width)
+    arr = rng.integers(0, 256, (3 * n, width), dtype=np.uint8)
+    gapped = rng.integers(0, 256, (3 * n, width + 5), dtype=np.uint8)[:, :width]
+    slots = rng.integers(0, 3 * n, n)
+    for a in (arr, gapped):
+        for rows in (None, slots, slots.astype(np.int32), slots.tolist()):
+            got = block_checksums(a, rows)
+            with monkeypatch.context() as m:
+                m.setattr(checksums, "_xxh", None)
+                want = block_checksums(a, rows)
+            assert got.dtype == np.uint64 and got.tolist() == want.tolist()
+            idx = range(a.shape[0]) if rows is None else rows
+            assert got.tolist() == [xxhash.xxh3_64_intdigest(a[i].tobytes()) for i in idx]
+    for bad in ([0, 3 * n], [-1, 0]):      # checked before any row is read
+        with pytest.raises(IndexError):
+            block_checksums(arr, np.array(bad))
+    flipped = arr[::-1]                   # rows laid out backwards: the Python loop's
+    assert block_checksums(flipped, [0]).tolist() == [xxhash.xxh3_64_intdigest(
+        flipped[0].tobytes())]
