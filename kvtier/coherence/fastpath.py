@@ -7,7 +7,7 @@ waits on. The general path in Engine._get handles misses, bring-ups and repeats 
 calls. Here:
 
 - get_one does the bookkeeping of one key on numpy scalars (a numpy call costs about a
-  microsecond);
+  microsecond) where the C helper is missing, and is lease_native's one call where it is;
 - lease_resident leases a batch that is all found and all current in the tier, gathering each
   column once;
 - lease_native does lease_resident's checks and work in one C call (kvtier.coherence._fast);
@@ -106,8 +106,12 @@ class FastPath:
 
     def get_one(self, ns: Namespace, karr: np.ndarray, owner: int,
                  tier: Tier) -> GetResult | None:
-        """Lease the one key's copy in tier when it holds the current version; else None."""
+        """Lease the one key's copy in tier when it holds the current version; else None.
+        With the C helper this is lease_native's one call (a dozen numpy scalar operations
+        here cost more than its few arrays); the scalar version below is the fallback."""
         table = ns.table
+        if _fast is not None:
+            return self.lease_native(ns, table.lookup(karr), owner, tier)
         row = int(table.lookup(karr)[0])
         if row < 0:
             return None
