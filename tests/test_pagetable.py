@@ -26,6 +26,20 @@ def test_repeated_key_in_one_batch_gets_one_row():
     assert created.sum() == 2 and t.live == 2
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_insert_counted_says_how_many_rows_it_made(monkeypatch, native):
+    # The commit asks "did every key get a new row?" by this count instead of created.all().
+    if not native:
+        monkeypatch.setattr(table, "_native", None)
+    t = PageTable(16)
+    for batch, made in (([7, 8, 7, 7], 2), ([8, 9, 9, 10], 2), ([7, 8, 9, 10], 0),
+                        (list(range(20, 60)), 40)):
+        rows, created, n = t.insert_counted(keys(batch))
+        assert n == made == int(created.sum())
+        assert (t.lookup(keys(batch)) == rows).all()
+    assert t.live == 44
+
+
 def test_remove_leaves_tombstones_that_lookups_probe_past():
     t = PageTable(16)
     rows, _ = t.insert(keys(range(2000)))

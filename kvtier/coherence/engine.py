@@ -89,7 +89,7 @@ def _trusted(checksums: np.ndarray | None, n: int) -> np.ndarray:
 
 def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
     """xxh3-64 of each slot's bytes, read in place (no copy)."""
-    return block_checksums(pool.array, slots.tolist())
+    return block_checksums(pool.array, slots)
 
 
 class Engine:
@@ -531,9 +531,8 @@ class Engine:
             res.state = HoldState.COMMITTED
             # (setdiff1d sorts twice: ~1 ms for 4,096 keys on the dev VM, for nothing in the
             # common case of a batch without repeats)
-            dup = (np.setdiff1d(np.arange(karr.size), keep) if keep is not None
-                   else np.empty(0, dtype=np.int64))
-            if dup.size:
+            dup = None if keep is None else np.setdiff1d(np.arange(karr.size), keep)
+            if dup is not None and dup.size:
                 self.free_slots(ns, tier, slots[dup])
             rows = self._install(ns, karr[sel], tier, slots[sel], sums,
                                  None if res.parents is None else res.parents[sel], host_slots)
@@ -562,8 +561,8 @@ class Engine:
                  host_slots: np.ndarray | None) -> np.ndarray:
         table = ns.table
         cols = table.cols
-        rows, created = table.insert(karr)
-        if not created.all():             # rows just made hold no copy anywhere
+        rows, created, made = table.insert_counted(karr)
+        if made < karr.size:              # rows just made hold no copy anywhere (keys distinct)
             for t in list(ns.slots):
                 self.drop_copies(ns, rows, t)
         if _fast is None and created.any():

@@ -361,6 +361,10 @@ class PageTable:
         A key repeated inside the batch gets one row. New rows start at version 0 (unused) with
         every copy absent; the caller fills them in.
         """
+        return self.insert_counted(keys)[:2]
+
+    def insert_counted(self, keys: bytes | np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """insert, and how many rows it created (created's count, without a pass over it)."""
         karr = self.keys_array(keys)
         if _native is not None:
             return self._insert_native(karr)
@@ -369,7 +373,7 @@ class PageTable:
         created = np.zeros(rows.size, dtype=bool)
         missing = np.flatnonzero(rows < 0)
         if missing.size == 0:
-            return rows, created
+            return rows, created, 0
         mk = karr[missing]
         mh = h[missing]
         if mh.size == 1 or not _repeats(mh):
@@ -392,9 +396,9 @@ class PageTable:
         rows[missing] = new_rows[inverse]
         created[missing[first]] = True
         self.live += first.size
-        return rows, created
+        return rows, created, int(first.size)
 
-    def _insert_native(self, karr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _insert_native(self, karr: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """insert with the C helper: room for the whole batch made first (index, columns, the
         fresh rows reset), then one pass."""
         n = karr.shape[0]
@@ -410,7 +414,7 @@ class PageTable:
             self._reset_rows(slice(old, self.n_rows), keys=False)
         self._index_used += made
         self.live += made
-        return rows, created
+        return rows, created, made
 
     def _alloc_rows(self, n: int) -> np.ndarray:
         take = min(n, self._nfree)
