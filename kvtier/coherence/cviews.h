@@ -28,7 +28,10 @@ static inline void *view(Views *v, PyObject *obj, Py_ssize_t itemsize, int writa
         return NULL;
     }
     Py_buffer *b = &v->b[v->n];
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    /* No PyBUF_FORMAT: only the item size is checked, and numpy builds (and then compares
+     * with its cached one, and frees) a format string on every request that asks for it:
+     * about a fifth of a view's cost, and the replay's put and get take ~60 views. */
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, b, flags) < 0)
         return NULL;
     v->n++;
