@@ -315,6 +315,7 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
         keys, parents, starts = _keys(trace)
         out = []
         log = eng.namespace("trace").log
+        try_get = eng.try_get
         nvme_max = 0
         cpu0 = time.process_time()
         bounds = starts.tolist()           # Python ints: no numpy scalar per request
@@ -324,7 +325,12 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
             n = eng.match_prefix("trace", req) if b > a else 0
             out.append(n)
             if n:
-                res = eng.get("trace", req[:n], tier=top)
+                # As the service answers a host get of resident blocks (api/resident.py: on
+                # its loop, through try_get, not the general get's steps); anything else, and
+                # every HBM get, goes the general way.
+                res = try_get("trace", req[:n]) if top is Tier.HOST else None
+                if res is None:
+                    res = eng.get("trace", req[:n], tier=top)
                 eng.release(res.lease_id)
             # Store the misses in order, each chained to the block before it; a run longer
             # than the tier goes in tier-sized pieces (the tail is what stays, as in LRU).
