@@ -13,7 +13,7 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("kvtier.pagetable._native", ["kvtier/pagetable/_native.c"],
-              depends=["kvtier/pagetable/keyhash.h"],
+              depends=["kvtier/pagetable/keyhash.h", "kvtier/coherence/cviews.h"],
               extra_compile_args=["-O3", "-std=c11"], optional=True),
     # The eviction policies' queues and ghost (kvtier/coherence/policies/queues.py, rings.py).
     Extension("kvtier.coherence.policies._queues", ["kvtier/coherence/policies/_queues.c"],

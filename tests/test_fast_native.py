@@ -187,3 +187,37 @@ def test_drop_rows_does_what_release_copies_then_empty_rows_do():
     assert {(True, True, False), (True, False, True)} <= seen   # drops and refusals both met
     with pytest.raises(TypeError, match="16 arguments"):
         _fast.drop_rows(1, 2, 3)
+
+
+def test_kept_views_follow_their_arrays_and_let_them_go():
+    # cviews.h keeps the views of large arrays that own their memory between calls. A kept
+    # view must never outlive its array's identity, serve a writable request from a read-only
+    # view, or hold an mmap (a pool's bytes) open.
+    import gc
+    import mmap
+    import weakref
+    slots = np.arange(0, 2000, 7, dtype=np.int64)         # 2,288 bytes: kept as well
+    pool = np.zeros(2000, np.uint32)
+    _fast.pin_slots(pool, slots)
+    _fast.pin_slots(pool, slots)
+    assert pool[slots].tolist() == [2] * slots.size and pool.sum() == 2 * slots.size
+    gone = weakref.ref(pool)
+    del pool
+    gc.collect()
+    fresh = np.zeros(2000, np.uint32)                     # a miss: the dead entry is released
+    _fast.pin_slots(fresh, slots)
+    assert gone() is None
+    assert fresh[slots].tolist() == [1] * slots.size and fresh.sum() == slots.size
+    ro = np.zeros(300, np.int64)
+    ro.flags.writeable = False
+    _fast.pin_slots(fresh, ro)                            # kept read-only
+    assert fresh[0] == 1 + 300
+    with pytest.raises((ValueError, BufferError, TypeError)):
+        _fast.unpin_slots(fresh, np.zeros(2000, bool), slots[:1], ro)   # ro as an output
+    assert not ro.any() and fresh[0] == 1 + 300
+    mm = mmap.mmap(-1, 8192)
+    over = np.frombuffer(mm, dtype=np.uint32)             # not its own memory: never kept
+    _fast.pin_slots(over, slots)
+    assert over[slots].tolist() == [1] * slots.size
+    del over
+    mm.close()                                            # no export left behind

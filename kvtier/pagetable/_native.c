@@ -53,6 +53,7 @@
 #include <string.h>
 
 #include "keyhash.h"
+#include "../coherence/cviews.h"     /* get_kept_buffer: the columns' views kept between calls */
 
 #define EMPTY (-1)
 #define NOGIL_BATCH 256
@@ -90,8 +91,7 @@ static int get_buffers(PyObject *const *args, Py_ssize_t nargs, const char *fmt_
     for (Py_ssize_t i = 0; i < want; i++) {
         if (writable[i] < 0)
             continue;                                  /* an int argument */
-        int flags = writable[i] ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
-        if (PyObject_GetBuffer(args[i], &bufs[i], flags) < 0) {
+        if (get_kept_buffer(args[i], &bufs[i], writable[i]) < 0) {
             for (Py_ssize_t j = 0; j < i; j++)
                 if (writable[j] >= 0)
                     PyBuffer_Release(&bufs[j]);
@@ -543,8 +543,7 @@ static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t n = rb.len / 8, ncols = PyTuple_GET_SIZE(args[0]);
     for (Py_ssize_t c = 0; c < ncols; c++) {
         Py_buffer cb, fb;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], c), &cb,
-                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        if (get_kept_buffer(PyTuple_GET_ITEM(args[0], c), &cb, 1) < 0) {
             PyBuffer_Release(&rb);
             return NULL;
         }
