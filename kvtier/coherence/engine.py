@@ -507,7 +507,8 @@ class Engine:
                 given_sums = _trusted(checksums, karr.size)[sel] if trusted else None
                 if tier is Tier.HOST:
                     sums = (given_sums if trusted
-                            else checksums_of(ns.slots[Tier.HOST].pool, slots[sel]))
+                            else checksums_of(ns.slots[Tier.HOST].pool,
+                                              slots if keep is None else slots[sel]))
                 else:
                     # A GPU write: written through to host; the checksum is the host copy's.
                     host_slots = self.alloc(ns, Tier.HOST, n_keep)
@@ -534,8 +535,12 @@ class Engine:
             dup = None if keep is None else np.setdiff1d(np.arange(karr.size), keep)
             if dup is not None and dup.size:
                 self.free_slots(ns, tier, slots[dup])
-            rows = self._install(ns, karr[sel], tier, slots[sel], sums,
-                                 None if res.parents is None else res.parents[sel], host_slots)
+            if keep is None:                  # no view of each array for the whole batch
+                rows = self._install(ns, karr, tier, slots, sums, res.parents, host_slots)
+            else:
+                rows = self._install(ns, karr[keep], tier, slots[keep], sums,
+                                     None if res.parents is None else res.parents[keep],
+                                     host_slots)
             if keep is None:
                 versions_by_pos = ns.table.cols["version"][rows]
             else:
@@ -603,8 +608,9 @@ class Engine:
         top = _fast.install_rows(
             c["version"], c["leases"], c["size"], c["checksum"], c["state"], c["last_access"],
             c["prev_access"], c["freq"], c["slot"], c["copy_ver"], st.slot_row, rows,
-            np.ascontiguousarray(created), np.ascontiguousarray(slots, dtype=np.int64),
-            np.ascontiguousarray(sums, dtype=np.uint64), _COMMIT_NEXT,
+            # rows, created and slots as the commit made them (int64, bool, int64: the
+            # table's insert and the reservation), sums possibly a caller's trusted array
+            created, slots, np.ascontiguousarray(sums, dtype=np.uint64), _COMMIT_NEXT,
             int(tier), ns.table.version_floor, self.epoch << EPOCH_BITS, self.clock,
             ns.block_bytes)
         if top < 0:
