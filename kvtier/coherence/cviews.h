@@ -60,26 +60,26 @@ static inline const Py_buffer *vcache_find(PyObject *obj, int writable)
 }
 
 /* Keep *b (just taken, writable or not) when its array qualifies: moves the view into the
- * cache and returns 1 (the caller must not release it), else 0. */
-static inline int vcache_keep(PyObject *obj, Py_buffer *b, int writable)
+ * cache and returns the kept copy (the caller must not release *b), else NULL. */
+static inline const Py_buffer *vcache_keep(PyObject *obj, Py_buffer *b, int writable)
 {
     static PyObject *base_name;
     if (b->len < VCACHE_MIN || b->obj != obj
             || strcmp(Py_TYPE(obj)->tp_name, "numpy.ndarray") != 0)   /* not a subclass */
-        return 0;
+        return NULL;
     if (base_name == NULL && (base_name = PyUnicode_InternFromString("base")) == NULL) {
         PyErr_Clear();
-        return 0;
+        return NULL;
     }
     PyObject *base = PyObject_GetAttr(obj, base_name);
     if (base == NULL) {
         PyErr_Clear();
-        return 0;
+        return NULL;
     }
     int owns = base == Py_None;
     Py_DECREF(base);
     if (!owns)
-        return 0;
+        return NULL;
     for (int i = 0; i < VCACHE_N; i++)
         if (vcache[i].obj != NULL && Py_REFCNT(vcache[i].obj) == 1) {
             PyBuffer_Release(&vcache[i].b);      /* nothing else holds it: let it go */
@@ -100,7 +100,7 @@ static inline int vcache_keep(PyObject *obj, Py_buffer *b, int writable)
     vcache[slot].obj = obj;
     vcache[slot].writable = writable;
     vcache[slot].b = *b;
-    return 1;
+    return &vcache[slot].b;
 }
 
 /* PyObject_GetBuffer(obj, b, C-contiguous, writable or not), served from or added to the kept
@@ -116,7 +116,7 @@ static inline int get_kept_buffer(PyObject *obj, Py_buffer *b, int writable)
     }
     if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
-    if (vcache_keep(obj, b, writable))
+    if (vcache_keep(obj, b, writable) != NULL)
         b->obj = NULL;                           /* the kept entry holds the export */
     return 0;
 }
@@ -146,9 +146,8 @@ static inline void *view(Views *v, PyObject *obj, Py_ssize_t itemsize, int writa
         int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
         if (PyObject_GetBuffer(obj, nb, flags) < 0)
             return NULL;
-        if (vcache_keep(obj, nb, writable))
-            b = vcache_find(obj, writable);
-        else {
+        b = vcache_keep(obj, nb, writable);
+        if (b == NULL) {                         /* not kept: released with the others */
             v->n++;
             b = nb;
         }
