@@ -181,14 +181,16 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
     tag = {2 << 20: "2m", 65536: "64k", 16384: "16k"}[bb]
     # The same put cut otherwise (chunks of k keys; 4,096: one request): what chunks buy.
     extra = {}
-    saved = pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN
-    for k in {"2m": (64, 256), "64k": (256, 4096), "16k": (1024,)}[tag]:
+    saved = pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN, pipeline.CUDA_PUT_CHUNK
+    for k in {"2m": (64, 256), "64k": (256, 4096), "16k": (512, 4096)}[tag]:
         pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN = k * bb, k
+        pipeline.CUDA_PUT_CHUNK = max(k, saved[2])
         try:
             extra[f"offload_ratio_{tag}_chunks_{k}"] = round(
                 n * bb / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)
         finally:
-            pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN = saved
+            (pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN,
+             pipeline.CUDA_PUT_CHUNK) = saved
     extra[f"offload_chunks_{tag}"] = len(pipeline.cuda_put_chunks(n, bb))
     if tag != "2m":
         extra.update(onboard_split(ns, kb, n, get, lambda: ns.get_async(

@@ -155,8 +155,9 @@ def test_rows_are_checked_against_the_target():
     (2 << 20, 4096, 256, 1024),     # never fewer than 1,024 keys a chunk
     (2 << 20, 1024, 1024, 1024),    # up to two chunks' worth: one request (H200 run 12: edge
                                     # chunks of 16-128 keys around it lost, 0.91 against 0.93)
-    (16 << 10, 4096, 4096, 4096),   # copies shorter than the control path: one request
-    (16 << 10, 10000, 1024, 4096),  # and never more than CUDA_PUT_CHUNK keys
+    (16 << 10, 4096, 256, 1024),    # the service's reserves and commits inline: cut too
+    (16 << 10, 2048, 2048, 2048),   # up to two chunks' worth: one request
+    (16 << 10, 10000, 256, 1024),   # never more than CUDA_PUT_CHUNK keys
 ])
 def test_cuda_puts_are_cut_by_bytes(block_bytes: int, n: int, first: int, size: int):
     from kvtier.api import pipeline
@@ -278,3 +279,97 @@ def test_the_cuda_forms_refuse_host_memory_and_garbage_arguments(tmp_path):
             assert st["reservations"] == 0 and st["puts"] == 0
     finally:
         svc.stop()
+
+
+
+def _server(engine):
+    from kvtier.api.quota import ClientInfo
+    from kvtier.api.server import Server
+    return Server(engine, engine.settings), ClientInfo(1, 0, 0)
+
+
+def _answer(out):
+    """An op's reply and whether it came at once (inline); an awaitable is run on a loop."""
+    import asyncio
+    import inspect
+    if not inspect.isawaitable(out):
+        return out, True
+
+    async def wait():
+        return await out
+    return asyncio.run(wait()), False
+
+
+def _sums(data: np.ndarray) -> np.ndarray:
+    return np.array([xxhash.xxh3_64_intdigest(b.tobytes()) for b in data], "<u8")
+
+
+def test_a_gpu_puts_reserve_and_trusted_commit_run_inline_when_they_touch_no_disk(make_engine):
+    # 16 host slots of 4 KiB, no NVMe. A reserve with room and a trusted commit are answered
+    # inline (no thread, no task); what they store is what the thread path stores.
+    eng = make_engine(nvme_capacity="0", max_client_share=1.0)
+    eng.create_namespace("g", 4096)
+    srv, client = _server(eng)
+    try:
+        data = blocks(4, 4096, seed=3)
+        res, inline = _answer(srv.op_reserve(client, {"ns": "g", "keys": keys(range(4))}))
+        assert inline and list(client.pins.by_id) == [res["rid"]]
+        slots = np.frombuffer(res["slots"], "<i4").astype(np.int64)
+        eng.namespace("g").slots[Tier.HOST].pool.write(slots, data)
+        out, inline = _answer(srv.op_commit(client, {"rid": res["rid"], "trusted": True,
+                                                      "checksums": _sums(data).tobytes()}))
+        assert inline and (np.frombuffer(out["versions"], "<u8") > 0).all()
+        assert not client.pins.by_id and not eng.reservations
+        got = eng.get("g", keys(range(4)))
+        assert (got.checksums == _sums(data)).all() and got.found.all()
+        eng.release(got.lease_id)
+        # An untrusted commit hashes every byte on the service: on a thread, never the loop.
+        res, _ = _answer(srv.op_reserve(client, {"ns": "g", "keys": keys(range(4, 6))}))
+        _out, inline = _answer(srv.op_commit(client, {"rid": res["rid"]}))
+        assert not inline
+        # No room without eviction (6 of 16 slots used): the reserve goes to a thread, and works.
+        res, inline = _answer(srv.op_reserve(client, {"ns": "g", "keys": keys(range(6, 18))}))
+        assert not inline and np.frombuffer(res["slots"], "<i4").size == 12
+        assert not eng.put_in_memory("g", 1)            # every slot is taken now
+        assert eng.put_in_memory("", rid=res["rid"])    # its commit would be memory-only
+        _answer(srv.op_abort(client, {"rid": res["rid"]}))
+        free = eng.namespace("g").slots[Tier.HOST].pool.free_count    # two were evicted
+        assert free == 12 and eng.put_in_memory("g", free)
+        assert not eng.put_in_memory("g", free + 1)
+        assert not eng.put_in_memory("nope", 1) and not eng.put_in_memory("", rid=12345)
+    finally:
+        srv._pool.shutdown()
+        srv._mem_pool.shutdown()
+
+
+def test_a_put_goes_to_a_thread_when_the_lock_is_taken_or_the_commit_writes_through(
+        make_engine):
+    import threading
+    eng = make_engine(write_policy="write_through")
+    eng.create_namespace("w", 4096)
+    srv, client = _server(eng)
+    try:
+        taken, go = threading.Event(), threading.Event()
+
+        def hold():
+            with eng.lock:
+                taken.set()
+                go.wait(10)
+        t = threading.Thread(target=hold)
+        t.start()
+        taken.wait(10)
+        out = srv.op_reserve(client, {"ns": "w", "keys": keys(range(2))})
+        go.set()
+        t.join()
+        res, inline = _answer(out)
+        assert not inline
+        data = blocks(2, 4096, seed=4)
+        eng.namespace("w").slots[Tier.HOST].pool.write(
+            np.frombuffer(res["slots"], "<i4").astype(np.int64), data)
+        assert not eng.put_in_memory("", rid=res["rid"])    # written through to NVMe first
+        out, inline = _answer(srv.op_commit(client, {"rid": res["rid"], "trusted": True,
+                                                      "checksums": _sums(data).tobytes()}))
+        assert not inline and np.frombuffer(out["versions"], "<u8").size == 2
+    finally:
+        srv._pool.shutdown()
+        srv._mem_pool.shutdown()

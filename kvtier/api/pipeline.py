@@ -33,15 +33,17 @@ if TYPE_CHECKING:
     from kvtier.api.client import GetReply, Namespace
 
 CHUNK = 1024
-# Puts from CUDA tensors are cut far less: each chunk's reserve and commit are requests that
-# the service answers one after the other, and a commit of 1,024 keys costs most of what one of
-# 4,096 does, while the scatter that chunks overlap is short. On the H200 once commits were
-# hashed on threads (bench/gpu.py offload_ms_by_chunk): 4,096 x 16 KiB took 8.2 ms as one
-# request against 14.9-15.5 ms in chunks of 1,024 (64 KiB: 14.1-15.6 against 17.1-17.6). Host
-# puts keep CHUNK: there the client's copy and hash of one chunk overlap the service's commit of
-# the one before, and on the dev VM 4,096 x 16 KiB took 1.22x as long as one request. Chunks
-# still bound a single commit (and its hold of the engine lock) for huge puts.
-CUDA_PUT_CHUNK = 4096
+# Puts from CUDA tensors: chunks of at most CUDA_PUT_CHUNK keys. Each chunk's reserve and commit
+# are requests that the service answers one after the other. While they ran on a thread (a hop
+# and a reply task each) that cost more than the overlap bought for small blocks, so up to
+# 4,096 keys went as one request (H200, commits hashed on threads: 4,096 x 16 KiB 8.2 ms as one
+# request against 14.9-15.5 ms in chunks of 1,024). With the writer's checksums the service
+# runs them inline on its loop (Server._in_memory), and every chunk's copies then overlap the
+# service's reserves and commits of the others: bench/gpu.py offload_ratio_16k_chunks_4096 is
+# the one request, measured beside the default in the same run. Host puts keep CHUNK: there
+# the client's copy and hash of one chunk overlap the service's commit of the one before.
+# Chunks also bound a single commit (and its hold of the engine lock) for huge puts.
+CUDA_PUT_CHUNK = 1024
 # ... and cut by bytes where the copies outlast the control path: a chunk's copies are enqueued
 # as soon as its reserve reply arrives and its commit is sent as soon as its copies (and the GPU
 # hash) have completed (kvtier.gpu.transfer), so the service reserves and commits other chunks
@@ -52,17 +54,18 @@ CUDA_PUT_CHUNK = 4096
 # chunks of 1,024 against 0.260 as one; 1,024 x 2 MiB 0.721 in chunks of 64 against 0.865 as one
 # (run 11: 0.730 in chunks of 64 and 0.824 in chunks of 256 against 0.872; not the GPU hash that
 # every chunk's commit waits for, 6 ms; the cause is not established). Hence chunks of at least
-# CUDA_PUT_CHUNK_MIN keys and CUDA_PUT_CHUNK_BYTES: 64 KiB blocks in chunks of 1,024, 16 KiB
-# and 2 MiB batches up to 4,096 and 2,048 keys as one request. With batched copies (run 12)
-# a 2 MiB put is 0.93 of D2H as one request; short edge chunks (16-128 keys first and last,
-# to start the copies sooner and leave less commit after them) measured 0.91.
+# CUDA_PUT_CHUNK_MIN keys and CUDA_PUT_CHUNK_BYTES: 64 KiB blocks in chunks of 1,024, 2 MiB
+# batches up to 2,048 keys as one request. With batched copies (run 12) a 2 MiB put is 0.93 of
+# D2H as one request; short edge chunks (16-128 keys first and last, to start the copies sooner
+# and leave less commit after them) measured 0.91.
 CUDA_PUT_CHUNK_BYTES = 64 << 20
 CUDA_PUT_CHUNK_MIN = 1024
 
-
 def cuda_put_chunks(n: int, block_bytes: int) -> list[tuple[int, int]]:
     """The chunks of a put from CUDA memory: CUDA_PUT_CHUNK_BYTES of blocks, at least
-    CUDA_PUT_CHUNK_MIN and at most CUDA_PUT_CHUNK keys (chunks() cuts them)."""
+    CUDA_PUT_CHUNK_MIN and at most CUDA_PUT_CHUNK keys (chunks() cuts them). (A short last
+    chunk as well, to leave less commit after the last copy, measured no gain on the H200:
+    4,096 x 64 KiB 0.826 against 0.816, 16 KiB 0.463 against 0.533, medians of three.)"""
     size = min(CUDA_PUT_CHUNK, max(CUDA_PUT_CHUNK_MIN, CUDA_PUT_CHUNK_BYTES // max(1, block_bytes)))
     return chunks(n, size)
 

@@ -469,6 +469,24 @@ class Engine:
         self.reservations[rid] = res
         return res
 
+    def put_in_memory(self, namespace: str, n: int = 0, rid: int | None = None) -> bool:
+        """Whether a host-tier reserve of n keys into namespace (rid None) or the commit of
+        reservation rid would touch no disk now: no write-down pending, the reserve's room
+        free without eviction, the commit not written through to NVMe or Redis. The caller
+        holds the lock; the answer holds while it does (the server then runs the call inline
+        on its loop). False where unsure: the call then runs on a thread as before."""
+        if self.nvme.wanted():
+            return False
+        if rid is not None:
+            res = self.reservations.get(rid)
+            return (res is not None and res.tier is Tier.HOST
+                    and not (self.settings.write_policy == "write_through"
+                             and (self.remote is not None or res.ns.log is not None)))
+        ns = self.namespaces.get(namespace)
+        st = None if ns is None else ns.slots.get(Tier.HOST)
+        return (st is not None and 0 < n <= st.pool.free_count
+                and self.host_used + n * ns.block_bytes <= self.settings.host_capacity)
+
     def _take_reservation(self, rid: int, owner: int) -> Reservation:
         res = self.reservations.get(rid)
         if res is None or res.owner != owner:
