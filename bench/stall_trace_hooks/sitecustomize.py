@@ -2,10 +2,23 @@
 STALL_TRACE names a file and STALL_TRACE_ROLE is "serve": the loop's work is timed by kind
 (a locked step by its function, a connection's data_received, a reply built, a reply written,
 an inline engine call, piggybacked releases) and, on the I/O threads, each NVMe read; the list
-is pickled at exit. Perf counters are CLOCK_MONOTONIC, the probe's clock too. For measuring
+is pickled at exit (STALL_SWITCH_INTERVAL: see below). Perf counters are CLOCK_MONOTONIC, the probe's clock too. For measuring
 only: it wraps methods of kvtier.api.server and kvtier.api.steps.
 """
 import os, atexit, time
+
+# bench/stall.py --switch-interval S: the service's GIL switch interval (its threads and the
+# loop hand the GIL over after S seconds instead of 5 ms), in `kvtier serve` only.
+_sw = os.environ.get("STALL_SWITCH_INTERVAL")
+if _sw:
+    try:
+        with open("/proc/self/cmdline", "rb") as _fh:
+            _cmd = _fh.read().split(b"\0")
+    except OSError:
+        _cmd = []
+    if b"kvtier.cli" in _cmd and b"serve" in _cmd:
+        import sys
+        sys.setswitchinterval(float(_sw))
 _path = os.environ.get("STALL_TRACE")
 if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
     import pickle
