@@ -52,12 +52,14 @@ def _name(e: tuple) -> str:
 def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     # Only the loop's outermost pieces of work (an inline engine call, reply or write inside a
     # data_received is part of it; the nested ones are in loop_work_us).
+    side = ("read", "pin", "unpin")         # on the I/O threads, or inside a step
     loop, end = [], -1.0
-    for e in sorted((e for e in events if e[0] != "read"), key=lambda e: e[1]):
+    for e in sorted((e for e in events if e[0] not in side), key=lambda e: e[1]):
         if e[1] >= end:
             loop.append(e)
             end = e[2]
     nested = sorted((e for e in events if e[0] != "read"), key=lambda e: e[1])
+    cpu: dict[str, list[float]] = collections.defaultdict(list)
     reads = sorted((e for e in events if e[0] == "read"), key=lambda e: e[1])
     starts = np.array([e[1] for e in loop])
     lo_t, hi_t = beside[0, 0], beside[-1, 1]
@@ -92,6 +94,8 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     for e in nested:
         if lo_t <= e[1] <= hi_t:
             durs[_name(e)].append(e[2] - e[1])
+            if len(e) > 4 and e[0] in ("step", "dr"):
+                cpu[_name(e)].append(e[4])
     return {
         "tail_gets": len(waits), "tail_threshold_us": round(thr * 1e6, 1),
         "tail_wait_to_data_received_us": round(float(np.mean(waits)) * 1e6, 1) if waits else None,
@@ -102,7 +106,10 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
         "loop_work_us": {k: {"n": len(v), "p50": round(float(np.percentile(v, 50)) * 1e6, 1),
                              "p90": round(float(np.percentile(v, 90)) * 1e6, 1),
                              "p99": round(float(np.percentile(v, 99)) * 1e6, 1),
-                             "share_of_phase": round(sum(v) / (hi_t - lo_t), 3)}
+                             "share_of_phase": round(sum(v) / (hi_t - lo_t), 3),
+                             **({"cpu_p50": round(float(np.percentile(cpu[k], 50)) * 1e6, 1),
+                                 "cpu_p99": round(float(np.percentile(cpu[k], 99)) * 1e6, 1)}
+                                if cpu.get(k) else {})}
                          for k, v in sorted(durs.items())},
     }
 

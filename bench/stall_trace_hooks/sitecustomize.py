@@ -1,9 +1,12 @@
 """bench/stall_trace.py's hooks, loaded into `kvtier serve` as sitecustomize (PYTHONPATH) when
 STALL_TRACE names a file and STALL_TRACE_ROLE is "serve": the loop's work is timed by kind
 (a locked step by its function, a connection's data_received, a reply built, a reply written,
-an inline engine call, piggybacked releases) and, on the I/O threads, each NVMe read; the list
-is pickled at exit (STALL_SWITCH_INTERVAL: see below). Perf counters are CLOCK_MONOTONIC, the probe's clock too. For measuring
-only: it wraps methods of kvtier.api.server and kvtier.api.steps.
+an inline engine call, piggybacked releases; the loop thread's CPU time in steps and
+data_received: wall time beyond it is waiting, for the GIL, a lock or a core), each NVMe read
+on the I/O threads, and the NVMe log's pin (in the decide) and unpin (after each read); the
+list is pickled at exit. Perf counters are CLOCK_MONOTONIC, the probe's clock too. For
+measuring only: it wraps methods of kvtier.api.server, kvtier.api.steps,
+kvtier.coherence.persist and kvtier.tiers.nvme. STALL_SWITCH_INTERVAL: see below.
 """
 import os, atexit, time
 
@@ -23,6 +26,7 @@ _path = os.environ.get("STALL_TRACE")
 if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
     import pickle
     pc = time.perf_counter
+    tt = time.thread_time     # the loop thread's CPU time: wall minus it is waiting
     EV = []
     def _dump():
         with open(_path, "wb") as f:
@@ -33,14 +37,14 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
     _next = S.StepRunner._next
     def _next_t(self):
         fn = self._queue[0][0] if self._queue else None
-        t0 = pc(); _next(self); t1 = pc()
-        EV.append(("step", t0, t1, getattr(getattr(fn, "func", None), "__name__", "?")))
+        c0 = tt(); t0 = pc(); _next(self); t1 = pc(); c1 = tt()
+        EV.append(("step", t0, t1, getattr(getattr(fn, "func", None), "__name__", "?"), c1 - c0))
     S.StepRunner._next = _next_t
     C = SV._Connection
     _dr = C.data_received
     def _dr_t(self, data):
-        t0 = pc(); _dr(self, data); t1 = pc()
-        EV.append(("dr", t0, t1, getattr(self.client, "name", "?"), len(data)))
+        c0 = tt(); t0 = pc(); _dr(self, data); t1 = pc(); c1 = tt()
+        EV.append(("dr", t0, t1, getattr(self.client, "name", "?"), c1 - c0))
     C.data_received = _dr_t
     _w = C._write
     def _w_t(self, reply, t0_):
@@ -72,3 +76,14 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
         EV.append(("read", t0, t1, "io"))
         return r
     PE.NvmeStore.run_read = _rr_t
+    import kvtier.tiers.nvme as NV
+    for _cls in [c for c in vars(NV).values() if isinstance(c, type) and "pin" in vars(c)]:
+        def _wrap(orig, kind):
+            def f(self, *a, **k):
+                t0 = pc(); r = orig(self, *a, **k); t1 = pc()
+                EV.append((kind, t0, t1, "lock"))
+                return r
+            return f
+        _cls.pin = _wrap(_cls.pin, "pin")
+        if "unpin" in vars(_cls):
+            _cls.unpin = _wrap(_cls.unpin, "unpin")
