@@ -2,7 +2,8 @@
 service's loop traced (issue 17, stall).
 
     python bench/stall_trace.py --json
-    python bench/stall_trace.py --readers 1 --cold-blocks 512 --samples 200 --json   # smoke
+    python bench/stall_trace.py --readers 1 --cold-blocks 256 --batch 16 --host-capacity 8MiB \
+        --samples 50 --json                                                  # the CI smoke run
 
 The service runs with bench/stall_trace_hooks on its PYTHONPATH: each piece of the loop's work
 is timed (a locked step by its function, a connection's data_received, a reply built or
@@ -118,6 +119,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--readers", default="1,4,8")
     ap.add_argument("--cold-blocks", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=64, help="blocks per reader get")
+    ap.add_argument("--host-capacity", default="64MiB")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--tail", type=float, default=2.0, help="percent of slowest probe gets")
     ap.add_argument("--json", action="store_true")
@@ -132,7 +135,7 @@ def main() -> None:
     os.environ.update(STALL_TRACE=trace, STALL_TRACE_ROLE="serve",
                       PYTHONPATH=os.pathsep.join(p for p in (HOOKS, ROOT, env["PYTHONPATH"])
                                                  if p))
-    svc = Service(Path(base) / "svc", admin=False, host_capacity="64MiB",
+    svc = Service(Path(base) / "svc", admin=False, host_capacity=args.host_capacity,
                   nvme_capacity=f"{args.cold_blocks * bb * 2 + (64 << 20)}",
                   segment_bytes="64MiB", write_policy="write_back").start()
     for k, v in env.items():                  # the readers and the probe run untraced
@@ -167,8 +170,9 @@ def main() -> None:
                 alone = probe(args.samples)
                 stop, q = ctx.Event(), ctx.Queue()
                 readys = [ctx.Event() for _ in range(k)]
-                procs = [ctx.Process(target=reader, args=(str(svc.socket), args.cold_blocks, 64,
-                                                          False, stop, r, q)) for r in readys]
+                procs = [ctx.Process(target=reader, args=(str(svc.socket), args.cold_blocks,
+                                                          args.batch, False, stop, r, q))
+                         for r in readys]
                 for p in procs:
                     p.start()
                 for r in readys:
@@ -188,8 +192,9 @@ def main() -> None:
             events = pickle.load(fh)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    out: dict = {"cold_blocks": args.cold_blocks, "samples": args.samples, "tail_pct": args.tail,
-                 "conditions": {}}
+    out: dict = {"cold_blocks": args.cold_blocks, "batch": args.batch,
+                 "host_capacity": args.host_capacity, "samples": args.samples,
+                 "tail_pct": args.tail, "conditions": {}}
     for k, ph in phases.items():
         a = np.diff(ph["alone"], axis=1).ravel()
         b = np.diff(ph["beside"], axis=1).ravel()
