@@ -269,7 +269,7 @@ class Gets:
         if not io:
             # try_get of a batch that must read the disk (an NVMe reader's, tried on the loop
             # before its steps: issue 17's stall): refused after one check, not after the
-            # dozen numpy calls below (84 -> ~45 us a 64-key batch, dev VM).
+            # dozen numpy calls below (86 -> 53 us a 64-key batch, dev VM, one pair).
             f = rows[found]
             v = cols["version"][f]
             if ((cols["copy_ver"][f, tier] != v) & (v > 0)).any():
