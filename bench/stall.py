@@ -3,6 +3,7 @@
     python bench/stall.py --json
     python bench/stall.py --cold-blocks 512 --samples 100 --json      # the CI smoke run
     python bench/stall.py --nice 10 --json       # on a machine that other work shares
+    python bench/stall.py --switch-interval 1e-4 --json   # the service's GIL switch interval
 
 Against a real `kvtier serve`: one probe client times single-block gets of a key that stays in
 the host tier, first alone, then beside 1, 4 and 8 reader processes whose gets of --batch
@@ -100,9 +101,18 @@ def main() -> None:
                     help="raise the service's and the probe's priority by this (see above)")
     ap.add_argument("--leased", action="store_true",
                     help="get_leased + release (two round trips) instead of get (one)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="the service's sys.setswitchinterval, seconds (default: Python's 5 ms)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/stall.py")
+    if args.switch_interval:
+        # Set in `kvtier serve` by bench/stall_trace_hooks (sitecustomize), for this experiment
+        # only: the loop waits for the GIL behind the I/O threads' Python (bench/stall_trace.py).
+        os.environ["STALL_SWITCH_INTERVAL"] = repr(args.switch_interval)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.path.join(ROOT, "bench", "stall_trace_hooks"), ROOT,
+                        os.environ.get("PYTHONPATH")) if p)
     import kvtier
     from tests.service import Service
     base = tempfile.mkdtemp(prefix="kvtier-stall-", dir=os.getcwd())
@@ -118,6 +128,7 @@ def main() -> None:
     out: dict = {"block_bytes": args.block_bytes, "batch": args.batch,
                  "cold_blocks": args.cold_blocks, "host_capacity": args.host_capacity,
                  "nice": args.nice, "leased": args.leased,
+                 "switch_interval_s": args.switch_interval,
                  "loadavg_start": round(os.getloadavg()[0], 2), "conditions": {}}
     try:
         with kvtier.Client(svc.socket, timeout=120, name="stall-probe") as c:

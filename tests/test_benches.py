@@ -93,6 +93,24 @@ def test_stall_bench_smoke():
     assert r["reader_nvme_share"] > 0                 # the readers did read the disk
 
 
+def test_stall_trace_bench_smoke():
+    r = _bench("bench/stall_trace.py", "--cold-blocks", "256", "--batch", "16",
+               "--host-capacity", "8MiB", "--samples", "50", "--readers", "1")
+    c = r["conditions"]["1"]
+    _positive(c, "alone_p99_us", "beside_p99_us", "tail_gets")
+    work = c["loop_work_us"]
+    assert work["dr:probe"]["n"] >= 50                  # every probe frame traced
+    assert "step:_get_decide" in work and "cpu_p50" in work["step:_get_decide"]
+    assert "untraced" in c["tail_wait_by_kind_us"]
+
+
+def test_stall_bench_switch_interval_smoke():
+    r = _bench("bench/stall.py", "--cold-blocks", "256", "--samples", "30", "--readers", "1",
+               "--batch", "16", "--host-capacity", "8MiB", "--switch-interval", "1e-4")
+    assert r["switch_interval_s"] == 1e-4
+    _positive(r["conditions"]["1"], "alone_p99_us", "beside_p99_us")
+
+
 def test_stall_steps_bench_smoke():
     r = _bench("bench/stall_steps.py", "--cold-blocks", "512", "--host-capacity", "8MiB",
                "--gets", "20")

@@ -234,16 +234,22 @@ def test_get_steps_driven_by_hand_install_only_the_version_that_was_read(tmp_pat
     eng.close(flush=False)
 
 
-def test_the_room_step_keeps_the_batchs_own_host_copies(tmp_path: Path):
-    # LRU, 16 host slots holding keys 16..31 (16 the coldest), a get of [16, 0..3]: the room
-    # step evicts 4 for the bring-ups, never 16, so the decide finds the room made and
-    # evicts nothing (before: it evicted 16, and the decide brought it up and evicted again).
+def lru_engine(tmp_path: Path) -> Engine:
+    """LRU, 16 host slots, keys 0..31 put in order (16..31 in the host tier, 16 the coldest)."""
     eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
                                 "nvme_capacity": "64MiB", "segment_bytes": "4MiB",
                                 "eviction": "lru", "write_policy": "write_through"}))
     eng.create_namespace("t", BB)
     for i in range(32):
         eng.put("t", key(i), blocks(1, BB, i))
+    return eng
+
+
+def test_the_room_step_keeps_the_batchs_own_host_copies(tmp_path: Path):
+    # LRU, 16 host slots holding keys 16..31 (16 the coldest), a get of [16, 0..3]: the room
+    # step evicts 4 for the bring-ups, never 16, so the decide finds the room made and
+    # evicts nothing (before: it evicted 16, and the decide brought it up and evicted again).
+    eng = lru_engine(tmp_path)
     assert eng.entry("t", key(16))["copies"].get("host")
     before = eng.stats()["tiers"]["host"]["evictions"]
     steps = eng.get_steps("t", keys([16, 0, 1, 2, 3]))
@@ -278,6 +284,32 @@ def test_looks_resident_tells_memory_only_gets_from_those_that_need_the_disk(tmp
     assert eng.looks_resident("m", key(cold[0]))      # one key: always tried inline
     assert eng.looks_resident("m", b"short")          # bad keys: the locked path says so
     assert eng.looks_resident("nope", keys(cold))     # so does an unknown namespace
+    eng.close(flush=False)
+
+
+def test_try_get_refuses_a_batch_that_needs_the_disk_and_serves_one_with_a_deleted_key(
+        tmp_path: Path):
+    # try_get's early refusal (one check before the general path) must change nothing when it
+    # refuses, and must not refuse a resident batch because one of its keys is gone (a miss).
+    eng = lru_engine(tmp_path)
+    resident = [i for i in range(32) if eng.entry("t", key(i))["copies"].get("host")]
+    cold = [i for i in range(32) if i not in resident]
+    assert resident and cold
+    ns = eng.namespace("t")
+    leases = ns.slots[Tier.HOST].leases.copy()
+    before = eng.stats()
+    assert eng.try_get("t", keys(resident[:3] + cold[:1])) is None
+    assert (ns.slots[Tier.HOST].leases == leases).all()
+    after = eng.stats()
+    assert (after["gets"], after["tiers"]["host"]["hits"]) == (before["gets"],
+                                                              before["tiers"]["host"]["hits"])
+    eng.delete("t", key(resident[0]))
+    res = eng.try_get("t", keys(resident[:3]))
+    assert res is not None and res.found.tolist() == [False, True, True]
+    pool = ns.slots[Tier.HOST].pool
+    for pos, i in ((1, resident[1]), (2, resident[2])):
+        assert (pool.read(res.slots[pos:pos + 1]) == blocks(1, BB, i)).all()
+    eng.release(res.lease_id)
     eng.close(flush=False)
 
 

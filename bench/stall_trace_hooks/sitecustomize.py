@@ -1,0 +1,89 @@
+"""bench/stall_trace.py's hooks, loaded into `kvtier serve` as sitecustomize (PYTHONPATH) when
+STALL_TRACE names a file and STALL_TRACE_ROLE is "serve": the loop's work is timed by kind
+(a locked step by its function, a connection's data_received, a reply built, a reply written,
+an inline engine call, piggybacked releases; the loop thread's CPU time in steps and
+data_received: wall time beyond it is waiting, for the GIL, a lock or a core), each NVMe read
+on the I/O threads, and the NVMe log's pin (in the decide) and unpin (after each read); the
+list is pickled at exit. Perf counters are CLOCK_MONOTONIC, the probe's clock too. For
+measuring only: it wraps methods of kvtier.api.server, kvtier.api.steps,
+kvtier.coherence.persist and kvtier.tiers.nvme. STALL_SWITCH_INTERVAL: see below.
+"""
+import os, atexit, time
+
+# bench/stall.py --switch-interval S: the service's GIL switch interval (its threads and the
+# loop hand the GIL over after S seconds instead of 5 ms), in `kvtier serve` only.
+_sw = os.environ.get("STALL_SWITCH_INTERVAL")
+if _sw:
+    try:
+        with open("/proc/self/cmdline", "rb") as _fh:
+            _cmd = _fh.read().split(b"\0")
+    except OSError:
+        _cmd = []
+    if b"kvtier.cli" in _cmd and b"serve" in _cmd:
+        import sys
+        sys.setswitchinterval(float(_sw))
+_path = os.environ.get("STALL_TRACE")
+if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
+    import pickle
+    pc = time.perf_counter
+    tt = time.thread_time     # the loop thread's CPU time: wall minus it is waiting
+    EV = []
+    def _dump():
+        with open(_path, "wb") as f:
+            pickle.dump(EV, f)
+    atexit.register(_dump)
+    import kvtier.api.steps as S
+    import kvtier.api.server as SV
+    _next = S.StepRunner._next
+    def _next_t(self):
+        fn = self._queue[0][0] if self._queue else None
+        c0 = tt(); t0 = pc(); _next(self); t1 = pc(); c1 = tt()
+        EV.append(("step", t0, t1, getattr(getattr(fn, "func", None), "__name__", "?"), c1 - c0))
+    S.StepRunner._next = _next_t
+    C = SV._Connection
+    _dr = C.data_received
+    def _dr_t(self, data):
+        c0 = tt(); t0 = pc(); _dr(self, data); t1 = pc(); c1 = tt()
+        EV.append(("dr", t0, t1, getattr(self.client, "name", "?"), c1 - c0))
+    C.data_received = _dr_t
+    _w = C._write
+    def _w_t(self, reply, t0_):
+        t0 = pc(); _w(self, reply, t0_); t1 = pc()
+        EV.append(("write", t0, t1, getattr(self.client, "name", "?"), t0_))
+    C._write = _w_t
+    _gr = SV.Server._get_reply
+    def _gr_t(self, *a, **k):
+        t0 = pc(); r = _gr(self, *a, **k); t1 = pc()
+        EV.append(("reply", t0, t1, getattr(a[0], "name", "?")))
+        return r
+    SV.Server._get_reply = _gr_t
+    _el = SV.Server._end_leases
+    def _el_t(self, *a):
+        t0 = pc(); r = _el(self, *a); t1 = pc()
+        EV.append(("endl", t0, t1, getattr(a[0], "name", "?")))
+        return r
+    SV.Server._end_leases = _el_t
+    _fast = SV.Server._fast
+    def _fast_t(self, fn, *a):
+        t0 = pc(); r = _fast(self, fn, *a); t1 = pc()
+        EV.append(("fast", t0, t1, getattr(fn, "__name__", "?"), r[0]))
+        return r
+    SV.Server._fast = _fast_t
+    import kvtier.coherence.persist as PE
+    _rr = PE.NvmeStore.run_read
+    def _rr_t(self, *a, **k):
+        t0 = pc(); r = _rr(self, *a, **k); t1 = pc()
+        EV.append(("read", t0, t1, "io"))
+        return r
+    PE.NvmeStore.run_read = _rr_t
+    import kvtier.tiers.nvme as NV
+    for _cls in [c for c in vars(NV).values() if isinstance(c, type) and "pin" in vars(c)]:
+        def _wrap(orig, kind):
+            def f(self, *a, **k):
+                t0 = pc(); r = orig(self, *a, **k); t1 = pc()
+                EV.append((kind, t0, t1, "lock"))
+                return r
+            return f
+        _cls.pin = _wrap(_cls.pin, "pin")
+        if "unpin" in vars(_cls):
+            _cls.unpin = _wrap(_cls.unpin, "unpin")
