@@ -348,14 +348,15 @@ class NvmeStore:
         a batch is applied only after every batch written before it."""
         batch = st.batch
         err: StorageError | None = None
-        try:
-            ns.log.sync(st.touched)
-        except StorageError as exc:
-            err = exc
-        with self._turns:
-            while self._next_apply != st.ticket:
-                self._turns.wait()
-        try:
+        try:                # the ticket is given back whatever happens: settle() waits for it
+            try:
+                ns.log.sync(st.touched)
+            except StorageError as exc:
+                err = exc
+            finally:
+                with self._turns:
+                    while self._next_apply != st.ticket:
+                        self._turns.wait()
             if err is not None:
                 self._failed(ns, group, batch, err)
             else:
