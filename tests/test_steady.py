@@ -360,3 +360,54 @@ def test_concurrent_write_through_puts_share_one_flush(tmp_path: Path):
     assert found.all()
     assert all((out[i * 4:i * 4 + 4] == blocks(4, 4096, i)).all() for i in range(3))
     eng.close(flush=False)
+
+
+class FirstSyncHeld(PosixBackend):
+    """The first fdatasync waits at a gate (a slow device flush, made to last); later ones
+    run at once and are counted."""
+
+    def __init__(self) -> None:
+        self.gate, self.holding, self.second = threading.Event(), threading.Event(), threading.Event()
+        self.syncs = 0
+
+    def sync(self, fd: int) -> None:
+        self.syncs += 1
+        if self.syncs == 1:
+            self.holding.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        else:
+            self.second.set()
+        super().sync(fd)
+
+
+def test_a_put_writes_beside_another_puts_fdatasync_and_returns_after_it(tmp_path: Path):
+    """Two write_through puts: the second one's records are written and synced while the
+    first one's fdatasync is still in flight (before, the flush writer was held across the
+    sync and the second put waited for it, issue 17), yet it is acknowledged only after the
+    first is applied (flushes apply in the order they were written), and both survive a
+    restart."""
+    disk = FirstSyncHeld()
+    settings = make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
+                              "nvme_capacity": "16MiB", "write_policy": "write_through"})
+    eng = Engine(settings, nvme_backend=disk)
+    eng.create_namespace("m", 4096)
+    first = threading.Thread(target=eng.put, args=("m", keys(range(4)), blocks(4, 4096, 1)))
+    first.start()
+    assert disk.holding.wait(10)                  # the first put is inside its fdatasync
+    second = threading.Thread(target=eng.put,
+                              args=("m", keys(range(10, 14)), blocks(4, 4096, 2)))
+    second.start()
+    assert disk.second.wait(10)                   # the second wrote and synced meanwhile
+    second.join(0.2)
+    assert first.is_alive() and second.is_alive()  # not acknowledged before the first
+    assert eng.entry("m", key(10))["state"] == "dirty"
+    disk.gate.set()
+    first.join(10)
+    second.join(10)
+    assert not first.is_alive() and not second.is_alive()
+    eng.close(flush=False)
+    eng = Engine(settings)
+    for ks, seed in ((range(4), 1), (range(10, 14), 2)):
+        found, out = eng.read("m", keys(ks))
+        assert found.all() and (out == blocks(4, 4096, seed)).all()
+    eng.close(flush=False)

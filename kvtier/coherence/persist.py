@@ -14,13 +14,17 @@ does disk I/O under the engine lock. Each operation runs in three steps:
 Writers (flushes, reclaims, record deletes) take ``writer`` first and one at a time, so that the
 LMDB records of a key change in version order; the engine lock is only ever taken inside it.
 Flush calls that arrive while it is held are written together by the next holder (group commit:
-one append and one LMDB transaction for all of them, see flush()).
+one append and one LMDB transaction for all of them, see flush()). A flush holds ``writer`` for
+its writes only: its fdatasync runs after it is released, beside the next flush's writes, and
+flushes are then applied (step 3 below) in the order they were written, by ticket. Reclaims,
+checkpoints and record deletes first settle() every flush in flight.
 
 Flush order, per batch (the crash-safety argument rests on it):
 
     1. pick DIRTY rows, oldest version first (log-structured)
     2. append their current bytes behind a batch header that names each record's key ->
-       (size, version, checksum, parent), and fdatasync the segments
+       (size, version, checksum, parent), and fdatasync the segments (the writer released;
+       a later batch's sync also covers every batch written before it)
     3. queue the LMDB records (coherence.journal: committed at the next checkpoint, and
        replayed from the batch headers after a crash)
     4. only then mark the rows CLEAN and the old NVMe records dead
@@ -112,9 +116,21 @@ class _FlushCall:
 
     rows: np.ndarray | None     # None: every dirty row of the namespace
     strict: bool
+    claimed: bool = False       # taken into a group by the call that writes it
     done: bool = False
     written: int = 0
     error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A batch written (not yet durable) and its place in the order of application."""
+
+    batch: _Batch
+    segs: np.ndarray
+    offs: np.ndarray
+    touched: list[Segment]
+    ticket: int
 
 
 class NvmeStore:
@@ -129,6 +145,11 @@ class NvmeStore:
         self.backend = backend
         self.capacity = settings.nvme_capacity
         self.writer = threading.Lock()
+        # Batches written under ``writer`` whose fdatasync runs after it is released, applied
+        # in the order they were written (tickets): see _flush_group.
+        self._turns = threading.Condition()
+        self._next_ticket = 0
+        self._next_apply = 0
         self._queue_lock = threading.Lock()
         self._queue: dict[str, list[_FlushCall]] = {}     # flush calls waiting, by namespace
         self._wanted: dict[str, list[np.ndarray]] = {}
@@ -177,12 +198,27 @@ class NvmeStore:
 
     def busy(self) -> bool:
         """A flush or reclaim is in flight (its host slots may be pinned)."""
-        return self.writer.locked()
+        return self.writer.locked() or self.in_flight() > 0
+
+    def in_flight(self) -> int:
+        """Batches written whose sync or apply is not done yet."""
+        with self._turns:
+            return self._next_ticket - self._next_apply
 
     def wait(self) -> None:
-        """Until the write in flight is done. Unlocked."""
+        """Until the writes in flight are done. Unlocked."""
         with self.writer:
-            pass
+            self.settle()
+
+    def settle(self) -> None:
+        """(writer held) Until every batch written so far is synced and applied. Reclaims,
+        checkpoints and record deletes call it first: a checkpoint's marks are the segments'
+        sizes (a mark past a batch not yet in the journal would hide it from the replay), a
+        reclaim moves the records that rows point at, and a delete must come after the puts
+        of its key. No new batch can start meanwhile: that takes the writer."""
+        with self._turns:
+            while self._next_apply < self._next_ticket:
+                self._turns.wait()
 
     def drain(self) -> int:
         """Run the write-downs eviction asked for, unlocked: every dirty block of those
@@ -218,23 +254,44 @@ class NvmeStore:
         req = _FlushCall(None if rows is None else np.asarray(rows, dtype=np.int64), strict)
         with self._queue_lock:
             self._queue.setdefault(ns.name, []).append(req)
+        staged: _Staged | None = None
+        group: list[_FlushCall] = []
         with self.writer:
-            if not req.done:
+            if not req.claimed:
                 with self._queue_lock:
                     group = self._queue.pop(ns.name, [])
+                for r in group:
+                    r.claimed = True
                 try:
-                    self._flush_group(ns, group)
+                    staged = self._write_group(ns, group)
                 except BaseException as exc:
-                    for r in group:
-                        if not r.done:
-                            r.done, r.error = True, exc
+                    self._fail(group, exc)
                     raise
+        if staged is not None:
+            try:
+                self._finish_group(ns, group, staged)
+            except BaseException as exc:
+                self._fail(group, exc)
+                raise
+        if not req.done:                    # written by another call's group: until durable
+            with self._turns:
+                while not req.done:
+                    self._turns.wait()
         if req.error is not None:
             raise req.error
         return req.written
 
-    def _flush_group(self, ns: "Namespace", group: list["_FlushCall"]) -> None:
-        """One batch for the queued calls of ns (writer held); sets each call's outcome."""
+    def _fail(self, group: list["_FlushCall"], exc: BaseException) -> None:
+        with self._turns:
+            for r in group:
+                if not r.done:
+                    r.done, r.error = True, exc
+            self._turns.notify_all()
+
+    def _write_group(self, ns: "Namespace", group: list["_FlushCall"]) -> "_Staged | None":
+        """One batch for the queued calls of ns, written but not synced (writer held). Returns
+        it with its ticket, or None when the group's outcome is already set (nothing dirty,
+        or the write failed)."""
         wanted = [r.rows for r in group]
         rows = None if any(w is None for w in wanted) else np.concatenate(wanted)
         with self.owner.lock:
@@ -242,7 +299,7 @@ class NvmeStore:
         if batch is None:
             for r in group:
                 r.done = True
-            return
+            return None
         for attempt in range(2):
             room = self.space.make_room(ns, batch.rows.size)
             if room < batch.rows.size and sum(lg.drop_spares() for lg in self._logs()):
@@ -256,35 +313,78 @@ class NvmeStore:
                         f"the NVMe tier is full ({self.space.capacity_now()} bytes, "
                         f"{self.used_bytes()} used) and nothing can be reclaimed; raise "
                         "nvme_capacity")
-                segs, offs = ns.log.append(batch.views, entries_of(batch.keys, batch.records))
+                segs, offs, touched = ns.log.write(batch.views,
+                                                   entries_of(batch.keys, batch.records))
                 batch.records["seg"], batch.records["off"] = segs, offs
-                self.journal.put(ns.ns_id, batch.keys, batch.records)
                 break
             except StorageError as exc:
                 if attempt == 0 and room and self._disk_full(ns, room):
                     continue            # the capacity is now what the disk holds: reclaim
-                with self.owner.lock:
-                    self._unpin(ns, batch)
-                self.counters.nvme_full += 1
-                log.warning("flush of %d blocks of %s failed (%s); they stay dirty",
-                            batch.rows.size, ns.name, exc)
-                for r in group:
-                    r.done = True
-                    if r.strict:
-                        r.error = StorageError(str(exc))
-                return
+                self._failed(ns, group, batch, exc)
+                return None
+        with self._turns:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+        return _Staged(batch, segs, offs, touched, ticket)
+
+    def _failed(self, ns: "Namespace", group: list["_FlushCall"], batch: _Batch,
+                exc: StorageError) -> None:
+        """A batch that did not reach the disk: its rows stay dirty."""
         with self.owner.lock:
             self._unpin(ns, batch)
-            orphans = self._apply_flush(ns, batch, segs, offs)
-        self.delete_now(ns, orphans)
-        self.counters.flushes += 1
-        self.counters.flushed_blocks += int(batch.rows.size)
-        self.counters.tiers[Tier.NVME].bytes_written += int(batch.rows.size) * ns.block_bytes
-        self.space.compact(ns)
-        if self.journal.due():
-            self.checkpoint(strict=False)
+        self.counters.nvme_full += 1
+        log.warning("flush of %d blocks of %s failed (%s); they stay dirty",
+                    batch.rows.size, ns.name, exc)
         for r in group:
             r.done = True
+            if r.strict:
+                r.error = StorageError(str(exc))
+
+    def _finish_group(self, ns: "Namespace", group: list["_FlushCall"], st: "_Staged") -> None:
+        """Sync a written batch (writer released: the next group's writes run beside this
+        fdatasync), then, in ticket order, queue its LMDB records and install it; sets each
+        call's outcome. In ticket order, so that a key's records reach the journal and its
+        row in version order (a later batch may hold a newer version of the same key), and
+        a batch is applied only after every batch written before it."""
+        batch = st.batch
+        err: StorageError | None = None
+        try:                # the ticket is given back whatever happens: settle() waits for it
+            try:
+                ns.log.sync(st.touched)
+            except StorageError as exc:
+                err = exc
+            finally:
+                with self._turns:
+                    while self._next_apply != st.ticket:
+                        self._turns.wait()
+            if err is not None:
+                self._failed(ns, group, batch, err)
+            else:
+                self.journal.put(ns.ns_id, batch.keys, batch.records)
+                with self.owner.lock:
+                    self._unpin(ns, batch)
+                    orphans = self._apply_flush(ns, batch, st.segs, st.offs)
+                self.delete_now(ns, orphans)
+                self.counters.flushes += 1
+                self.counters.flushed_blocks += int(batch.rows.size)
+                self.counters.tiers[Tier.NVME].bytes_written += (int(batch.rows.size)
+                                                                 * ns.block_bytes)
+                self._outcomes(ns, group, batch)
+        finally:
+            with self._turns:
+                self._next_apply += 1
+                for r in group:
+                    r.done = r.done or r.error is not None
+                self._turns.notify_all()
+        if self.space.compaction_due() or self.journal.due():
+            with self.writer:
+                self.settle()
+                self.space.compact(ns)
+                if self.journal.due():
+                    self.checkpoint(strict=False)
+
+    def _outcomes(self, ns: "Namespace", group: list["_FlushCall"], batch: _Batch) -> None:
+        for r in group:
             if r.rows is None:
                 r.written, cut = int(batch.rows.size), batch.cut
             else:
@@ -295,6 +395,7 @@ class NvmeStore:
                     f"{cut} blocks of {ns.name!r} stay dirty: the NVMe tier is full "
                     f"({self.space.capacity_now()} bytes); raise nvme_capacity or free disk "
                     "space")
+            r.done = True
 
     def _disk_full(self, ns: "Namespace", n: int) -> bool:
         """After a failed append: True when the file system has no room for n more records
@@ -410,6 +511,7 @@ class NvmeStore:
         checkpoint: a replay never brings a deleted key back). Unlocked."""
         if keys and ns.log is not None:
             with self.writer:
+                self.settle()
                 self.delete_now(ns, keys)
                 self.checkpoint(strict=True)
 
@@ -444,6 +546,7 @@ class NvmeStore:
         that LMDB catches up when flushes stop). Unlocked."""
         if self.journal.due() and self.writer.acquire(blocking=False):
             try:
+                self.settle()
                 self.checkpoint(strict=False)
             finally:
                 self.writer.release()
@@ -582,6 +685,7 @@ class NvmeStore:
 
     def close(self) -> None:
         with self.writer:
+            self.settle()
             self.checkpoint(strict=False)
             for lg in self._logs():
                 lg.close()

@@ -210,6 +210,10 @@ class Space:
             return emptiest[1], emptiest[2], True
         return None if oldest is None else (*oldest, False)
 
+    def compaction_due(self) -> bool:
+        """compact() has work past its fill test (read without the writer: a hint)."""
+        return self.store.used_bytes() >= COMPACT_ABOVE * self.capacity_now()
+
     def compact(self, ns: "Namespace") -> None:
         """After a flush: reclaim the sealed segments below compact_threshold (writer held);
         their live blocks are all copied forward while the headroom allows.
@@ -230,6 +234,7 @@ class Space:
         """Empty one sealed segment and delete it (writer held). Its live blocks are copied
         forward when they earn it (all of them with keep_all, while they fit), else they
         leave the cache; stale fallback copies are forgotten."""
+        self.store.settle()        # the rows it moves are installed; no batch is in flight
         cols = ns.table.cols
         log_ = ns.log
         with self.store.owner.lock:
@@ -355,6 +360,7 @@ class Space:
             return 0
         cols = ns.table.cols
         with self.store.writer:
+            self.store.settle()        # a batch in flight would be applied over the deletes
             with self.store.owner.lock:
                 # Oldest segment first (the order reclaim takes them in), within it by
                 # least recent read: O(rows of the segments looked at), not of the table.

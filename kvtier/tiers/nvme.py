@@ -254,6 +254,16 @@ class SegmentLog:
         None) go into the batch header written before each chunk (tiers.batchlog); when this
         returns, the bytes and their headers are durable. Raises StorageError (disk full, I/O).
         """
+        segs, offs, touched = self.write(blocks, entries)
+        self.sync(touched)
+        return segs, offs
+
+    def write(self, blocks: Sequence[memoryview], entries: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
+        """append() without its fdatasync: the records are written (not yet durable) and the
+        segments they went to are returned for sync(). Appends are one at a time; a sync may
+        run beside the next append's writes (issue 17: two write_through puts' flushes
+        overlap their fdatasync with the next one's writes, coherence.persist)."""
         if entries is not None:
             entries = np.ascontiguousarray(entries).view(np.uint8).reshape(len(blocks), -1)
         n = len(blocks)
@@ -298,12 +308,16 @@ class SegmentLog:
                     self.bytes_written += (slots + take) * rec
                 touched[seg.seg_id] = seg
                 i += take
-            for seg in touched.values():
-                try:
-                    self.backend.sync(seg.fd)
-                except OSError as exc:
-                    raise StorageError(f"fdatasync of {seg.path} failed: {exc.strerror}") from None
-        return segs, offs
+        return segs, offs, list(touched.values())
+
+    def sync(self, touched: Sequence[Segment]) -> None:
+        """fdatasync the segments a write() went to: its records (and every record written
+        to them before this call) are then durable. Raises StorageError."""
+        for seg in touched:
+            try:
+                self.backend.sync(seg.fd)
+            except OSError as exc:
+                raise StorageError(f"fdatasync of {seg.path} failed: {exc.strerror}") from None
 
     def _write_aio(self, seg: Segment, bufs: Sequence[memoryview]) -> None:
         """The chunk as up to 16 concurrent PWRITEVs of consecutive records."""
