@@ -344,7 +344,7 @@ def test_concurrent_write_through_puts_share_one_flush(tmp_path: Path):
     for t in puts:
         t.start()
     for _ in range(1000):                         # until all three have queued their rows
-        if len(eng.nvme._queue.get("g", [])) == 3:
+        if eng.nvme.flushes.queued("g") == 3:
             break
         threading.Event().wait(0.01)
     assert acked == []                            # none acknowledged before its flush

@@ -1,0 +1,388 @@
+"""The flush pipeline of the NVMe store: write, sync, apply in ticket order.
+
+``Flushes`` turns flush calls into durable batches. It owns the group-commit queue and the
+tickets that order the batches' application, and reaches the rest of the store only through
+``FlushStore`` (the writer, the engine, space, the journal and three record calls).
+
+A call's life, one batch per group of calls queued for a namespace:
+
+    1. queue: the call's rows go into its namespace's queue. The first call to take the store's
+       ``writer`` claims every call queued for the namespace (group commit), the others wait;
+    2. write (writer held): pick the DIRTY rows, oldest version first, their host slots pinned;
+       make room (coherence.space); append them behind a batch header that names each
+       record's key -> (size, version, checksum, parent) (SegmentLog.write); take a ticket.
+       Then the writer is released: the next group writes while this one syncs;
+    3. sync (writer released): fdatasync the segments written to. Appends are one at a time,
+       so a batch's sync also covers every batch written before it (a crash keeps a prefix);
+    4. apply, in ticket order: queue the LMDB records (coherence.journal), unpin, install the
+       rows whose key and version still match (CLEAN, the old NVMe records dead), delete the
+       records no row wants; set every call's outcome. In ticket order, so that a key's records
+       reach the journal and its row in version order (a later batch may hold a newer version
+       of the same key), and a call returns only once its batch and every batch before it are
+       synced and applied. That is the acknowledgement a write_through put waits for.
+
+Whatever moves or names records (a reclaim, a checkpoint, record deletes, close) takes the
+writer, so no batch starts, and then settle()s the batches in flight.
+
+Thread-safety: flush() is called from any thread without the engine lock; the lock is taken
+inside the writer, never the other way round. The queue has its own lock and the tickets
+their condition, both held for a few statements only.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from kvtier.coherence.journal import entries_of
+from kvtier.coherence.namespace import EngineCounters, to_numpy
+from kvtier.coherence.records import records_of, same_key
+from kvtier.coherence.space import DISK_MARGIN
+from kvtier.coherence.states import BlockState, Event, next_states
+from kvtier.errors import StorageError
+from kvtier.types import Tier
+
+if TYPE_CHECKING:
+    from kvtier.coherence.journal import Journal
+    from kvtier.coherence.namespace import Namespace
+    from kvtier.coherence.persist import Coherence
+    from kvtier.coherence.space import Space
+    from kvtier.tiers.nvme import Segment, SegmentLog
+
+log = logging.getLogger("kvtier.persist")
+
+
+class FlushStore(Protocol):
+    """What the flush pipeline needs of the NVMe store (coherence.persist.NvmeStore)."""
+
+    owner: "Coherence"
+    counters: EngineCounters
+    space: "Space"
+    journal: "Journal"
+    writer: threading.Lock         # every writer of records, one at a time
+
+    def logs(self) -> list["SegmentLog"]: ...
+    def used_bytes(self) -> int: ...
+    def set_nvme(self, ns: "Namespace", rows: np.ndarray, segs: np.ndarray, offs: np.ndarray,
+                 versions: np.ndarray, sums: np.ndarray) -> None: ...
+    def delete_now(self, ns: "Namespace", keys: list[bytes]) -> None: ...
+    def checkpoint(self, strict: bool = True) -> None: ...
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Rows to append, with what was current when they were picked."""
+
+    rows: np.ndarray
+    keys: np.ndarray
+    versions: np.ndarray
+    sums: np.ndarray
+    records: np.ndarray
+    views: list[memoryview]
+    host_slots: np.ndarray      # per row, the host slot pinned for the write (-1: staged)
+    cut: int = 0                # rows left out for want of room
+    cut_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+
+@dataclass(slots=True)
+class _FlushCall:
+    """One flush() call waiting for its group (group commit)."""
+
+    rows: np.ndarray | None     # None: every dirty row of the namespace
+    strict: bool
+    claimed: bool = False       # taken into a group by the call that writes it
+    done: bool = False
+    written: int = 0
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A batch written (not yet durable) and its place in the order of application."""
+
+    batch: _Batch
+    segs: np.ndarray
+    offs: np.ndarray
+    touched: list["Segment"]
+    ticket: int
+
+
+class Flushes:
+    """Group commit and the write / sync / apply pipeline of one NVMe store."""
+
+    def __init__(self, store: FlushStore) -> None:
+        self.store = store
+        # Batches written under the writer whose fdatasync runs after it is released, applied
+        # in the order they were written (tickets): see _finish_group.
+        self._turns = threading.Condition()
+        self._next_ticket = 0
+        self._next_apply = 0
+        self._queue_lock = threading.Lock()
+        self._queue: dict[str, list[_FlushCall]] = {}     # flush calls waiting, by namespace
+
+    def in_flight(self) -> int:
+        """Batches written whose sync or apply is not done yet (their host slots are pinned)."""
+        with self._turns:
+            return self._next_ticket - self._next_apply
+
+    def queued(self, name: str) -> int:
+        """Flush calls of namespace ``name`` waiting for a writer to claim them."""
+        with self._queue_lock:
+            return len(self._queue.get(name, ()))
+
+    def settle(self) -> None:
+        """(writer held) Until every batch written so far is synced and applied. No new batch
+        can start meanwhile: that takes the writer."""
+        with self._turns:
+            while self._next_apply < self._next_ticket:
+                self._turns.wait()
+
+    def flush(self, ns: "Namespace", rows: np.ndarray | None = None,
+              strict: bool = False) -> int:
+        """Write the DIRTY rows among ``rows`` (all of ns's when None). Returns how many of
+        them reached NVMe. Called without the engine lock.
+
+        Group commit: a call that finds another flush in flight queues its rows and waits;
+        the next one to take ``writer`` writes the rows of every call queued for the namespace
+        as one batch (one append, one fdatasync per segment), and each call returns when its
+        own rows are durable. Concurrent write_through puts so share the fdatasync that
+        dominates a small put (about 4 ms on the dev VM); LMDB's two syncs are paid once per
+        checkpoint (coherence.journal), not per flush.
+
+        NVMe full or failing: with strict=False (background flushes, write-downs) the rows stay
+        dirty in the upper tiers and ``nvme_full`` counts it; with strict=True (a write_through
+        put, an explicit flush) StorageError is raised unless every row of this call that was
+        picked was written.
+        """
+        if ns.log is None:
+            return 0
+        req = _FlushCall(None if rows is None else np.asarray(rows, dtype=np.int64), strict)
+        with self._queue_lock:
+            self._queue.setdefault(ns.name, []).append(req)
+        staged: _Staged | None = None
+        group: list[_FlushCall] = []
+        with self.store.writer:
+            if not req.claimed:
+                with self._queue_lock:
+                    group = self._queue.pop(ns.name, [])
+                for r in group:
+                    r.claimed = True
+                try:
+                    staged = self._write_group(ns, group)
+                except BaseException as exc:
+                    self._fail(group, exc)
+                    raise
+        if staged is not None:
+            try:
+                self._finish_group(ns, group, staged)
+            except BaseException as exc:
+                self._fail(group, exc)
+                raise
+        if not req.done:                    # written by another call's group: until durable
+            with self._turns:
+                while not req.done:
+                    self._turns.wait()
+        if req.error is not None:
+            raise req.error
+        return req.written
+
+    def _fail(self, group: list["_FlushCall"], exc: BaseException) -> None:
+        with self._turns:
+            for r in group:
+                if not r.done:
+                    r.done, r.error = True, exc
+            self._turns.notify_all()
+
+    def _write_group(self, ns: "Namespace", group: list["_FlushCall"]) -> "_Staged | None":
+        """One batch for the queued calls of ns, written but not synced (writer held). Returns
+        it with its ticket, or None when the group's outcome is already set (nothing dirty,
+        or the write failed)."""
+        wanted = [r.rows for r in group]
+        rows = None if any(w is None for w in wanted) else np.concatenate(wanted)
+        with self.store.owner.lock:
+            batch = self._pick(ns, rows)
+        if batch is None:
+            for r in group:
+                r.done = True
+            return None
+        for attempt in range(2):
+            room = self.store.space.make_room(ns, batch.rows.size)
+            if room < batch.rows.size and sum(lg.drop_spares() for lg in self.store.logs()):
+                room = self.store.space.make_room(ns, batch.rows.size)   # a spare's room is wanted
+            if room < batch.rows.size:
+                self.store.counters.nvme_full += 1
+                self._cut(ns, batch, room)
+            try:
+                if room == 0:
+                    raise StorageError(
+                        f"the NVMe tier is full ({self.store.space.capacity_now()} bytes, "
+                        f"{self.store.used_bytes()} used) and nothing can be reclaimed; raise "
+                        "nvme_capacity")
+                segs, offs, touched = ns.log.write(batch.views,
+                                                   entries_of(batch.keys, batch.records))
+                batch.records["seg"], batch.records["off"] = segs, offs
+                break
+            except StorageError as exc:
+                if attempt == 0 and room and self._disk_full(ns, room):
+                    continue            # the capacity is now what the disk holds: reclaim
+                self._failed(ns, group, batch, exc)
+                return None
+        with self._turns:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+        return _Staged(batch, segs, offs, touched, ticket)
+
+    def _failed(self, ns: "Namespace", group: list["_FlushCall"], batch: _Batch,
+                exc: StorageError) -> None:
+        """A batch that did not reach the disk: its rows stay dirty."""
+        with self.store.owner.lock:
+            self._unpin(ns, batch)
+        self.store.counters.nvme_full += 1
+        log.warning("flush of %d blocks of %s failed (%s); they stay dirty",
+                    batch.rows.size, ns.name, exc)
+        for r in group:
+            r.done = True
+            if r.strict:
+                r.error = StorageError(str(exc))
+
+    def _finish_group(self, ns: "Namespace", group: list["_FlushCall"], st: "_Staged") -> None:
+        """Sync a written batch (writer released: the next group's writes run beside this
+        fdatasync), then, in ticket order, queue its LMDB records and install it; sets each
+        call's outcome. In ticket order, so that a key's records reach the journal and its
+        row in version order (a later batch may hold a newer version of the same key), and
+        a batch is applied only after every batch written before it."""
+        batch = st.batch
+        err: StorageError | None = None
+        try:                # the ticket is given back whatever happens: settle() waits for it
+            try:
+                ns.log.sync(st.touched)
+            except StorageError as exc:
+                err = exc
+            finally:
+                with self._turns:
+                    while self._next_apply != st.ticket:
+                        self._turns.wait()
+            if err is not None:
+                self._failed(ns, group, batch, err)
+            else:
+                self.store.journal.put(ns.ns_id, batch.keys, batch.records)
+                with self.store.owner.lock:
+                    self._unpin(ns, batch)
+                    orphans = self._apply_flush(ns, batch, st.segs, st.offs)
+                self.store.delete_now(ns, orphans)
+                self.store.counters.flushes += 1
+                self.store.counters.flushed_blocks += int(batch.rows.size)
+                self.store.counters.tiers[Tier.NVME].bytes_written += (int(batch.rows.size)
+                                                                 * ns.block_bytes)
+                self._outcomes(ns, group, batch)
+        finally:
+            with self._turns:
+                self._next_apply += 1
+                for r in group:
+                    r.done = r.done or r.error is not None
+                self._turns.notify_all()
+        if self.store.space.compaction_due() or self.store.journal.due():
+            with self.store.writer:
+                self.settle()
+                self.store.space.compact(ns)
+                if self.store.journal.due():
+                    self.store.checkpoint(strict=False)
+
+    def _outcomes(self, ns: "Namespace", group: list["_FlushCall"], batch: _Batch) -> None:
+        for r in group:
+            if r.rows is None:
+                r.written, cut = int(batch.rows.size), batch.cut
+            else:
+                r.written = int(np.isin(r.rows, batch.rows).sum())
+                cut = int(np.isin(r.rows, batch.cut_rows).sum())
+            if r.strict and cut:
+                r.error = StorageError(
+                    f"{cut} blocks of {ns.name!r} stay dirty: the NVMe tier is full "
+                    f"({self.store.space.capacity_now()} bytes); raise nvme_capacity or free disk "
+                    "space")
+            r.done = True
+
+    def _disk_full(self, ns: "Namespace", n: int) -> bool:
+        """After a failed append: True when the file system has no room for n more records
+        (the next attempt then sees a capacity lowered to what the disk holds, and reclaims)."""
+        try:
+            return shutil.disk_usage(ns.log.dir).free < ns.log.bytes_for(n) + DISK_MARGIN
+        except OSError:
+            return False
+
+    def _pick(self, ns: "Namespace", rows: np.ndarray | None) -> _Batch | None:
+        """Under the lock: the DIRTY rows to write, oldest version first, their host slots
+        pinned (an HBM-only copy is staged: that is a memory copy, not disk I/O)."""
+        cols = ns.table.cols
+        n = ns.table.n_rows
+        if rows is None:
+            rows = np.flatnonzero(cols["state"][:n] == BlockState.DIRTY)
+        else:
+            rows = np.unique(np.asarray(rows, dtype=np.int64))
+            rows = rows[(rows < n)]
+            rows = rows[cols["state"][rows] == BlockState.DIRTY]
+        if rows.size == 0:
+            return None
+        rows = rows[np.argsort(cols["version"][rows], kind="stable")]
+        versions = cols["version"][rows].copy()
+        on_host = cols["copy_ver"][rows, Tier.HOST] == versions
+        on_hbm = ~on_host & (cols["copy_ver"][rows, Tier.HBM] == versions)
+        keep = on_host | on_hbm            # a DIRTY row always has one; never trust it blindly
+        rows, versions, on_host, on_hbm = rows[keep], versions[keep], on_host[keep], on_hbm[keep]
+        if rows.size == 0:
+            return None
+        pool = ns.slots[Tier.HOST].pool
+        host_slots = np.where(on_host, cols["slot"][rows, Tier.HOST], -1).astype(np.int64)
+        self.store.owner.pin_slots(ns, Tier.HOST, host_slots[on_host])
+        staging = None
+        if on_hbm.any():
+            hbm = ns.slots[Tier.HBM].pool
+            staging = to_numpy(hbm.read(cols["slot"][rows[on_hbm], Tier.HBM]))
+        views: list[memoryview] = []
+        k = 0
+        for i, r in enumerate(rows.tolist()):
+            if on_host[i]:
+                views.append(pool.slot_view(int(cols["slot"][r, Tier.HOST])))
+            else:
+                views.append(memoryview(staging[k]))
+                k += 1
+        sums = cols["checksum"][rows].copy()
+        return _Batch(rows, cols["key"][rows].copy(), versions, sums,
+                      records_of(ns, rows, versions, sums), views, host_slots)
+
+    def _cut(self, ns: "Namespace", batch: _Batch, room: int) -> None:
+        """Keep the first ``room`` rows of a batch (the oldest versions)."""
+        gone = batch.host_slots[room:]
+        with self.store.owner.lock:
+            self.store.owner.unpin_slots(ns, Tier.HOST, gone[gone >= 0])
+        batch.cut = int(batch.rows.size - room)
+        batch.cut_rows = batch.rows[room:]
+        batch.host_slots = batch.host_slots[:room]
+        batch.rows, batch.keys = batch.rows[:room], batch.keys[:room]
+        batch.versions, batch.sums = batch.versions[:room], batch.sums[:room]
+        batch.records, batch.views = batch.records[:room], batch.views[:room]
+
+    def _unpin(self, ns: "Namespace", batch: _Batch) -> None:
+        held = batch.host_slots
+        self.store.owner.unpin_slots(ns, Tier.HOST, held[held >= 0])
+
+    def _apply_flush(self, ns: "Namespace", batch: _Batch, segs: np.ndarray,
+                     offs: np.ndarray) -> list[bytes]:
+        """Under the lock, after the records are durable: install them where the row still
+        holds that key at that version or a newer one (then the record is the stale fallback
+        it would be after a restart). Returns the keys whose records no row wants."""
+        cols = ns.table.cols
+        rows = batch.rows
+        same = same_key(ns, rows, batch.keys)
+        same[same] = cols["version"][rows[same]] >= batch.versions[same]
+        m = np.flatnonzero(same)
+        r = rows[m]
+        self.store.set_nvme(ns, r, segs[m], offs[m], batch.versions[m], batch.sums[m])
+        cur = r[cols["version"][r] == batch.versions[m]]
+        cols["state"][cur] = next_states(cols["state"][cur], Event.FLUSHED)
+        return [bytes(k) for k in batch.keys[~same]]
