@@ -83,6 +83,33 @@ def test_vectored_requests_in_a_window(tmp_path: Path):
         os.close(fd)
 
 
+def test_vectored_requests_of_uneven_lengths_each_write_their_own_buffers(tmp_path: Path):
+    # One iovec array serves the whole batch: request i's iovecs start after the buffers of
+    # every request before it. Requests of 1, 3, 2 and 1 buffers, each buffer a different
+    # record of a shuffled source: a request pointed at another's iovecs writes wrong bytes.
+    fd = _direct_file(tmp_path)
+    aio = Aio(depth=4)
+    try:
+        src = mmap.mmap(-1, 7 * REC)
+        recs = np.frombuffer(src, dtype=np.uint8).reshape(7, REC)
+        recs[:] = np.arange(7, dtype=np.uint8)[:, None] + 1     # record k holds byte k + 1
+        v = memoryview(src)
+        order = [6, 2, 0, 5, 1, 4, 3]                           # file record j <- source order[j]
+        bufs = [v[k * REC:(k + 1) * REC] for k in order]
+        reqs, at = [], 0
+        for count in (1, 3, 2, 1):
+            reqs.append((fd, bufs[at: at + count], at * REC))
+            at += count
+        assert aio.run(IOCB_CMD_PWRITEV, reqs).tolist() == [REC, 3 * REC, 2 * REC, REC]
+        back = mmap.mmap(-1, 7 * REC)
+        assert aio.run(IOCB_CMD_PREADV, [(fd, [memoryview(back)], 0)]).tolist() == [7 * REC]
+        got = np.frombuffer(back, dtype=np.uint8).reshape(7, REC)
+        assert got[:, 0].tolist() == [k + 1 for k in order] and (got == got[:, :1]).all()
+    finally:
+        aio.close()
+        os.close(fd)
+
+
 def test_a_refused_request_gets_its_errno_and_the_rest_complete(tmp_path: Path):
     fd = _direct_file(tmp_path)
     closed = os.open(tmp_path / "g", os.O_RDWR | os.O_CREAT, 0o600)
