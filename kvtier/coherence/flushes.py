@@ -87,6 +87,7 @@ class _Batch:
     host_slots: np.ndarray      # per row, the host slot pinned for the write (-1: staged)
     cut: int = 0                # rows left out for want of room
     cut_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    distinct: bool = True       # the rows asked for named each row once (or were all dirty)
 
 
 @dataclass(slots=True)
@@ -294,8 +295,11 @@ class Flushes:
                     self.store.checkpoint(strict=False)
 
     def _outcomes(self, ns: "Namespace", group: list["_FlushCall"], batch: _Batch) -> None:
+        # A group of one call whose rows are distinct (a put's): every row of the batch is one
+        # of its rows, once, so no set test (np.isin twice: ~0.1 ms a put, issue 17).
+        alone = len(group) == 1 and batch.distinct
         for r in group:
-            if r.rows is None:
+            if r.rows is None or alone:
                 r.written, cut = int(batch.rows.size), batch.cut
             else:
                 r.written = int(np.isin(r.rows, batch.rows).sum())
@@ -320,10 +324,13 @@ class Flushes:
         pinned (an HBM-only copy is staged: that is a memory copy, not disk I/O)."""
         cols = ns.table.cols
         n = ns.table.n_rows
+        distinct = True
         if rows is None:
             rows = np.flatnonzero(cols["state"][:n] == BlockState.DIRTY)
         else:
+            asked = rows.size
             rows = np.unique(np.asarray(rows, dtype=np.int64))
+            distinct = rows.size == asked
             rows = rows[(rows < n)]
             rows = rows[cols["state"][rows] == BlockState.DIRTY]
         if rows.size == 0:
@@ -353,7 +360,8 @@ class Flushes:
                 k += 1
         sums = cols["checksum"][rows].copy()
         return _Batch(rows, cols["key"][rows].copy(), versions, sums,
-                      records_of(ns, rows, versions, sums), views, host_slots)
+                      records_of(ns, rows, versions, sums), views, host_slots,
+                      distinct=distinct)
 
     def _cut(self, ns: "Namespace", batch: _Batch, room: int) -> None:
         """Keep the first ``room`` rows of a batch (the oldest versions)."""
