@@ -6,7 +6,10 @@ the engine's lock and the store's writer, so its own figures cost a little more 
 
     PYTHONPATH=. python bench/fio_timeline.py THREADS SECONDS RWMIXREAD [zipf]
     IOD=8 ... (blocks per call, default 16)   SWI=0.0005 ... (sys.setswitchinterval)
-    PROF=1 ... (cProfile of thread 0)
+    PROF=1 ... (cProfile of thread 0)   PROF=2 ... (a cProfile per call kind of thread 0,
+    its time summed by module: where a get's and a put's CPU goes; with PROFOUT=DIR, the
+    stats files)   ATTR=1 ... (no profiler: each named step's thread CPU, inclusive, in ms per
+    get or put of the loop: Engine.get, NvmeStore.run_read, Flushes._pick, AioSet.run, ...)
 
 Writes the events to /tmp/fio2/ev-THREADS-MIX.json and prints a JSON summary.
 """
@@ -65,6 +68,30 @@ wrap(A.AioSet, "run_flat", "aio_read")
 wrap(B.PosixBackend, "sync", "fdatasync")
 wrap(A.AioSet, "_take", "aio_take")
 
+# ATTR=1: inclusive thread CPU of named steps (what a call's CPU is made of, no profiler)
+ATTR, ATTR_N = collections.Counter(), collections.Counter()
+def attr(obj, meth, label):
+    orig = getattr(obj, meth)
+    def f(*a, **k):
+        c0 = time.thread_time()
+        try: return orig(*a, **k)
+        finally: ATTR[label] += time.thread_time() - c0; ATTR_N[label] += 1
+    setattr(obj, meth, f)
+if os.environ.get("ATTR"):
+    import kvtier.coherence.persist as P, kvtier.tiers.nvme as N, kvtier.tiers.host as H
+    try:
+        import kvtier.coherence.flushes as FL; FLC = FL.Flushes
+    except ImportError:
+        FLC = P.NvmeStore                      # main before the split: the same methods
+    for obj, meth in [(E.Engine, "reserve"), (E.Engine, "commit"), (H.SlotPool, "read"),
+                      (H.SlotPool, "write"), (P.NvmeStore, "plan_read"), (P.NvmeStore, "run_read"),
+                      (P.NvmeStore, "finish_read"), (N.SegmentLog, "read_rows"),
+                      (A.AioSet, "run_flat"), (A.AioSet, "run"), (N.SegmentLog, "write"),
+                      (N.SegmentLog, "sync"), (P.NvmeStore, "flush")]:
+        attr(obj, meth, f"{obj.__name__}.{meth}")
+    for meth in ("_pick", "_apply_flush", "_outcomes", "_write_group", "_finish_group"):
+        attr(FLC, meth, f"Flushes.{meth}")
+
 WORK = os.environ.get("WORK", tempfile.gettempdir())
 nthreads, secs, mix = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 sys.setswitchinterval(float(os.environ.get("SWI", "0.005")))
@@ -85,12 +112,18 @@ class TLock:
         rec(s.name + "_hold", s.h, time.perf_counter()); s._l.release()
     def locked(s): return s._l.locked()
 tg.engine.nvme.writer = TLock(tg.engine.nvme.writer, "writer")
+if os.environ.get("ATTR"):
+    for meth in ("get", "release", "evict"):     # bound in Engine.__init__: the instance's
+        attr(tg.engine, meth, f"Engine.{meth}")
+    attr(tg, "get", "_Target.get"); attr(tg, "put", "_Target.put")
 tg.fill()
-EV.clear()
+EV.clear(); ATTR.clear(); ATTR_N.clear()
 calls = collections.defaultdict(list)
 start = time.perf_counter(); stop = start + secs
 import cProfile, pstats
-PROF = cProfile.Profile() if os.environ.get('PROF') else None
+PROF = cProfile.Profile() if os.environ.get('PROF') == '1' else None
+KPROF = ({"get": cProfile.Profile(), "put": cProfile.Profile()} if os.environ.get('PROF') == '2'
+         else None)
 SYS = {True: [], False: []}; USR = {True: [], False: []}
 def worker(j):
     if PROF and j == 0: PROF.enable()
@@ -102,7 +135,10 @@ def worker(j):
         w = rng.random() * 100 >= mix
         import resource; r0 = resource.getrusage(resource.RUSAGE_THREAD)
         c0 = time.thread_time(); t0 = time.perf_counter()
+        kp = KPROF["put" if w else "get"] if KPROF and j == 0 else None
+        if kp: kp.enable()
         (tg.put(idx, owner=j + 1) if w else tg.get(idx, owner=j + 1, out=out))
+        if kp: kp.disable()
         t1 = time.perf_counter(); c1 = time.thread_time(); r1 = resource.getrusage(resource.RUSAGE_THREAD)
         SYS[w].append(r1.ru_stime - r0.ru_stime); USR[w].append(r1.ru_utime - r0.ru_utime)
         rec("put" if w else "get", t0, t1)
@@ -138,4 +174,26 @@ res["call_concurrency_s"] = busy({"get", "put"})
 json.dump(dict(EV), open(os.path.join(WORK, f"ev-{nthreads}-{mix}.json"), "w"))
 res['sys_usr_ms'] = {('put' if k else 'get'): (1e3*np.mean(SYS[k]), 1e3*np.mean(USR[k])) for k in SYS}
 print(json.dumps(res, indent=1))
+if ATTR:
+    GET = ("_Target.get", "Engine.get", "Engine.release", "Engine.evict", "SlotPool.read",
+           "NvmeStore.plan_read", "NvmeStore.run_read", "NvmeStore.finish_read",
+           "SegmentLog.read_rows", "AioSet.run_flat")
+    per = {k: round(1e3 * v / max(1, ATTR_N["_Target.get" if k in GET else "_Target.put"]), 3)
+           for k, v in ATTR.items()}
+    print("cpu_ms_per_call:", json.dumps(dict(sorted(per.items(), key=lambda kv: -kv[1])), indent=1))
+def by_module(prof, ncalls):
+    """tottime per call of the loop (ms), summed by source file (C builtins by their name)."""
+    st = pstats.Stats(prof).stats
+    acc = collections.Counter()
+    for (fn, line, name), (cc, nc, tt, ct, callers) in st.items():
+        key = os.path.relpath(fn) if fn != "~" else name
+        acc[key] += tt
+    return {k: round(1e3 * v / max(1, ncalls), 3) for k, v in acc.most_common(25)}
+if KPROF:
+    prof_out = os.environ.get("PROFOUT")
+    for kind, prof in KPROF.items():
+        n = sum(1 for c in calls[0] if c[0] == kind)
+        print(kind, "ms per call by module:", json.dumps(by_module(prof, n), indent=1))
+        if prof_out:
+            prof.dump_stats(os.path.join(prof_out, f"prof-{kind}.pstats"))
 if PROF: pstats.Stats(PROF).sort_stats('tottime').print_stats(30); pstats.Stats(PROF).sort_stats('cumtime').print_stats(45)
