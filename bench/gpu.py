@@ -18,14 +18,18 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
     variants_2m / _64k / _16k                the same transfers under other policies (copy-
                                              engine lanes, kernel only, no stream priority,
                                              4..132 thread blocks, copy engines only; 64 KiB:
-                                             kernel_onboard, the onboard by the kernel): onboard
-                                             alone, and beside the matmul or the offload; the
-                                             basis of the defaults (kvtier.gpu.plan)
+                                             kernel_onboard, the onboard by the kernel; 64 and
+                                             16 KiB: whole_gets (one request, stage_sorted),
+                                             late_commits (no early commits)): onboard alone,
+                                             and beside the matmul or the offload; the basis
+                                             of the defaults (kvtier.gpu.plan)
     layerwise_overlap                        a 32-layer load, each layer's compute waiting for
                                              that layer only: total / max(load, compute) alone
     single_cuda_get_p50_us (p99)             one 64 KiB block into a CUDA tensor (ns.get: its
                                              latency path); _async_p50_us: get_async().wait()
     hbm_onboard_ratio_2m                     1,024 x 2 MiB from the HBM tier (CUDA IPC), / D2D
+    staging_*                                the 64 / 16 KiB rows' move alone (leased once):
+                                             stage_sorted, its copies alone, Mover.move
     offload_commit_ms_*                      the commit's share of a put (GPU checksums sent)
     offload_ratio_*_chunks_K                 the same put in chunks of K keys (4,096: one
                                              request); offload_chunks_*: the default's count
@@ -252,13 +256,17 @@ def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) ->
         h.wait()
     out = {}
     saved = pipeline.CHUNK
+    from kvtier.gpu import transfer
+    from kvtier.gpu.plan import TransferPolicy
     for k in (512, 2048, 4096):          # the get's chunk size otherwise (4,096: one request)
         pipeline.CHUNK = k
+        transfer.set_policy(TransferPolicy(whole_onboard_keys=0))     # chunks, never whole
         try:
             out[f"onboard_ms_{tag}_chunk_{k}"] = round(med(get, reps) * 1e3, 3)
             out[f"onboard_control_ms_{tag}_chunk_{k}"] = round(med(control, reps) * 1e3, 3)
         finally:
             pipeline.CHUNK = saved
+            transfer.set_policy(None)
     return {**out, f"onboard_control_ms_{tag}": round(med(control, reps) * 1e3, 3),
             f"onboard_enqueue_ms_{tag}": round(float(np.median(enq)) * 1e3, 3),
             f"onboard_profile_{tag}": profile(get, 30, 10)}
@@ -452,6 +460,87 @@ def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:
     return out
 
 
+def staging_case(c, reps: int, ceil: dict) -> dict:
+    """Why whole gets lost (gpu3's first H200 call): the move alone of the rows cases' 4,096
+    blocks of 64 / 16 KiB, leased once, into scattered rows, host waits on the transfer's event
+    only, no control path: Mover.stage_sorted (16 MiB pieces; and with 132 thread blocks for
+    its device-to-device kernel; and its copies alone, into the staging ring, no kernel) against
+    Mover.move (64 KiB: batched copy engines; 16 KiB: the direct kernel). _enqueue_ms: until
+    the last launch returned; ratios to pinned H2D."""
+    import torch
+    from kvtier.api import pipeline
+    from kvtier.gpu.device import Mover, Staging, target_table
+    from kvtier.gpu.plan import TransferPolicy
+    from kvtier.gpu.streams import Stream
+    out = {}
+    for tag, bb in (("64k", 65536), ("16k", 16384)):
+        n = 4096
+        ns = namespace(c, f"rows{tag}", bb)
+        kb = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
+        got = []
+        _found, leases, error, _moved = pipeline.lease(ns, kb, n, lambda rep, lo: got.append(
+            (rep.slots.copy(), lo)), None, n)
+        try:
+            if error is not None:
+                raise error
+            slots = np.concatenate([s_ for s_, _lo in got]).astype(np.int64)
+            rows = np.random.default_rng(5).permutation(n)
+            dst = torch.empty((n, bb), dtype=torch.uint8, device="cuda")
+            table = target_table(dst, bb)
+            st = Stream.resolve(torch.cuda.Stream(), table.device)
+            seg = ns._gpu()
+
+            def timed(pol, how):
+                ts, enq = [], []
+                for _ in range(reps + 1):
+                    staging = Staging(st)
+                    m = Mover(seg, table, st, pol, staging)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    if how == "sorted":
+                        if not m.stage_sorted(slots, rows, 0, 1):
+                            raise WrongBytes(f"stage_sorted refused the {tag} rows")
+                    elif how == "copies":       # stage_sorted's copies, no kernel
+                        order = np.argsort(slots)
+                        sl = slots[order] - seg.ranges[0].first
+                        per = pol.stage_piece_bytes // bb
+                        for p0 in range(0, n, per):
+                            piece = sl[p0:p0 + per]
+                            span = int(piece[-1] - piece[0] + 1)
+                            buf = m._buffer(span * bb)
+                            import cupy
+                            cupy.cuda.runtime.memcpyAsync(
+                                buf[0], seg.ranges[0].base + int(piece[0]) * bb, span * bb,
+                                4, st.ptr)
+                    else:
+                        m.move(slots, rows, 0, 1, False)
+                    t1 = time.perf_counter()
+                    m.event().synchronize()
+                    ts.append(time.perf_counter() - t0)
+                    enq.append(t1 - t0)
+                    staging.release()
+                t = float(np.median(ts[1:]))
+                return (round(n * bb / t / 1e9 / ceil["pinned_h2d_gbps"], 3),
+                        round(float(np.median(enq[1:])) * 1e3, 3), round(t * 1e3, 3))
+            base = TransferPolicy(whole_onboard_keys=4096)
+            for name, pol, how in (("stage_sorted", base, "sorted"),
+                                   ("stage_sorted_blocks_132", TransferPolicy(
+                                       whole_onboard_keys=4096, kernel_blocks=132), "sorted"),
+                                   ("stage_copies_only", base, "copies"),
+                                   ("move", TransferPolicy(), "move")):
+                r, e, t = timed(pol, how)
+                out[f"staging_{name}_ratio_{tag}"] = r
+                out[f"staging_{name}_enqueue_ms_{tag}"] = e
+                out[f"staging_{name}_ms_{tag}"] = t
+            span = int(slots.max() - slots.min() + 1)
+            out[f"staging_span_over_count_{tag}"] = round(span / n, 3)
+        finally:
+            for lease in leases:
+                c._release_later(lease)
+            c.ping()
+    return out
+
+
 def profile_single(ns, key: bytes, out, n: int = 300) -> list:
     """Where a single-block CUDA get's time goes: cProfile's top functions by own time."""
     return profile(lambda: ns.get(key, out=out), n)
@@ -554,7 +643,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 repetitions")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated subset of the cases (rows2m, "
-                    "layers, rows64k, rows16k, diagnosis, single, hbm); default: all")
+                    "layers, rows64k, rows16k, diagnosis, staging (after rows64k and rows16k), "
+                    "single, hbm); default: all")
     args = ap.parse_args()
     reps = 3 if args.quick else args.reps
     m = header("bench/gpu.py")
@@ -575,14 +665,18 @@ def main() -> None:
     v2m = {"kernel": TP(copy_engine_bytes=1 << 40), "copy_per_call": TP(batch_copies=0),
            "batch_16": TP(batch_copies=16), "batch_1024": TP(batch_copies=1024)}
     k64 = {"onboard_copy_engine_bytes": 0}      # the 64 KiB onboard by the kernel, as before
+    # Whole gets (one request, then Mover.stage_sorted; off by default, measured slower) and
+    # puts that commit only from wait() (before early commits).
+    whole = {"whole_gets": TP(whole_onboard_keys=4096), "late_commits": TP(early_commits=False)}
     v64k = {"kernel_onboard": TP(**k64),
             "direct_kernel": TP(staged=False, **k64),
             "kernel_without_priority": TP(kernel_priority=False, **k64),
             "copy_engines_only": TP(copy_engine_bytes=0),
             "batch_512": TP(batch_copies=512),
-            **{f"blocks_{b}": TP(kernel_blocks=b, **k64) for b in (4, 16, 32, 132)}}
+            **{f"blocks_{b}": TP(kernel_blocks=b, **k64) for b in (4, 16, 32, 132)},
+            **whole}
     v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
-            "copy_engines_only": TP(copy_engine_bytes=0)}
+            "copy_engines_only": TP(copy_engine_bytes=0), **whole}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
                                             mm_alone, v2m)),
              ("layers", lambda c: layers_case(c, reps, out, 1024)),
@@ -591,6 +685,7 @@ def main() -> None:
              ("rows16k", lambda c: rows_case(c, "rows16k", 16384, 4096, reps, out, mm,
                                              mm_alone, v16k)),
              ("diagnosis", lambda c: copy_engine_diagnosis(c, reps, out)),
+             ("staging", lambda c: staging_case(c, reps, out)),
              ("single", lambda c: single_get(c, reps)),
              ("hbm", lambda c: hbm_case(c, reps, out, 1024))]
     if args.cases:

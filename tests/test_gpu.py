@@ -327,7 +327,8 @@ def test_bad_cuda_arguments_are_refused_with_what_to_do(gpu_service):
 def test_a_put_refused_part_way_commits_nothing_and_holds_nothing(tmp_path: Path, monkeypatch):
     # Chunks of 16, 64, 64 and 36 keys into a host tier of 64 slots: the second and third
     # reserves fail; the first chunk's copies, launched as its reply came, are waited for, the
-    # first and last reservations aborted; no key is stored.
+    # first and last reservations aborted; no key is stored (or the first chunk, whole, where
+    # its copies had completed when its reply was handled: committed early).
     from kvtier.api import pipeline
     monkeypatch.setattr(pipeline, "CUDA_PUT_CHUNK", 64)
     svc = Service(tmp_path / "svc", admin=False, host_capacity="1MiB",
@@ -339,12 +340,15 @@ def test_a_put_refused_part_way_commits_nothing_and_holds_nothing(tmp_path: Path
             with pytest.raises(CapacityError):
                 ns.put(keys(range(180)), src)
             host = np.empty((40, BB), np.uint8)    # gets under the pin cap (48 of 64 slots)
+            found = []
             for lo in range(0, 180, 40):
                 ids = range(lo, min(lo + 40, 180))
-                assert not ns.get(keys(ids), out=host[:len(ids)])[0].any()
+                found += ns.get(keys(ids), out=host[:len(ids)])[0].tolist()
+            assert found in ([False] * 180, [True] * 16 + [False] * 164)
             c.ping()                                 # the last release has ridden on it
             st = c.stats()
-            assert st["reservations"] == 0 and st["leases"] == 0 and st["puts"] == 0
+            assert st["reservations"] == 0 and st["leases"] == 0
+            assert st["puts"] == sum(found)
     finally:
         svc.stop()
 
@@ -475,6 +479,111 @@ def test_a_64k_row_onboard_goes_by_copy_engines_and_its_offload_by_the_kernel(gp
         assert torch.equal(out[torch.as_tensor(dest, device="cuda")],
                            src[torch.as_tensor(rows[order], device="cuda")])
         assert c.stats()["leases"] <= 1
+
+
+@pytest.mark.parametrize("bb,piece", [(65536, 1 << 20), (16384, 16 << 20), (4096, 64 << 10)],
+                         ids=["64k-small-pieces", "16k", "4k-tiny-pieces"])
+def test_a_dense_batch_asked_in_any_key_order_moves_in_slot_order(gpu_service, bb, piece):
+    # A batch put together (dense slots) asked in another key order, into scattered rows, some
+    # keys missing: one request, then the slot range piece by piece (copy engine into staging,
+    # the kernel from there; small pieces so that both staging buffers are reused many times).
+    # Every found row holds its block, every other row keeps its poison. (Whole gets are off
+    # by default: measured slower on the H200.)
+    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096, stage_piece_bytes=piece))
+    try:
+        with kvtier.Client(gpu_service.socket) as c:
+            ns = c.namespace(f"sorted{bb}", block_bytes=bb)
+            n = 600
+            src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
+            st = torch.cuda.Stream()
+            st.wait_stream(torch.cuda.current_stream())
+            ns.put_async(keys(range(n)), src, stream=st).wait()
+            rng = np.random.default_rng(bb)
+            order = rng.permutation(n + 40)              # 40 keys never put: not found
+            dest = rng.permutation(n + 40)
+            out = torch.full((n + 40, bb), 7, dtype=torch.uint8, device="cuda")
+            st.wait_stream(torch.cuda.current_stream())
+            h = ns.get_async(keys(order.tolist()), out=out, rows=dest, stream=st)
+            assert h.staged and {"copy_engine", "kernel"} <= h.methods
+            found = h.wait()
+            assert found.tolist() == (order < n).tolist()
+            got = out[torch.as_tensor(dest[found], device="cuda")]
+            assert torch.equal(got, src[torch.as_tensor(order[found], device="cuda")])
+            assert (out[torch.as_tensor(dest[~found], device="cuda")] == 7).all()
+            assert ns._whole_skip == 0
+            c.ping()
+            assert c.stats()["leases"] == 0
+    finally:
+        transfer.set_policy(None)
+
+
+def test_a_sparse_whole_get_moves_as_before_and_the_next_ones_go_in_chunks(gpu_service):
+    # Every other key of a batch: its slots span twice their count, so the whole get is not
+    # staged; its bytes are still right, and the namespace's next gets go in chunks.
+    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096))
+    try:
+        _sparse_whole_get(gpu_service)
+    finally:
+        transfer.set_policy(None)
+
+
+def _sparse_whole_get(gpu_service) -> None:
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("sparse", block_bytes=BB)
+        n = 800
+        src = torch.randint(0, 255, (n, BB), dtype=torch.uint8, device="cuda")
+        ns.put(keys(range(n)), src)
+        half = np.arange(0, n, 2)
+        out = torch.zeros((half.size, BB), dtype=torch.uint8, device="cuda")
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        h = ns.get_async(keys(half.tolist()), out=out, stream=st)
+        assert h.wait().all() and not h.staged
+        assert torch.equal(out, src[torch.as_tensor(half, device="cuda")])
+        assert ns._whole_skip == transfer.SPARSE_RETRY
+        ns.get_async(keys(half.tolist()), out=out, stream=st).wait()
+        assert ns._whole_skip == transfer.SPARSE_RETRY - 1
+
+
+def test_a_put_commits_its_first_chunks_while_it_reads_the_later_reserves(
+        gpu_service, monkeypatch):
+    # Chunks of 64 keys (the first 16): each chunk's commit goes out as soon as its copies
+    # and the GPU hash have completed, here held back until every reserve was sent and the
+    # first chunk's copies ran (a wait on the host for its event); put_async then returns with
+    # commits already sent, and every version is 1.
+    from kvtier.api import pipeline
+    monkeypatch.setattr(pipeline, "CUDA_PUT_CHUNK", 64)
+    monkeypatch.setattr(pipeline, "CUDA_PUT_CHUNK_MIN", 64)
+    real = transfer._reserved
+
+    def reserved(c, mover, chunks, ids, src_rows, groups, error, early=None):
+        def slow(parts, ends):
+            ends[-1].synchronize()
+            torch.cuda.synchronize()               # the hash as well
+            early(parts, ends)
+        return real(c, mover, chunks, ids, src_rows, groups, error,
+                    slow if early is not None else None)
+    monkeypatch.setattr(transfer, "_reserved", reserved)
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("early", block_bytes=BB)
+        n = 300
+        src = torch.randint(0, 255, (n, BB), dtype=torch.uint8, device="cuda")
+        h = ns.put_async(keys(range(n)), src)
+        assert len(h._commits) == len(h._parts) == 6
+        assert h.wait().tolist() == [1] * n
+        host = np.empty((n, BB), np.uint8)
+        assert ns.get(keys(range(n)), out=host)[0].all()
+        assert (host == src.cpu().numpy()).all()
+        transfer.set_policy(TransferPolicy(early_commits=False))
+        try:
+            h = ns.put_async(keys(range(n)), src)
+            assert h._commits == []
+            assert h.wait().tolist() == [2] * n
+        finally:
+            transfer.set_policy(None)
+        c.ping()
+        st = c.stats()
+        assert st["reservations"] == 0 and st["leases"] == 0
 
 
 @pytest.mark.parametrize("put_chunk", [4096, 1024], ids=["put-one-request", "put-chunked"])

@@ -11,7 +11,8 @@ import xxhash
 from kvtier.errors import BadRequest
 from kvtier.gpu import xxh3
 from kvtier.gpu.plan import (Copy, Method, PageTable, TransferPolicy, check_rows, copy_arrays,
-                             copy_runs, kernel_launches, page_groups, uniform_runs, vector_bytes)
+                             copy_runs, kernel_launches, page_groups, sorted_pieces,
+                             uniform_runs, vector_bytes)
 from kvtier.types import Tier
 from tests.conftest import blocks, keys
 
@@ -191,6 +192,34 @@ def test_batched_copies_refuse_two_dimensional_runs():
     assert copy_arrays(np.array([0, 1, 2]), np.array([5, 6, 7]), t, 4 * 4096, 0, 4) is None
     seg, dev, size = copy_arrays(np.array([0, 5]), np.array([5, 1]), t, 4 * 4096, 0, 4)
     assert size.tolist() == [4096] * 8 and dev[1] == ((1 << 30) + 4096)
+
+
+def test_a_dense_batch_is_cut_in_slot_order_into_pieces_of_the_range():
+    rng = np.random.default_rng(4)
+    local = rng.permutation(1000) + 50                   # dense: slots 50..1049, any order
+    order, pieces = sorted_pieces(local, 16384, 16 * 16384 * 10)   # 160 slots a piece
+    sl = local[order]
+    assert (np.diff(sl) > 0).all()
+    assert pieces[0][0] == 0 and pieces[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    for k, (lo, hi) in enumerate(pieces):        # piece k: slots 50 + 160k .. 50 + 160(k+1)
+        assert ((sl[lo:hi] >= 50 + 160 * k) & (sl[lo:hi] < 50 + 160 * (k + 1))).all()
+    assert [hi - lo for lo, hi in pieces] == [160] * 6 + [40]
+    # Gaps: the range is cut by slot numbers, so a piece may be short or empty.
+    gappy = np.concatenate([np.arange(0, 100), np.arange(130, 150)])
+    order, pieces = sorted_pieces(gappy[::-1].copy(), 1, 25)
+    assert [hi - lo for lo, hi in pieces] == [25, 25, 25, 25, 0, 20]
+    # Sparse (span over 1.25 x the count, beyond a small allowance), or empty: None.
+    assert sorted_pieces(np.arange(0, 2000, 2), 16384, 1 << 20) is None
+    assert sorted_pieces(np.zeros(0, np.int64), 16384, 1 << 20) is None
+    assert sorted_pieces(np.array([7]), 16384, 1) is not None
+
+
+def test_policy_refuses_garbage_whole_gets_and_pieces():
+    with pytest.raises(BadRequest, match="whole_onboard_keys"):
+        TransferPolicy(whole_onboard_keys=-1)
+    with pytest.raises(BadRequest, match="stage_piece_bytes"):
+        TransferPolicy(stage_piece_bytes=0)
 
 
 def test_policy_refuses_a_negative_batch():

@@ -171,6 +171,7 @@ class NamespaceHandle:
         self._mapped: Any = None           # kvtier.gpu.slots.MappedSegment, on first CUDA use
         self._ipc: Any = None              # kvtier.gpu.slots.IpcPool: the service's HBM pools
         self._inflight: list[Any] = []     # kvtier.gpu.transfer.Transfer not yet finished
+        self._whole_skip = 0               # gets left in chunks after a sparse whole one
         self._hbm_info: dict[str, Any] | None = None
         self._generation = -1
 

@@ -83,16 +83,17 @@ def chunks(n: int, size: int | None = None) -> list[tuple[int, int]]:
 
 
 def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", int], None],
-          extra: dict[str, Any] | None = None
+          extra: dict[str, Any] | None = None, size: int | None = None
           ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
-    """Lease keys' blocks chunk by chunk, calling on_reply(reply, lo) as each reply arrives
-    (until something fails). Every reply is read, so no lease is left unknown. Returns (found
-    mask, leases, the first failure or None, whether on_reply was called at all); the caller
-    ends the leases once nothing started by on_reply reads their slots."""
+    """Lease keys' blocks chunk by chunk (chunks(n, size)), calling on_reply(reply, lo) as
+    each reply arrives (until something fails). Every reply is read, so no lease is left
+    unknown. Returns (found mask, leases, the first failure or None, whether on_reply was
+    called at all); the caller ends the leases once nothing started by on_reply reads their
+    slots."""
     from kvtier.api.client import GetReply
     c = ns._client
     w = ns.key_width
-    parts = chunks(n)
+    parts = chunks(n, size)
     last = len(parts) - 1
     ids = [c._send("get", {"ns": ns.name, "keys": kb[lo * w:hi * w], **(extra or {})},
                    piggyback=i == last)

@@ -62,13 +62,28 @@ class TransferPolicy:
     # the kernel (copy engines 0.730 against 0.786), and so do the per-layer loads, whose one
     # launch or staged layers choose by copy_engine_bytes alone.
     onboard_copy_engine_bytes: int = 64 << 10
+    # Whole gets (off: 0). A get of at most this many keys whose pages are all under
+    # copy_engine_bytes is leased as one request; where its slots are then dense in one slot
+    # range (in any key order: a batch put together) it moves by Mover.stage_sorted: the range
+    # in slot order, piece by piece of stage_piece_bytes, one copy-engine copy each into device
+    # staging and the kernel from there. Else, and for the next transfer.SPARSE_RETRY gets of
+    # the namespace, in chunks. Measured slower on the H200 (4,096 keys, same processes: 64 KiB
+    # 0.654-0.679 of H2D against 0.813-0.823 in chunks, 16 KiB 0.42-0.49 against 0.52-0.57;
+    # docs/DESIGN-NOTES.md, round 3), so off; bench/gpu.py's whole_gets and staging measure it.
+    whole_onboard_keys: int = 0
+    stage_piece_bytes: int = 16 << 20
+    # A put's chunk is committed as soon as its copies and the GPU hash have completed, also
+    # while later reserve replies are still being read (False: only from done() or wait()).
+    early_commits: bool = True
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
-                or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0):
+                or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0
+                or self.whole_onboard_keys < 0 or self.stage_piece_bytes < 1):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
                              "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
-                             "gpu_onboard_copy_engine_bytes >= 0")
+                             "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0 "
+                             "and stage_piece_bytes >= 1")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
@@ -172,6 +187,28 @@ def vector_bytes(seg_base: int, block_bytes: int, table: PageTable, lo: int, hi:
         if not (vals % width).any():
             return width
     raise BadRequest("the CUDA path needs pages, strides and tensors aligned to 8 bytes")
+
+
+def sorted_pieces(local: np.ndarray, width: int, piece_bytes: int
+                  ) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+    """A batch's slots (one range) in slot order, cut into pieces of at most piece_bytes of
+    the slot range (width bytes a slot): (the order, [lo, hi) positions in that order per
+    piece), or None where the slots are not dense (their span over 1.25 x their count, as
+    Mover._staged asks of a chunk), so that staging the range would read too much besides
+    them. A piece may hold no slot (a gap of the range): the caller skips it."""
+    n = local.size
+    if n == 0:
+        return None
+    order = np.argsort(local, kind="stable")
+    sl = local[order]
+    smin = int(sl[0])
+    span = int(sl[-1]) - smin + 1
+    if span > n + n // 4 + 8:
+        return None
+    per = max(1, piece_bytes // max(1, width))
+    cuts = np.searchsorted(sl, smin + per * np.arange(1, -(-span // per)), "left").tolist()
+    bounds = [0, *cuts, n]
+    return order, [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def kernel_launches(n: int, pages: int, vectors: int) -> list[tuple[int, int]]:

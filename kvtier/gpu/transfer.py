@@ -184,14 +184,14 @@ class PutTransfer(Transfer):
 
     def __init__(self, ns: "Namespace", events: list[Any], staging: Staging, methods: set[Any],
                  parts: list[tuple[int, int, int, Any]], n: int, sums_addr: int,
-                 hashed: Any, device: int) -> None:
+                 hashed: Any, device: int, commits: list[tuple[int, int, int]]) -> None:
         super().__init__(ns, events, staging, methods)
         self._parts = parts
         self._n = n
         self._sums = sums_addr
         self._hashed = hashed
         self._device_id = device
-        self._commits: list[tuple[int, int, int]] = []     # (lo, hi, request id) sent
+        self._commits = commits      # (lo, hi, request id) sent, the first chunks' in order
 
     def _sync(self) -> None:
         """Wait for each chunk in turn and send its commit at once: the service commits chunk
@@ -218,13 +218,7 @@ class PutTransfer(Transfer):
 
     def _send_commit(self) -> None:
         lo, hi, rid, _ev = self._parts[len(self._commits)]
-        sums = None
-        if self._sums:
-            import ctypes
-            sums = np.ctypeslib.as_array((ctypes.c_uint64 * (hi - lo)).from_address(
-                self._sums + 8 * lo)).astype("<u8").tobytes()
-        self._commits.append((lo, hi, self._ns._client._send(
-            "commit", {"rid": rid, "checksums": sums, "trusted": True if sums else None})))
+        self._commits.append((lo, hi, _commit(self._ns._client, self._sums, lo, hi, rid)))
 
     def _complete(self) -> None:
         c = self._ns._client
@@ -243,6 +237,17 @@ class PutTransfer(Transfer):
             self._error = failure
             raise failure
         self.result = versions
+
+
+def _commit(c: Any, sums_addr: int, lo: int, hi: int, rid: int) -> int:
+    """Send the commit of reservation rid, keys lo..hi, with the GPU's checksums of those
+    keys (pinned, at sums_addr; 0: none, the service hashes); returns the request id."""
+    sums = None
+    if sums_addr:
+        import ctypes
+        sums = np.ctypeslib.as_array((ctypes.c_uint64 * (hi - lo)).from_address(
+            sums_addr + 8 * lo)).astype("<u8").tobytes()
+    return c._send("commit", {"rid": rid, "checksums": sums, "trusted": True if sums else None})
 
 
 def poll(ns: "Namespace") -> None:
@@ -285,22 +290,28 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
     with cupy.cuda.Device(table.device):
         st = Stream.resolve(stream, table.device)
         staging = Staging(st)
-        mover = Mover(seg, table, st, policy(), staging)
+        pol = policy()
+        mover = Mover(seg, table, st, pol, staging)
         events: list[Any] = []
         replies: list[tuple["GetReply", int]] = []
+        whole = _whole(ns, pol, table, groups, n, tier)
 
         def launch(rep: "GetReply", lo: int) -> None:
             if len(groups) == 1:             # one event: move each chunk as its reply arrives
                 if rep.found.all():
-                    mover.move(rep.slots, dst_rows[lo:lo + rep.slots.size], 0, table.pages,
-                               False)
+                    slots, rows_ = rep.slots, dst_rows[lo:lo + rep.slots.size]
                 else:
                     idx = np.flatnonzero(rep.found)
-                    mover.move(rep.slots[idx], dst_rows[lo + idx], 0, table.pages, False)
+                    slots, rows_ = rep.slots[idx], dst_rows[lo + idx]
+                if not (whole and mover.stage_sorted(slots, rows_, 0, table.pages)):
+                    if whole and slots.size:
+                        ns._whole_skip = SPARSE_RETRY   # sparse: the next gets in chunks
+                    mover.move(slots, rows_, 0, table.pages, False)
             else:
                 replies.append((rep, lo))
         extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
-        found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra)
+        found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra,
+                                                      n if whole else None)
         try:
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
@@ -327,6 +338,28 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
         t.one_launch, t.staged, t.batched = mover.one_launch, mover.staged, mover.batched
     ns._inflight.append(t)
     return t
+
+
+# After a whole get found its slots sparse, this many gets of the namespace go in chunks (a
+# whole get's one request puts the whole control path before the first copy, which only the
+# staged pieces make up for) before a whole one is tried again.
+SPARSE_RETRY = 16
+WHOLE_MIN_KEYS = 64          # smaller gets: one request anyway, and one copy or launch
+
+
+def _whole(ns: "Namespace", pol: TransferPolicy, table: PageTable,
+           groups: list[tuple[int, int]], n: int, tier: str) -> bool:
+    """Whether a get is leased as one request and moved by Mover.stage_sorted (the policy's
+    whole_onboard_keys): at least WHOLE_MIN_KEYS keys, one page group of pages under
+    copy_engine_bytes from the host tier, the namespace's last whole get not sparse within
+    SPARSE_RETRY gets."""
+    if (not pol.staged or len(groups) != 1 or tier != "host" or n < WHOLE_MIN_KEYS
+            or n > pol.whole_onboard_keys or int(table.size.max()) >= pol.copy_engine_bytes):
+        return False
+    if ns._whole_skip:
+        ns._whole_skip -= 1
+        return False
+    return True
 
 
 _events: dict[tuple[int, int], Any] = {}
@@ -418,7 +451,18 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
             side, sums, hashed = _hash(ns, mover, table, src_rows, n)
         except BaseException as exc:
             error = exc
-        parts, ends, error = _reserved(c, mover, chunks, ids, src_rows, groups, error)
+        commits: list[tuple[int, int, int]] = []          # (lo, hi, request id) sent
+
+        def early(parts: list[tuple[int, int, int, np.ndarray]], ends: list[Any]) -> None:
+            """Commit the leading chunks whose copies and hash have completed, while later
+            reserve replies are still to be read: the service, which answers in order, then
+            finds them queued behind the last reserve instead of waiting for the client."""
+            while len(commits) < len(ends) and ends[len(commits)].done and (
+                    hashed is None or hashed.done):
+                lo, hi, rid, _s = parts[len(commits)]
+                commits.append((lo, hi, _commit(c, sums, lo, hi, rid)))
+        parts, ends, error = _reserved(c, mover, chunks, ids, src_rows, groups, error,
+                                       early if mover.policy.early_commits else None)
         events: list[Any] = []
         try:
             for g, (g_lo, g_hi) in enumerate(groups if error is None else ()):
@@ -434,15 +478,19 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
             mover.settle()                    # no launched write may land in aborted slots
             if side is not None:
                 settle(side)                  # nor the hash's output in a reused buffer
-            for _lo, _hi, rid, _s in parts:
+            for _lo, _hi, rid, _s in parts[len(commits):]:
                 c._send_nowait("abort", rid=rid)
             staging.release()
+            if commits:            # whole chunks committed early stay committed, as after a
+                _v, stored, _failed = pipeline.commit_replies(ns, commits, n)   # GPU failure
+                if stored:
+                    error.add_note(f"kvtier: {stored} of {n} blocks were stored")
             raise error
         if len(groups) > 1:                   # every chunk completes with the last group
             ends = [events[-1]] * len(parts)
         t = PutTransfer(ns, events, staging, mover.methods,
                         [(lo, hi, rid, ev) for (lo, hi, rid, _s), ev in zip(parts, ends)],
-                        n, sums, hashed, table.device)
+                        n, sums, hashed, table.device, commits)
         t.batched = mover.batched
     ns._inflight.append(t)
     return t
@@ -463,14 +511,15 @@ def _hash(ns: "Namespace", mover: Mover, table: PageTable, src_rows: np.ndarray,
 
 def _reserved(c: Any, mover: Mover, chunks: list[tuple[int, int]], ids: list[int],
               src_rows: np.ndarray, groups: list[tuple[int, int]],
-              error: BaseException | None
+              error: BaseException | None, early: Any = None
               ) -> tuple[list[tuple[int, int, int, np.ndarray]], list[Any], BaseException | None]:
     """Read every reserve reply of a put; with one page group, enqueue each chunk's copies as
-    its reply arrives and record an event after them (the chunk's end). Returns (the parts as
-    (lo, hi, reservation id, slots), the chunks' end events, the first failure); after a
-    failure nothing more is launched. Where the connection is lost, the launched copies are
-    waited for before ServiceUnavailable is raised, since the service frees the connection's
-    reserved slots."""
+    its reply arrives and record an event after them (the chunk's end), then early(parts,
+    ends) (commits what has completed). Returns (the parts as (lo, hi, reservation id,
+    slots), the chunks' end events, the first failure); after a failure nothing more is
+    launched or committed. Where the connection is lost, the launched copies are waited for
+    before ServiceUnavailable is raised, since the service frees the connection's reserved
+    slots."""
     parts: list[tuple[int, int, int, np.ndarray]] = []
     ends: list[Any] = []
     for (lo, hi), rid in zip(chunks, ids):
@@ -488,6 +537,8 @@ def _reserved(c: Any, mover: Mover, chunks: list[tuple[int, int]], ids: list[int
             try:
                 mover.move(slots, src_rows[lo:hi], groups[0][0], groups[0][1], True)
                 ends.append(mover.event())
+                if early is not None:
+                    early(parts, ends)
             except BaseException as exc:
                 error = exc
     return parts, ends, error
