@@ -61,6 +61,59 @@ def test_a_frame_that_arrives_during_a_step_is_read_before_the_next_step(kind: s
 
 
 @pytest.mark.parametrize("kind", LOOPS)
+def test_a_frame_that_arrives_between_two_steps_is_read_before_the_second(kind: str):
+    # The second worker's frame arrives while the loop answers the first's (after its poll):
+    # without frames_waiting, the next step ran before the loop polled again.
+    import select
+
+    async def scenario(loop, _runner, lock):
+        order: list[str] = []
+        r1, w1 = socket.socketpair()
+        r2, w2 = socket.socketpair()
+        for r in (r1, r2):
+            r.setblocking(False)
+        runner = StepRunner(lock, None, None,
+                            lambda: bool(select.select([r1, r2], [], [], 0)[0]))
+
+        def first_frame() -> None:
+            r1.recv(16)
+            order.append("frame1")
+            w2.send(b"y")                     # the probe's request, during frame1's answer
+
+        loop.add_reader(r1, first_frame)
+        loop.add_reader(r2, lambda: (r2.recv(16), order.append("frame2")))
+        try:
+            def a() -> str:
+                order.append("A")
+                w1.send(b"x")
+                return "a"
+
+            def b() -> str:
+                order.append("B")
+                return "b"
+
+            assert await asyncio.gather(runner._locked(a), runner._locked(b)) == ["a", "b"]
+        finally:
+            for r in (r1, r2):
+                loop.remove_reader(r)
+            for x in (r1, w1, r2, w2):
+                x.close()
+        assert order == ["A", "frame1", "frame2", "B"]
+        assert runner.held_back >= 1
+    _run(kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_socket_always_readable_holds_each_step_back_once_only(kind: str):
+    async def scenario(loop, _runner, lock):
+        runner = StepRunner(lock, None, None, lambda: True)
+        outs = await asyncio.gather(*(runner._locked(lambda i=i: i) for i in range(5)))
+        assert outs == list(range(5))
+        assert runner.held_back == 5
+    _run(kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
 def test_a_step_whose_lock_is_taken_runs_on_the_memory_lane_once_it_is_free(kind: str):
     async def scenario(loop, runner, lock):
         held, go = threading.Event(), threading.Event()
