@@ -4,6 +4,7 @@ loop's sockets polled in between; a step whose lock is taken waits on the memory
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -261,3 +262,41 @@ def test_a_get_whose_write_down_raises_after_its_install_leaves_no_lease(tmp_pat
         _no_lease_left_and_all_readable(eng, data)
     finally:
         eng.close(flush=False)
+
+
+def test_a_reads_segment_pins_end_in_its_install_step_and_on_every_exit(tmp_path):
+    # The read's segment pins are ended by the install step (on the loop, under the engine
+    # lock), not by the I/O thread after the read; steps abandoned after the read end them
+    # too. A pin left behind would keep a reclaimed segment's file for good.
+    from kvtier.coherence.gets import advance
+    from tests.conftest import keys
+
+    def readers(eng) -> int:
+        return sum(seg.readers for seg in eng.namespace("m").log.segments.values())
+
+    for cancel in (False, True):
+        eng, data = _half_on_disk(tmp_path / str(cancel))
+        try:
+            steps = eng.get_steps("m", keys(range(4)), 0)
+            step, out = advance(steps, None, None)
+            seen, exc = [], None
+            with pytest.raises(asyncio.CancelledError) if cancel else contextlib.nullcontext():
+                while step is not None:
+                    if step.locked:
+                        with eng.lock:
+                            value = step.fn()
+                    else:
+                        value = step.fn()
+                        seen.append(readers(eng))     # after the read: still pinned
+                        if cancel and exc is None:    # the get cancelled during its read
+                            exc = asyncio.CancelledError()
+                            step, out = advance(steps, None, exc)
+                            continue
+                    step, out = advance(steps, value, None)
+            assert seen and seen[0] > 0
+            assert readers(eng) == 0
+            if not cancel:
+                eng.release(out.lease_id)
+            _no_lease_left_and_all_readable(eng, data)
+        finally:
+            eng.close(flush=False)
