@@ -35,6 +35,20 @@ def _run(kind: str, scenario) -> None:
         loop.close()
 
 
+async def _steps_a_and_b(runner: StepRunner, order: list[str], sock: socket.socket) -> None:
+    """Two locked steps, A then B, each noting its turn in order; A sends a byte on sock."""
+    def a() -> str:
+        order.append("A")
+        sock.send(b"x")
+        return "a"
+
+    def b() -> str:
+        order.append("B")
+        return "b"
+
+    assert await asyncio.gather(runner._locked(a), runner._locked(b)) == ["a", "b"]
+
+
 @pytest.mark.parametrize("kind", LOOPS)
 def test_a_frame_that_arrives_during_a_step_is_read_before_the_next_step(kind: str):
     async def scenario(loop, runner, lock):
@@ -43,16 +57,7 @@ def test_a_frame_that_arrives_during_a_step_is_read_before_the_next_step(kind: s
         r.setblocking(False)
         loop.add_reader(r, lambda: (r.recv(16), order.append("frame")))
         try:
-            def a() -> str:
-                order.append("A")
-                w.send(b"x")                  # a worker's request arrives while A runs
-                return "a"
-
-            def b() -> str:
-                order.append("B")
-                return "b"
-
-            assert await asyncio.gather(runner._locked(a), runner._locked(b)) == ["a", "b"]
+            await _steps_a_and_b(runner, order, w)   # a worker's request arrives while A runs
         finally:
             loop.remove_reader(r)
             r.close()
@@ -84,16 +89,7 @@ def test_a_frame_that_arrives_between_two_steps_is_read_before_the_second(kind: 
         loop.add_reader(r1, first_frame)
         loop.add_reader(r2, lambda: (r2.recv(16), order.append("frame2")))
         try:
-            def a() -> str:
-                order.append("A")
-                w1.send(b"x")
-                return "a"
-
-            def b() -> str:
-                order.append("B")
-                return "b"
-
-            assert await asyncio.gather(runner._locked(a), runner._locked(b)) == ["a", "b"]
+            await _steps_a_and_b(runner, order, w1)
         finally:
             for r in (r1, r2):
                 loop.remove_reader(r)
