@@ -61,6 +61,7 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
             end = e[2]
     nested = sorted((e for e in events if e[0] != "read"), key=lambda e: e[1])
     cpu: dict[str, list[float]] = collections.defaultdict(list)
+    switches: dict[str, list[tuple]] = collections.defaultdict(list)
     reads = sorted((e for e in events if e[0] == "read"), key=lambda e: e[1])
     starts = np.array([e[1] for e in loop])
     lo_t, hi_t = beside[0, 0], beside[-1, 1]
@@ -97,7 +98,27 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
             durs[_name(e)].append(e[2] - e[1])
             if len(e) > 4 and e[0] in ("step", "dr"):
                 cpu[_name(e)].append(e[4])
+            if len(e) > 6 and e[0] in ("step", "dr"):
+                switches[_name(e)].append((e[5], e[6], e[2] - e[1] - e[4]))
+    # The I/O threads' Python around each read (run_read less its GIL-free parts): the GIL
+    # they hold while the loop may want it, as a share of the phase.
+    held = [e[4] for e in reads if len(e) > 4 and lo_t <= e[1] <= hi_t]
     return {
+        "io_python_per_read_us": ({"n": len(held),
+                                   "p50": round(float(np.percentile(held, 50)) * 1e6, 1),
+                                   "p99": round(float(np.percentile(held, 99)) * 1e6, 1),
+                                   "share_of_phase": round(sum(held) / (hi_t - lo_t), 3)}
+                                  if held else None),
+        # Per kind of loop work: how often the loop thread blocked in it (voluntary context
+        # switches: the GIL or a lock) or was preempted (involuntary: a core shared), and
+        # the wall time beyond its CPU time.
+        "loop_switches": {k: {"blocked_share": round(float(np.mean([x[0] > 0 for x in v])), 3),
+                              "preempted_share": round(float(np.mean([x[1] > 0 for x in v])), 3),
+                              "waiting_p50_us": round(float(np.percentile(
+                                  [x[2] for x in v], 50)) * 1e6, 1),
+                              "waiting_p99_us": round(float(np.percentile(
+                                  [x[2] for x in v], 99)) * 1e6, 1)}
+                          for k, v in sorted(switches.items())},
         "tail_gets": len(waits), "tail_threshold_us": round(thr * 1e6, 1),
         "tail_wait_to_data_received_us": round(float(np.mean(waits)) * 1e6, 1) if waits else None,
         "tail_in_data_received_us": round(float(np.mean(ins)) * 1e6, 1) if ins else None,

@@ -4,6 +4,7 @@ loop's sockets polled in between; a step whose lock is taken waits on the memory
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,20 @@ def _run(kind: str, scenario) -> None:
         loop.close()
 
 
+async def _steps_a_and_b(runner: StepRunner, order: list[str], sock: socket.socket) -> None:
+    """Two locked steps, A then B, each noting its turn in order; A sends a byte on sock."""
+    def a() -> str:
+        order.append("A")
+        sock.send(b"x")
+        return "a"
+
+    def b() -> str:
+        order.append("B")
+        return "b"
+
+    assert await asyncio.gather(runner._locked(a), runner._locked(b)) == ["a", "b"]
+
+
 @pytest.mark.parametrize("kind", LOOPS)
 def test_a_frame_that_arrives_during_a_step_is_read_before_the_next_step(kind: str):
     async def scenario(loop, runner, lock):
@@ -42,21 +57,56 @@ def test_a_frame_that_arrives_during_a_step_is_read_before_the_next_step(kind: s
         r.setblocking(False)
         loop.add_reader(r, lambda: (r.recv(16), order.append("frame")))
         try:
-            def a() -> str:
-                order.append("A")
-                w.send(b"x")                  # a worker's request arrives while A runs
-                return "a"
-
-            def b() -> str:
-                order.append("B")
-                return "b"
-
-            assert await asyncio.gather(runner._locked(a), runner._locked(b)) == ["a", "b"]
+            await _steps_a_and_b(runner, order, w)   # a worker's request arrives while A runs
         finally:
             loop.remove_reader(r)
             r.close()
             w.close()
         assert order == ["A", "frame", "B"]
+    _run(kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_frame_that_arrives_between_two_steps_is_read_before_the_second(kind: str):
+    # The second worker's frame arrives while the loop answers the first's (after its poll):
+    # without frames_waiting, the next step ran before the loop polled again.
+    import select
+
+    async def scenario(loop, _runner, lock):
+        order: list[str] = []
+        r1, w1 = socket.socketpair()
+        r2, w2 = socket.socketpair()
+        for r in (r1, r2):
+            r.setblocking(False)
+        runner = StepRunner(lock, None, None,
+                            lambda: bool(select.select([r1, r2], [], [], 0)[0]))
+
+        def first_frame() -> None:
+            r1.recv(16)
+            order.append("frame1")
+            w2.send(b"y")                     # the probe's request, during frame1's answer
+
+        loop.add_reader(r1, first_frame)
+        loop.add_reader(r2, lambda: (r2.recv(16), order.append("frame2")))
+        try:
+            await _steps_a_and_b(runner, order, w1)
+        finally:
+            for r in (r1, r2):
+                loop.remove_reader(r)
+            for x in (r1, w1, r2, w2):
+                x.close()
+        assert order == ["A", "frame1", "frame2", "B"]
+        assert runner.held_back >= 1
+    _run(kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_socket_always_readable_holds_each_step_back_once_only(kind: str):
+    async def scenario(loop, _runner, lock):
+        runner = StepRunner(lock, None, None, lambda: True)
+        outs = await asyncio.gather(*(runner._locked(lambda i=i: i) for i in range(5)))
+        assert outs == list(range(5))
+        assert runner.held_back == 5
     _run(kind, scenario)
 
 
@@ -208,3 +258,41 @@ def test_a_get_whose_write_down_raises_after_its_install_leaves_no_lease(tmp_pat
         _no_lease_left_and_all_readable(eng, data)
     finally:
         eng.close(flush=False)
+
+
+def test_a_reads_segment_pins_end_in_its_install_step_and_on_every_exit(tmp_path):
+    # The read's segment pins are ended by the install step (on the loop, under the engine
+    # lock), not by the I/O thread after the read; steps abandoned after the read end them
+    # too. A pin left behind would keep a reclaimed segment's file for good.
+    from kvtier.coherence.gets import advance
+    from tests.conftest import keys
+
+    def readers(eng) -> int:
+        return sum(seg.readers for seg in eng.namespace("m").log.segments.values())
+
+    for cancel in (False, True):
+        eng, data = _half_on_disk(tmp_path / str(cancel))
+        try:
+            steps = eng.get_steps("m", keys(range(4)), 0)
+            step, out = advance(steps, None, None)
+            seen, exc = [], None
+            with pytest.raises(asyncio.CancelledError) if cancel else contextlib.nullcontext():
+                while step is not None:
+                    if step.locked:
+                        with eng.lock:
+                            value = step.fn()
+                    else:
+                        value = step.fn()
+                        seen.append(readers(eng))     # after the read: still pinned
+                        if cancel and exc is None:    # the get cancelled during its read
+                            exc = asyncio.CancelledError()
+                            step, out = advance(steps, None, exc)
+                            continue
+                    step, out = advance(steps, value, None)
+            assert seen and seen[0] > 0
+            assert readers(eng) == 0
+            if not cancel:
+                eng.release(out.lease_id)
+            _no_lease_left_and_all_readable(eng, data)
+        finally:
+            eng.close(flush=False)

@@ -27,6 +27,14 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
     import pickle
     pc = time.perf_counter
     tt = time.thread_time     # the loop thread's CPU time: wall minus it is waiting
+    import resource
+    _ru = resource.getrusage
+    _RT = resource.RUSAGE_THREAD
+    def cs():
+        # The loop thread's context switches: voluntary (it blocked: the GIL, a lock) and
+        # involuntary (the OS preempted it: a core shared), each call ~1 us.
+        r = _ru(_RT)
+        return r.ru_nvcsw, r.ru_nivcsw
     EV = []
     def _dump():
         with open(_path, "wb") as f:
@@ -37,14 +45,15 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
     _next = S.StepRunner._next
     def _next_t(self):
         fn = self._queue[0][0] if self._queue else None
-        c0 = tt(); t0 = pc(); _next(self); t1 = pc(); c1 = tt()
-        EV.append(("step", t0, t1, getattr(getattr(fn, "func", None), "__name__", "?"), c1 - c0))
+        v0, i0 = cs(); c0 = tt(); t0 = pc(); _next(self); t1 = pc(); c1 = tt(); v1, i1 = cs()
+        EV.append(("step", t0, t1, getattr(getattr(fn, "func", None), "__name__", "?"), c1 - c0,
+                   v1 - v0, i1 - i0))
     S.StepRunner._next = _next_t
     C = SV._Connection
     _dr = C.data_received
     def _dr_t(self, data):
-        c0 = tt(); t0 = pc(); _dr(self, data); t1 = pc(); c1 = tt()
-        EV.append(("dr", t0, t1, getattr(self.client, "name", "?"), c1 - c0))
+        v0, i0 = cs(); c0 = tt(); t0 = pc(); _dr(self, data); t1 = pc(); c1 = tt(); v1, i1 = cs()
+        EV.append(("dr", t0, t1, getattr(self.client, "name", "?"), c1 - c0, v1 - v0, i1 - i0))
     C.data_received = _dr_t
     _w = C._write
     def _w_t(self, reply, t0_):
@@ -70,12 +79,23 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
         return r
     SV.Server._fast = _fast_t
     import kvtier.coherence.persist as PE
+    import threading
+    _tl = threading.local()
     _rr = PE.NvmeStore.run_read
     def _rr_t(self, *a, **k):
+        _tl.nogil = 0.0
         t0 = pc(); r = _rr(self, *a, **k); t1 = pc()
-        EV.append(("read", t0, t1, "io"))
+        EV.append(("read", t0, t1, "io", t1 - t0 - _tl.nogil))    # 5th: its Python, GIL held
         return r
     PE.NvmeStore.run_read = _rr_t
+    # The read's parts that run without the GIL (the AIO loop, the checksums): run_read's
+    # wall time minus these is the I/O thread's Python, holding the GIL the loop wants.
+    _bc = PE.block_checksums
+    def _bc_t(*a, **k):
+        t0 = pc(); r = _bc(*a, **k); t1 = pc()
+        _tl.nogil = getattr(_tl, "nogil", 0.0) + (t1 - t0)
+        return r
+    PE.block_checksums = _bc_t
     import kvtier.tiers.nvme as NV
     for _cls in [c for c in vars(NV).values() if isinstance(c, type) and "pin" in vars(c)]:
         def _wrap(orig, kind):
@@ -85,5 +105,13 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
                 return r
             return f
         _cls.pin = _wrap(_cls.pin, "pin")
+        if "read_rows" in vars(_cls):
+            def _nogil(orig):
+                def f(self, *a, **k):
+                    t0 = pc(); r = orig(self, *a, **k)
+                    _tl.nogil = getattr(_tl, "nogil", 0.0) + (pc() - t0)
+                    return r
+                return f
+            _cls.read_rows = _nogil(_cls.read_rows)
         if "unpin" in vars(_cls):
             _cls.unpin = _wrap(_cls.unpin, "unpin")

@@ -21,6 +21,7 @@ eviction, never serves a wrong block; at worst a later allocation finds less roo
 from __future__ import annotations
 
 import asyncio
+import select
 import struct
 from typing import Any, Awaitable
 
@@ -29,6 +30,11 @@ from kvtier.api.quota import ClientInfo
 from kvtier.types import Tier
 
 _I32, _U64 = struct.Struct("<i"), struct.Struct("<Q")
+
+# Set in a get's request by _get_resident when try_get refused its batch (it must read NVMe),
+# so that op_get neither looks again nor tries it on the loop. An object, not a string: no
+# decoded frame can carry it (and a get marked wrongly would only take its steps).
+NEEDS_DISK = object()
 
 
 class ResidentGets:
@@ -63,7 +69,7 @@ class ResidentGets:
         client.pins.end(ids)
         try:
             out = self._get_resident(client, name, keys, Tier.HBM if tier == "hbm"
-                                     else Tier.HOST)
+                                     else Tier.HOST, req)
         except BaseException:
             self._end_leases(client, ids)      # the request fails; its releases still count
             raise
@@ -71,10 +77,14 @@ class ResidentGets:
             asyncio.get_running_loop().call_soon(self._end_leases, client, ids)
         return out
 
-    def _get_resident(self, client: ClientInfo, name: str, keys: bytes,
-                      tier: Tier) -> dict[str, Any] | None:
+    def _get_resident(self, client: ClientInfo, name: str, keys: bytes, tier: Tier,
+                      req: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The reply of a get answered on the loop from blocks resident in tier, or None
-        (nothing changed) where the general path must run."""
+        (nothing changed) where the general path must run. A host batch that try_get refused
+        (it must move bytes between tiers: an NVMe reader's) is marked NEEDS_DISK in req, so
+        that op_get sends it to its steps without looking again (looks_resident: 15-20 us of
+        such a reader's frame on the H200 host, in data_received, ahead of any resident get
+        read in the same poll: issue 17's stall)."""
         if tier is Tier.HOST:
             out = self._get_one_resident(client, name, keys)
             if out is not None:
@@ -84,11 +94,48 @@ class ResidentGets:
                 return None
             client.pins.check(ns, keys, self.settings.max_client_share)
             done, res = self._fast(self.engine.try_get, name, keys, client.cid)
+            if done and res is None and req is not None:
+                req[NEEDS_DISK] = True
         else:
             done, res = self._fast(self.engine.try_get_resident, name, keys, client.cid, tier)
         if not done or res is None:
             return None
         return self._get_reply(client, name, keys, res, False)
+
+    # ------------------------------------------------------------------ frames waiting
+    # StepRunner's frames_waiting: whether a request is waiting in a connection's socket, by
+    # one epoll of the connections (level-triggered, zero timeout: ~1 us), so that a get's
+    # next locked step lets the loop read it first (kvtier.api.steps).
+
+    def _watch_frames(self, conn: Any) -> None:
+        if getattr(self, "_frame_poll", None) is None:
+            self._frame_poll = select.epoll()
+            self._frame_fds: dict[int, Any] = {}
+        fd = conn.transport.get_extra_info("socket").fileno()
+        try:
+            self._frame_poll.register(fd, select.EPOLLIN)
+        except OSError:
+            return                  # not watched: its frames only lose their head start
+        self._frame_fds[fd] = conn
+
+    def _unwatch_frames(self, conn: Any) -> None:
+        fds = getattr(self, "_frame_fds", {})
+        for fd in [fd for fd, c in fds.items() if c is conn]:
+            del fds[fd]
+            try:
+                self._frame_poll.unregister(fd)
+            except OSError:
+                pass                # closed already: epoll forgot it with the socket
+
+    def _frames_waiting(self) -> bool:
+        poll = getattr(self, "_frame_poll", None)
+        return poll is not None and bool(poll.poll(0))
+
+    def _close_frames(self) -> None:
+        if getattr(self, "_frame_poll", None) is not None:
+            self._frame_poll.close()
+            self._frame_poll = None
+            self._frame_fds = {}
 
     def _end_leases(self, client: ClientInfo, ids: list[int]) -> None:
         """The engine's part of piggybacked releases, inline when the lock is free, else on

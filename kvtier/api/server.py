@@ -42,7 +42,7 @@ from kvtier.api import quota
 from kvtier.api.busypoll import BusyPoll
 from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
-from kvtier.api.resident import ResidentGets
+from kvtier.api.resident import NEEDS_DISK, ResidentGets
 from kvtier.api.steps import LOOP_WAIT_S, StepRunner
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
@@ -83,7 +83,7 @@ class Server(ResidentGets):
         self._ops: dict[str, Callable[..., Any]] = {op: getattr(self, f"op_{op}") for op in P.OPS}
         self._threads_busy = 0              # engine calls in flight on the pool
         # The steps of host gets that read NVMe: locked ones on the loop, the read on _pool.
-        self.steps = StepRunner(engine.lock, self._run, self._run_mem)
+        self.steps = StepRunner(engine.lock, self._run, self._run_mem, self._frames_waiting)
         self.buffered = 0                   # bytes of partly received frames, all connections
         self.reports = ConnectorReports()
         self.busy = BusyPoll(settings.busy_poll_us * 1e-6, lambda: self._threads_busy == 0)
@@ -185,6 +185,7 @@ class Server(ResidentGets):
         await loop.run_in_executor(self._pool, self.engine.close)
         self._pool.shutdown(wait=True)
         self._mem_pool.shutdown(wait=True)
+        self._close_frames()
         try:
             self.path.unlink()
         except FileNotFoundError:
@@ -200,10 +201,12 @@ class Server(ResidentGets):
         client = ClientInfo(self._next_cid, pid, uid)
         self.clients[client.cid] = client
         self._live.add(conn)
+        self._watch_frames(conn)
         return client
 
     def _connection_lost(self, conn: "_Connection") -> None:
         self._live.discard(conn)
+        self._unwatch_frames(conn)
         self.clients.pop(conn.client.cid, None)
         self._spawn(self._run(self.engine.release_owner, conn.client.cid),
                     name=f"release-owner-{conn.client.cid}")
@@ -427,7 +430,7 @@ class Server(ResidentGets):
         if inline and tier is not Tier.HOST:
             raise BadRequest("inline gets are served from the host tier; drop tier or inline")
         if tier is Tier.HOST:
-            if self.engine.looks_resident(name, keys):
+            if not req.get(NEEDS_DISK) and self.engine.looks_resident(name, keys):
                 done, res = self._fast(self.engine.try_get, name, keys, client.cid)
                 if done and res is not None:
                     return self._get_reply(client, name, keys, res, inline)

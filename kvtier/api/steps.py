@@ -19,6 +19,12 @@ what they held the lock for: its p99 was 76x alone on the 16-core H200 host. Her
   timer, not call_soon: asyncio's loop runs the callbacks queued by call_soon before those of
   the sockets it polls next, and both loops (asyncio's, uvloop's) poll before they run a timer
   that came due while a step ran;
+- a step does not start while a frame is waiting in a socket (frames_waiting, one zero-timeout
+  poll of the connections): it goes after the loop's next poll, once. Without it a frame that
+  came while the loop answered other connections' frames, or ran the callbacks queued behind
+  a step, waited for the whole next step: the loop polls once per iteration, and the step runs
+  in the iteration's ready callbacks, before its poll (uvloop's call_later(0) is call_soon).
+  Once only, so a busy socket cannot hold a get's steps back (bench/stall.py, stall3);
 - the unlocked steps go to the I/O pool.
 
 Thread-safety: StepRunner is used from the loop's thread only.
@@ -52,11 +58,15 @@ class StepRunner:
     server's I/O pool and memory lane."""
 
     def __init__(self, lock: threading.RLock, run_io: Callable[..., asyncio.Future],
-                 run_mem: Callable[..., asyncio.Future]) -> None:
+                 run_mem: Callable[..., asyncio.Future],
+                 frames_waiting: Callable[[], bool] = lambda: False) -> None:
         self.lock = lock
         self._run_io = run_io
         self._run_mem = run_mem
+        self._frames_waiting = frames_waiting
         self._queue: collections.deque[tuple[Thunk, asyncio.Future]] = collections.deque()
+        self._held_back = False         # the queue's head already waited for one poll
+        self.held_back = 0              # steps that let the loop poll first (for stats)
 
     async def drive(self, steps: GetSteps) -> GetResult:
         """The get's result, once every step has run."""
@@ -82,6 +92,14 @@ class StepRunner:
         return fut
 
     def _next(self) -> None:
+        if not self._held_back and self._frames_waiting():
+            # A request is waiting in a socket: the loop reads it (a resident get is answered
+            # inline) before this step, whose turn comes after that poll.
+            self._held_back = True
+            self.held_back += 1
+            asyncio.get_running_loop().call_later(0, self._next)
+            return
+        self._held_back = False
         fn, fut = self._queue.popleft()
         if self._queue:
             asyncio.get_running_loop().call_later(0, self._next)   # after the next poll
