@@ -414,6 +414,16 @@ class Engine:
             _refuse_zero_key(karr)
         return karr, repeats
 
+    def _put_parents(self, ns: Namespace, parents: Any, n: int) -> np.ndarray | None:
+        """A put's parents, packed and checked against its n keys (None: no parents)."""
+        if parents is None:
+            return None
+        parr = ns.table.keys_array(parents)
+        if parr.size != n:
+            raise BadRequest(f"{parr.size} parents for {n} keys; send one parent per key "
+                             "(all-zero for none)")
+        return parr
+
     def reserve(self, namespace: str, keys: Any, parents: Any = None, tier: Tier = Tier.HOST,
                 owner: int = 0) -> Reservation:
         """Phase one of a put: fresh slots for each key, pinned until commit or abort.
@@ -442,15 +452,10 @@ class Engine:
                  owner: int) -> Reservation:
         ns = self.namespace(namespace)
         karr, repeats = self._put_keys(ns, keys)
-        parr = None
-        if parents is not None:
-            parr = ns.table.keys_array(parents)
-            if parr.size != karr.size:
-                raise BadRequest(f"{parr.size} parents for {karr.size} keys; send one parent "
-                                 "per key (all-zero for none)")
-        # int64 from here on: numpy indexes by the pool's int32 slots ~4x slower (a cast per
-        # fancy index), and the commit's C helpers take int64 as they are.
-        slots = self.alloc(ns, tier, karr.size).astype(np.int64)
+        parr = self._put_parents(ns, parents, karr.size)
+        # int64 from here on (the pools hand it out): numpy indexes by int32 slots ~4x slower
+        # (a cast per fancy index), and the commit's C helpers take int64 as they are.
+        slots = self.alloc(ns, tier, karr.size).astype(np.int64, copy=False)
         st = ns.slots[tier]
         if _fast is not None:          # a reservation pins its slots like a lease
             _fast.pin_slots(st.leases, slots)
@@ -656,7 +661,18 @@ class Engine:
 
     def put(self, namespace: str, keys: Any, blocks: Any, parents: Any = None,
             tier: Tier = Tier.HOST, owner: int = 0) -> np.ndarray:
-        """reserve + copy + commit, for in-process writers. blocks: n x block_bytes."""
+        """reserve + copy + commit, for in-process writers. blocks: n x block_bytes.
+
+        A host put under write_back whose keys are distinct runs as one step under the lock
+        (_put_inline: no reservation, no pin and unpin, the same rows, versions and counters);
+        anything else, and a put that finds no room at once, goes through reserve and commit."""
+        if tier is Tier.HOST and self.settings.write_policy != "write_through":
+            with self.lock:
+                versions = self._put_inline(namespace, keys, blocks, parents)
+            if versions is not None:
+                if self.nvme.wanted():
+                    self.nvme.drain()
+                return versions
         res = self.reserve(namespace, keys, parents, tier, owner)
         try:
             data = _blocks_array(blocks, res.slots.size, res.ns.block_bytes)
@@ -665,6 +681,37 @@ class Engine:
             self.abort(res.rid, owner)
             raise
         return self.commit(res.rid, owner)
+
+    def _put_inline(self, namespace: str, keys: Any, blocks: Any,
+                    parents: Any) -> np.ndarray | None:
+        """A host put as one step (the caller holds the lock and checked the tier and the
+        write policy): reserve's checks and room, the copy, commit's checksums and install.
+        Nothing else sees the fresh slots before they are installed, so they are not pinned.
+        None, with nothing taken, when the general path must run: a key that may repeat in
+        the batch, or no room without writing dirty blocks down first."""
+        ns = self.namespace(namespace)
+        karr, repeats = self._put_keys(ns, keys)
+        if repeats:
+            return None
+        parr = self._put_parents(ns, parents, karr.size)
+        n = karr.size
+        data = _blocks_array(blocks, n, ns.block_bytes)
+        try:
+            slots = self.alloc(ns, Tier.HOST, n)
+        except CapacityError:
+            return None
+        slots = slots.astype(np.int64, copy=False)
+        pool = ns.slots[Tier.HOST].pool
+        try:
+            pool.write(slots, data)
+            sums = checksums_of(pool, slots)
+        except BaseException:
+            self.slots_freed(ns, Tier.HOST, slots)
+            raise
+        rows = self._install(ns, karr, Tier.HOST, slots, sums, parr, None)
+        self.counters.puts += n
+        self.counters.tiers[Tier.HOST].bytes_written += n * ns.block_bytes
+        return ns.table.cols["version"][rows]
 
     # ------------------------------------------------------------------ get
 
