@@ -310,7 +310,7 @@ class Engine:
         if short > 0:
             self.reap()
             self._evict(ns, tier, short)
-            if tier is Tier.HOST:
+            if tier is Tier.HOST and len(self.namespaces) > 1:   # only others hold host bytes
                 self._evict_other_namespaces(ns, n)
 
     def free_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
@@ -616,7 +616,7 @@ class Engine:
             self.set_copy(ns, rows, Tier.HOST, host_slots, ver)
         if parents is not None:
             # The all-zero parent (none) is never a row: puts refuse the zero key.
-            table.link(rows, table.lookup(parents))
+            table.link_keys(rows, parents)
         return rows
 
     def _install_native(self, ns: Namespace, rows: np.ndarray, created: np.ndarray, tier: Tier,
