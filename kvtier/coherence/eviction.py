@@ -102,6 +102,17 @@ class Eviction:
         cols = ns.table.cols
         lowers = [t for t in lower_tiers(tier) if t in ns.slots or (t is Tier.NVME and ns.log)]
         done = 0
+        if not lowers and _fast is not None:
+            # The lowest tier (a replay's host tier without NVMe): every victim goes as it is,
+            # nothing is written down or set aside.
+            slot_row = st.slot_row
+            while done < n:
+                slots = policy.victims(n - done)
+                if slots.size == 0:
+                    break
+                done += self._drop_victims_native(ns, tier, slot_row[slots], lowers, slots,
+                                                  policy)
+            return done
         held: list[np.ndarray] = []      # victims that could not be written down: kept aside
         try:
             while done < n:
@@ -150,13 +161,15 @@ class Eviction:
         return int(victims.size)
 
     def _drop_victims_native(self, ns: Namespace, tier: Tier, victims: np.ndarray,
-                             lowers: list[Tier], slots: np.ndarray) -> int:
+                             lowers: list[Tier], slots: np.ndarray,
+                             policy: TierPolicy | None = None) -> int:
         """_drop_victims with the C helper, in its order: the policy's on_remove, then
         _fast.drop_rows (drop_copies's release_copies and forget_empty's empty_rows in one
-        call), the pool's free, the counters, the table's removal."""
+        call), the pool's free, the counters, the table's removal. policy: the tier's, when
+        the caller has it."""
         cols, st = ns.table.cols, ns.slots[tier]
         rows = np.ascontiguousarray(victims, dtype=np.int64)
-        self.tier_policy(ns, tier).on_remove(slots)
+        (policy or self.tier_policy(ns, tier)).on_remove(slots)
         n = rows.size
         out = np.empty(2 * n, dtype=np.int64)
         k, d = _fast.drop_rows(cols["copy_ver"], cols["slot"], st.slot_row, st.leases,

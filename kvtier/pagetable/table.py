@@ -571,6 +571,17 @@ class PageTable:
         first[parents[group_start]] = rows[group_start]
         parent[rows] = parents
 
+    def link_keys(self, rows: np.ndarray, parents: bytes | np.ndarray) -> None:
+        """link(rows, lookup(parents)) for packed parent keys (a parent not in the table
+        unlinks its row); with the C helper the link is called directly (a commit's chain)."""
+        found = self._rows_of(self.keys_array(parents))
+        if _native is None:
+            self.link(rows, found)
+            return
+        c = self.cols
+        _native.link_rows(c["parent"], c["first_child"], c["next_sib"],
+                          np.ascontiguousarray(rows, dtype=np.int64), found)
+
     def _detach(self, row: int) -> None:
         par = int(self.cols["parent"][row])
         first, nxt = self.cols["first_child"], self.cols["next_sib"]
