@@ -83,7 +83,11 @@ if os.environ.get("ATTR"):
         import kvtier.coherence.flushes as FL; FLC = FL.Flushes
     except ImportError:
         FLC = P.NvmeStore                      # main before the split: the same methods
-    for obj, meth in [(E.Engine, "reserve"), (E.Engine, "commit"), (H.SlotPool, "read"),
+    try:
+        import kvtier.coherence.puts as PU; PUT = PU.Puts
+    except ImportError:
+        PUT = E.Engine                         # main before the split: the same methods
+    for obj, meth in [(PUT, "reserve"), (PUT, "commit"), (H.SlotPool, "read"),
                       (H.SlotPool, "write"), (P.NvmeStore, "plan_read"), (P.NvmeStore, "run_read"),
                       (P.NvmeStore, "finish_read"), (N.SegmentLog, "read_rows"),
                       (A.AioSet, "run_flat"), (A.AioSet, "run"), (N.SegmentLog, "write"),

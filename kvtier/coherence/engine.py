@@ -20,7 +20,7 @@ Lifecycle of a get:
     3. return slots, versions and checksums; the slots stay pinned until release() or the
        owner's disconnect (release_owner)
 
-Only the engine (this module and its parts: coherence.gets, coherence.eviction,
+Only the engine (this module and its parts: coherence.puts, coherence.gets, coherence.eviction,
 coherence.transfers, coherence.fastpath for resident gets, coherence.leases for ending holds)
 and the NVMe store it owns (coherence.persist, with coherence.space; an object that sees the
 engine only through persist.Coherence) write to the page table. Every public method takes the
@@ -41,21 +41,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvtier.checksums import block_checksums
 from kvtier.coherence import admission, reserve
 from kvtier.coherence.namespace import (EngineCounters, Lease, Namespace,
-                                        Reservation, SlotState, add_one, to_numpy)
+                                        Reservation, SlotState, add_one)
 from kvtier.coherence.eviction import Eviction
 from kvtier.coherence.fastpath import FastPath
 from kvtier.coherence.gets import Gets, _refuse_zero_key
 from kvtier.coherence.leases import Holds
 from kvtier.coherence.policies import POLICIES
+from kvtier.coherence.puts import Puts
 from kvtier.coherence.persist import NvmeStore
 from kvtier.coherence.transfers import Transfers, remote_from_settings
-from kvtier.coherence.states import (BlockState, Event, HoldState, next_states,
+from kvtier.coherence.states import (BlockState, Event, next_states,
                                      transition_array)
 from kvtier.config import Settings
-from kvtier.errors import (BadRequest, CapacityError, LeaseError, NamespaceError,
+from kvtier.errors import (BadRequest, CapacityError, NamespaceError,
                            StorageError)
 from kvtier.pagetable.store import Catalog, NamespaceRecord, check_writable
 from kvtier.pagetable.table import PageTable
@@ -79,20 +79,6 @@ _COMMIT_NEXT = transition_array(Event.COMMIT)    # looked up once: an Enum hashe
 # The put path's tiers as module names: Python 3.11's EnumType defines __getattr__, so every
 # Tier.HOST read on the class goes through a slot hook (~0.2 us against a global's ~0.02).
 _HOST, _HBM = Tier.HOST, Tier.HBM
-
-
-def _trusted(checksums: np.ndarray | None, n: int) -> np.ndarray:
-    """A trusted commit's checksums, one per key."""
-    given = None if checksums is None else np.asarray(checksums, dtype=np.uint64).reshape(-1)
-    if given is None or given.size != n:
-        raise BadRequest(f"a trusted commit carries one checksum per key ({n}); send them, or "
-                         "drop trusted to have the service hash the blocks")
-    return given
-
-
-def checksums_of(pool: SlotPool, slots: np.ndarray) -> np.ndarray:
-    """xxh3-64 of each slot's bytes, read in place (no copy)."""
-    return block_checksums(pool.array, slots)
 
 
 class Engine:
@@ -157,6 +143,14 @@ class Engine:
         self.try_get = self.gets.try_get
         self.looks_resident = self.gets.looks_resident
         self.read = self.gets.read
+        # Puts: reserve, commit and abort (the two phases), put in process; bound once.
+        self.puts = Puts(self.lock, settings, self.counters, self.namespaces, self.namespace,
+                         self.holds, self._evict, self.nvme, self.transfers, self.remote, self)
+        self.reserve = self.puts.reserve
+        self.abort = self.puts.abort
+        self.commit = self.puts.commit
+        self.put = self.puts.put
+        self.put_in_memory = self.puts.put_in_memory
         self._start_epoch()
         for rec in self.catalog.namespaces():
             ns = self._open_namespace(rec)
@@ -405,189 +399,7 @@ class Engine:
             _refuse_zero_key(karr)
         return karr
 
-    def _put_keys(self, ns: Namespace, keys: Any) -> tuple[np.ndarray, bool]:
-        """A put's keys, checked (not empty, no all-zero key), and whether some key may be
-        repeated in the batch (exact without the C helper; with it, a hash collision also
-        says so, and the commit's exact path then finds no repeat)."""
-        karr = ns.table.keys_array(keys)
-        if karr.size == 0:
-            raise BadRequest("empty key batch; send at least one key")
-        zero, repeats = ns.table.key_flags(karr)
-        if zero:
-            _refuse_zero_key(karr)
-        return karr, repeats
-
-    def _put_parents(self, ns: Namespace, parents: Any, n: int) -> np.ndarray | None:
-        """A put's parents, packed and checked against its n keys (None: no parents)."""
-        if parents is None:
-            return None
-        parr = ns.table.keys_array(parents)
-        if parr.size != n:
-            raise BadRequest(f"{parr.size} parents for {n} keys; send one parent per key "
-                             "(all-zero for none)")
-        return parr
-
-    def reserve(self, namespace: str, keys: Any, parents: Any = None, tier: Tier = Tier.HOST,
-                owner: int = 0) -> Reservation:
-        """Phase one of a put: fresh slots for each key, pinned until commit or abort.
-
-        ``parents`` is a packed buffer aligned with keys; an all-zero parent means none. When
-        room needs dirty blocks written down first, they are written with the lock released
-        and the reservation is tried again.
-        """
-        attempt = 0
-        while True:
-            try:
-                with self.lock:
-                    res = self._reserve(namespace, keys, parents, tier, owner)
-                if self.nvme.wanted():
-                    self.nvme.drain()
-                return res
-            except CapacityError:
-                # Room may come from dirty blocks written down, or from slots that a flush in
-                # flight has pinned: both with the lock released, then try again.
-                attempt += 1
-                if attempt > 8 or not (self.nvme.wanted() or self.nvme.busy()):
-                    raise
-            self.nvme.drain() if self.nvme.wanted() else self.nvme.wait()
-
-    def _reserve(self, namespace: str, keys: Any, parents: Any, tier: Tier,
-                 owner: int) -> Reservation:
-        ns = self.namespace(namespace)
-        karr, repeats = self._put_keys(ns, keys)
-        parr = self._put_parents(ns, parents, karr.size)
-        # int64 from here on (the pools hand it out): numpy indexes by int32 slots ~4x slower
-        # (a cast per fancy index), and the commit's C helpers take int64 as they are.
-        slots = self.alloc(ns, tier, karr.size).astype(np.int64, copy=False)
-        st = ns.slots[tier]
-        if _fast is not None:          # a reservation pins its slots like a lease
-            _fast.pin_slots(st.leases, slots)
-        else:
-            st.leases[slots] += 1      # fresh slots: distinct
-        if tier is not Tier.HOST:
-            # commit writes a GPU batch through to host: make that room now, while dirty
-            # blocks can still be written down before the commit.
-            short = karr.size - ns.slots[Tier.HOST].pool.free_count
-            if short > 0:
-                self._evict(ns, Tier.HOST, short)
-        rid = self.new_id()
-        res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
-                          slots, owner, time.monotonic() + self.settings.reserve_timeout,
-                          repeats=repeats)
-        self.reservations[rid] = res
-        return res
-
-    def put_in_memory(self, namespace: str, n: int = 0, rid: int | None = None) -> bool:
-        """Whether a host-tier reserve of n keys into namespace (rid None) or the commit of
-        reservation rid would touch no disk now: no write-down pending, the reserve's room
-        free without eviction, the commit not written through to NVMe or Redis. The caller
-        holds the lock; the answer holds while it does (the server then runs the call inline
-        on its loop). False where unsure: the call then runs on a thread as before."""
-        if self.nvme.wanted():
-            return False
-        if rid is not None:
-            res = self.reservations.get(rid)
-            return (res is not None and res.tier is Tier.HOST
-                    and not (self.settings.write_policy == "write_through"
-                             and (self.remote is not None or res.ns.log is not None)))
-        ns = self.namespaces.get(namespace)
-        st = None if ns is None else ns.slots.get(Tier.HOST)
-        return (st is not None and 0 < n <= st.pool.free_count
-                and self.host_used + n * ns.block_bytes <= self.settings.host_capacity)
-
-    def _take_reservation(self, rid: int, owner: int) -> Reservation:
-        res = self.reservations.get(rid)
-        if res is None or res.owner != owner:
-            raise LeaseError(f"reservation {rid} is unknown, expired or not yours; reserve again")
-        del self.reservations[rid]
-        return res
-
-    def abort(self, rid: int, owner: int = 0) -> None:
-        with self.lock:
-            res = self._take_reservation(rid, owner)
-            self.holds.end_reservation(res, HoldState.RELEASED)
-
-    def commit(self, rid: int, owner: int = 0,
-               checksums: np.ndarray | None = None, trusted: bool = False) -> np.ndarray:
-        """Phase two of a put. Returns the new version of each key (uint64).
-
-        When checksums are given (xxh3-64 per block, as the writer computed them), a block whose
-        slot does not hash to its checksum is a torn write: the whole batch is aborted and
-        ChecksumError is raised, so no reader ever sees it. trusted=True records the given
-        checksums without hashing the slots: a GPU worker's, hashed on the GPU from the bytes
-        it copied and sent only once its copies completed (kvtier.gpu.xxh3); every later read
-        from NVMe or Redis is still checked against them.
-        """
-        with self.lock:
-            res = self._take_reservation(rid, owner)
-            ns, tier, slots, karr = res.ns, res.tier, res.slots, res.keys
-            # Within one batch, the last write of a key wins; earlier duplicates are dropped.
-            keep = _last_occurrences(ns.table, karr) if res.repeats else None
-            if keep is not None and keep.size == karr.size:
-                keep = None                   # a hash collision, no repeat
-            # Every position kept (the common case) is a slice: views, not a gather per array.
-            sel = slice(None) if keep is None else keep
-            n_keep = karr.size if keep is None else keep.size
-            host_slots = None
-            try:
-                given_sums = _trusted(checksums, karr.size)[sel] if trusted else None
-                if tier is Tier.HOST:
-                    sums = (given_sums if trusted
-                            else checksums_of(ns.slots[Tier.HOST].pool,
-                                              slots if keep is None else slots[sel]))
-                else:
-                    # A GPU write: written through to host; the checksum is the host copy's.
-                    host_slots = self.alloc(ns, Tier.HOST, n_keep)
-                    ns.slots[Tier.HOST].pool.write(
-                        host_slots, to_numpy(ns.slots[tier].pool.read(slots[sel])))
-                    sums = (given_sums if trusted
-                            else checksums_of(ns.slots[Tier.HOST].pool, host_slots))
-                if checksums is not None:
-                    given = np.asarray(checksums, dtype=np.uint64).reshape(-1)
-                    if given.size != karr.size or not np.array_equal(given[sel], sums):
-                        from kvtier.errors import ChecksumError
-                        raise ChecksumError(
-                            "a reserved slot does not match its checksum (torn or overlapping "
-                            "write); the batch was not committed")
-            except BaseException:
-                if host_slots is not None:
-                    self.free_slots(ns, Tier.HOST, host_slots)
-                self.holds.end_reservation(res, HoldState.RELEASED)
-                raise
-            self._unpin(ns, tier, slots)
-            res.state = HoldState.COMMITTED
-            # (setdiff1d sorts twice: ~1 ms for 4,096 keys on the dev VM, for nothing in the
-            # common case of a batch without repeats)
-            dup = None if keep is None else np.setdiff1d(np.arange(karr.size), keep)
-            if dup is not None and dup.size:
-                self.free_slots(ns, tier, slots[dup])
-            if keep is None:                  # no view of each array for the whole batch
-                rows = self._install(ns, karr, tier, slots, sums, res.parents, host_slots)
-            else:
-                rows = self._install(ns, karr[keep], tier, slots[keep], sums,
-                                     None if res.parents is None else res.parents[keep],
-                                     host_slots)
-            if keep is None:
-                versions_by_pos = ns.table.cols["version"][rows]
-            else:
-                versions_by_pos = np.zeros(karr.size, dtype=np.uint64)
-                versions_by_pos[keep] = ns.table.cols["version"][rows]
-                # A duplicate's version is the one its key ended with.
-                versions_by_pos[dup] = ns.table.cols["version"][ns.table.lookup(karr[dup])]
-            self.counters.puts += int(karr.size)
-            self.counters.tiers[tier].bytes_written += int(karr.size) * ns.block_bytes
-            write_through = self.settings.write_policy == "write_through"
-            if write_through and self.remote is not None:
-                self.transfers.push_remote(ns, rows)
-        if write_through and ns.log is not None:
-            # Durable before the put is acknowledged, written with the lock released: a full
-            # or failing disk fails the put (StorageError) instead of acknowledging it.
-            self.nvme.flush(ns, rows, strict=True)
-        elif self.nvme.wanted():
-            self.nvme.drain()
-        return versions_by_pos
-
-    def _install(self, ns: Namespace, karr: np.ndarray, tier: Tier, slots: np.ndarray,
+    def install(self, ns: Namespace, karr: np.ndarray, tier: Tier, slots: np.ndarray,
                  sums: np.ndarray, parents: np.ndarray | None,
                  host_slots: np.ndarray | None) -> np.ndarray:
         table = ns.table
@@ -661,60 +473,6 @@ class Engine:
         cols["last_access"][rows] = np.arange(self.clock + 1, self.clock + n + 1, dtype=np.uint64)
         cols["freq"][rows] += 1
         self.clock += n
-
-    def put(self, namespace: str, keys: Any, blocks: Any, parents: Any = None,
-            tier: Tier = Tier.HOST, owner: int = 0) -> np.ndarray:
-        """reserve + copy + commit, for in-process writers. blocks: n x block_bytes.
-
-        A host put under write_back whose keys are distinct runs as one step under the lock
-        (_put_inline: no reservation, no pin and unpin, the same rows, versions and counters);
-        anything else, and a put that finds no room at once, goes through reserve and commit."""
-        if tier is _HOST and self.settings.write_policy != "write_through":
-            with self.lock:
-                versions = self._put_inline(namespace, keys, blocks, parents)
-            if versions is not None:
-                if self.nvme.wanted():
-                    self.nvme.drain()
-                return versions
-        res = self.reserve(namespace, keys, parents, tier, owner)
-        try:
-            data = _blocks_array(blocks, res.slots.size, res.ns.block_bytes)
-            res.ns.slots[tier].pool.write(res.slots, data)    # reserved slots: no one else's
-        except BaseException:
-            self.abort(res.rid, owner)
-            raise
-        return self.commit(res.rid, owner)
-
-    def _put_inline(self, namespace: str, keys: Any, blocks: Any,
-                    parents: Any) -> np.ndarray | None:
-        """A host put as one step (the caller holds the lock and checked the tier and the
-        write policy): reserve's checks and room, the copy, commit's checksums and install.
-        Nothing else sees the fresh slots before they are installed, so they are not pinned.
-        None, with nothing taken, when the general path must run: a key that may repeat in
-        the batch, or no room without writing dirty blocks down first."""
-        ns = self.namespace(namespace)
-        karr, repeats = self._put_keys(ns, keys)
-        if repeats:
-            return None
-        parr = self._put_parents(ns, parents, karr.size)
-        n = karr.size
-        data = _blocks_array(blocks, n, ns.block_bytes)
-        try:
-            slots = self.alloc(ns, _HOST, n)
-        except CapacityError:
-            return None
-        slots = slots.astype(np.int64, copy=False)
-        pool = ns.slots[_HOST].pool
-        try:
-            pool.write(slots, data)
-            sums = checksums_of(pool, slots)
-        except BaseException:
-            self.slots_freed(ns, _HOST, slots)
-            raise
-        rows = self._install(ns, karr, _HOST, slots, sums, parr, None)
-        self.counters.puts += n
-        self.counters.tiers[_HOST].bytes_written += n * ns.block_bytes
-        return ns.table.cols["version"][rows]
 
     # ------------------------------------------------------------------ get
 
@@ -829,32 +587,3 @@ def _refuse_links(data_dir: Path) -> None:
         if p.is_symlink() or (p.exists() and not p.resolve().is_relative_to(root)):
             raise DataDirError(f"{p} is a symbolic link; kvtier does not follow links out of "
                                "its data directory: replace it with a real directory")
-
-
-def _last_occurrences(table: PageTable, karr: np.ndarray) -> np.ndarray:
-    """Positions of the last occurrence of each distinct key, ascending. The common case (no
-    repeats) is settled on the 64-bit hashes alone, which is several times cheaper than sorting
-    the keys."""
-    h = np.sort(table._hash(karr))
-    if not (h[1:] == h[:-1]).any():          # 82 us for 4,096 keys, np.unique's 305 (dev VM)
-        return np.arange(karr.size)
-    _, last_rev = np.unique(karr[::-1], return_index=True)
-    return np.sort(karr.size - 1 - last_rev)
-
-
-def _blocks_array(blocks: Any, n: int, block_bytes: int) -> np.ndarray:
-    if isinstance(blocks, (list, tuple)):
-        if len(blocks) != n:
-            raise BadRequest(f"{len(blocks)} blocks for {n} keys")
-        for b in blocks:
-            if len(memoryview(b).cast("B")) != block_bytes:
-                raise BadRequest(f"a block is {len(memoryview(b).cast('B'))} bytes; this "
-                                 f"namespace's blocks are {block_bytes} bytes")
-        return np.frombuffer(b"".join(bytes(b) for b in blocks), dtype=np.uint8).reshape(
-            n, block_bytes)
-    arr = np.asarray(blocks)
-    if arr.dtype != np.uint8:
-        arr = np.ascontiguousarray(arr).view(np.uint8)
-    if arr.size != n * block_bytes:
-        raise BadRequest(f"blocks hold {arr.size} bytes; expected {n} x {block_bytes}")
-    return arr.reshape(n, block_bytes)
