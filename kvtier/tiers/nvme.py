@@ -51,8 +51,7 @@ from typing import Sequence
 import numpy as np
 
 from kvtier.errors import DataDirError, StorageError
-from kvtier.tiers.aio import (IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared,
-                               buffer_address, release_shared)
+from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared, release_shared
 from kvtier.tiers.backend import Backend, PosixBackend, make_backend  # noqa: F401 (re-exported)
 from kvtier.tiers.batchlog import fit, header_slots, pack
 from kvtier.tiers.segfile import (  # noqa: F401 (re-exported: callers import them from here)
@@ -290,9 +289,7 @@ class SegmentLog:
                 head = _aligned(header_slots(take, eb, rec) * rec)
                 slots = pack(memoryview(head), self.ns_id, seg.seg_id, seg.nonce, seg.size,
                              take, None if entries is None else entries[i: i + take], rec)
-                # (buffer_address: ctypes, ~1 us a block; _is_aligned's numpy view ~5 us)
-                direct_ok = (self.record_bytes == self.block_bytes
-                             and all(buffer_address(b) % ALIGN == 0 for b in chunk))
+                direct_ok = self.record_bytes == self.block_bytes and all(map(_is_aligned, chunk))
                 bufs = [memoryview(head)[k * rec:(k + 1) * rec] for k in range(slots)]
                 bufs += chunk if direct_ok else self._stage(chunk)
                 try:

@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from kvtier.tiers.aio import buffer_address
 
 MAGIC = b"KVTSEG03"
 MAGIC_V2 = b"KVTSEG02"             # no batch headers; still read, never appended to
@@ -95,8 +95,10 @@ def _is_direct(fd: int) -> bool:
 
 
 def _is_aligned(buf: memoryview) -> bool:
-    """True when buf starts on a 4 KiB boundary (O_DIRECT needs it; slots of aligned blocks do)."""
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data % ALIGN == 0
+    """True when buf starts on a 4 KiB boundary (O_DIRECT needs it; slots of aligned blocks do).
+    buffer_address: ctypes for a writable buffer, ~1 us against numpy's view's ~5 (a put's
+    write checks each block; an NVMe read each slot)."""
+    return buffer_address(buf) % ALIGN == 0
 
 
 def _aligned(n: int) -> mmap.mmap:
