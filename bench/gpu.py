@@ -20,6 +20,7 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              4..132 thread blocks, copy engines only; 64 KiB:
                                              kernel_onboard, the onboard by the kernel; 64 and
                                              16 KiB: whole_gets (one request, stage_sorted),
+                                             chunked_gets (whole gets off),
                                              late_commits (no early commits)): onboard alone,
                                              and beside the matmul or the offload; the basis
                                              of the defaults (kvtier.gpu.plan)
@@ -36,7 +37,8 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
     offload_hash_ms_*                        the put's GPU checksums alone
     onboard_control_ms_64k / _16k            the onboard's leases alone (nothing moved);
                                              _enqueue_ms: until get_async returns; _profile:
-                                             the client's top functions (cProfile); _chunk_K:
+                                             the client's top functions (cProfile; _whole:
+                                             under whole gets); _chunk_K:
                                              the get in chunks of K keys (4,096: one request)
 """
 
@@ -267,6 +269,11 @@ def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) ->
         finally:
             pipeline.CHUNK = saved
             transfer.set_policy(None)
+    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096))    # one request, staged
+    try:
+        out[f"onboard_profile_whole_{tag}"] = profile(get, 30, 10)
+    finally:
+        transfer.set_policy(None)
     return {**out, f"onboard_control_ms_{tag}": round(med(control, reps) * 1e3, 3),
             f"onboard_enqueue_ms_{tag}": round(float(np.median(enq)) * 1e3, 3),
             f"onboard_profile_{tag}": profile(get, 30, 10)}
@@ -463,10 +470,12 @@ def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:
 def staging_case(c, reps: int, ceil: dict) -> dict:
     """Why whole gets lost (gpu3's first H200 call): the move alone of the rows cases' 4,096
     blocks of 64 / 16 KiB, leased once, into scattered rows, host waits on the transfer's event
-    only, no control path: Mover.stage_sorted (16 MiB pieces; and with 132 thread blocks for
-    its device-to-device kernel; and its copies alone, into the staging ring, no kernel) against
-    Mover.move (64 KiB: batched copy engines; 16 KiB: the direct kernel). _enqueue_ms: until
-    the last launch returned; ratios to pinned H2D."""
+    only, no control path: Mover.stage_sorted (16 MiB pieces; with 4 or 132 thread blocks for
+    its placement kernel; with 4 MiB pieces; with move_pages16 placing (pages_kernel); with
+    each piece's indices uploaded on the kernel stream (uploads_per_piece); both, as in round 3
+    (as_round3); and its copies alone, into the staging ring, no kernel) against Mover.move
+    (64 KiB: batched copy engines; 16 KiB: the direct kernel). _enqueue_ms: until the last
+    launch returned; ratios to pinned H2D; staging_timeline_*: timeline()'s per-piece events."""
     import torch
     from kvtier.api import pipeline
     from kvtier.gpu.device import Mover, Staging, target_table
@@ -490,11 +499,12 @@ def staging_case(c, reps: int, ceil: dict) -> dict:
             st = Stream.resolve(torch.cuda.Stream(), table.device)
             seg = ns._gpu()
 
-            def timed(pol, how):
+            def timed(pol, how, ahead=True):
                 ts, enq = [], []
                 for _ in range(reps + 1):
                     staging = Staging(st)
                     m = Mover(seg, table, st, pol, staging)
+                    m.upload_ahead = ahead
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     if how == "sorted":
@@ -523,15 +533,27 @@ def staging_case(c, reps: int, ceil: dict) -> dict:
                 return (round(n * bb / t / 1e9 / ceil["pinned_h2d_gbps"], 3),
                         round(float(np.median(enq[1:])) * 1e3, 3), round(t * 1e3, 3))
             base = TransferPolicy(whole_onboard_keys=4096)
-            for name, pol, how in (("stage_sorted", base, "sorted"),
-                                   ("stage_sorted_blocks_132", TransferPolicy(
-                                       whole_onboard_keys=4096, kernel_blocks=132), "sorted"),
-                                   ("stage_copies_only", base, "copies"),
-                                   ("move", TransferPolicy(), "move")):
-                r, e, t = timed(pol, how)
+            old = TransferPolicy(whole_onboard_keys=4096, stage_items_kernel=False)
+            runs = (("stage_sorted", base, "sorted", True),
+                    ("stage_sorted_pages_kernel", old, "sorted", True),
+                    ("stage_sorted_as_round3", old, "sorted", False),
+                    ("stage_sorted_uploads_per_piece", base, "sorted", False),
+                    ("stage_sorted_blocks_4", TransferPolicy(
+                        whole_onboard_keys=4096, kernel_blocks=4), "sorted", True),
+                    ("stage_sorted_blocks_132", TransferPolicy(
+                        whole_onboard_keys=4096, kernel_blocks=132), "sorted", True),
+                    ("stage_sorted_pieces_4m", TransferPolicy(
+                        whole_onboard_keys=4096, stage_piece_bytes=4 << 20), "sorted", True),
+                    ("stage_copies_only", base, "copies", True),
+                    ("move", TransferPolicy(), "move", True))
+            for name, pol, how, ahead in runs:
+                r, e, t = timed(pol, how, ahead)
                 out[f"staging_{name}_ratio_{tag}"] = r
                 out[f"staging_{name}_enqueue_ms_{tag}"] = e
                 out[f"staging_{name}_ms_{tag}"] = t
+            for name, pol, _how, ahead in runs[:4]:
+                out[f"staging_timeline_{name}_{tag}"] = timeline(
+                    seg, table, st, pol, ahead, slots, rows)
             span = int(slots.max() - slots.min() + 1)
             out[f"staging_span_over_count_{tag}"] = round(span / n, 3)
         finally:
@@ -539,6 +561,38 @@ def staging_case(c, reps: int, ceil: dict) -> dict:
                 c._release_later(lease)
             c.ping()
     return out
+
+
+def timeline(seg, table, st, pol, ahead: bool, slots: np.ndarray, rows: np.ndarray) -> dict:
+    """stage_sorted's pieces on the GPU, from timing events around each piece's copy and
+    its placement kernel (Mover.trace), medians of three runs after one unmeasured: copy_ms
+    and place_ms per piece, wait_ms from a copy's end to its placement's start (a kernel that
+    waits for more than its copy: failed overlap), total_ms from the first copy's start to the
+    last placement's end, and exposed_ms: total less the copies' sum."""
+    import cupy
+    import torch
+    from kvtier.gpu.device import Mover, Staging
+    rounds = []
+    for _ in range(4):
+        staging = Staging(st)
+        m = Mover(seg, table, st, pol, staging)
+        m.upload_ahead, m.trace = ahead, []
+        torch.cuda.synchronize()
+        m.stage_sorted(slots, rows, 0, 1)
+        m.event().synchronize()
+        tr = m.trace
+        ms = cupy.cuda.get_elapsed_time
+        copy = [ms(x[0], x[1]) for x in tr]
+        place = [ms(x[2], x[3]) for x in tr]
+        wait = [ms(x[1], x[2]) for x in tr]
+        total = ms(tr[0][0], tr[-1][3])
+        rounds.append((float(np.median(copy)), float(np.median(place)), float(np.median(wait)),
+                       float(max(wait)), total, total - sum(copy), len(tr)))
+        staging.release()
+    r = np.median(np.array(rounds[1:]), axis=0)
+    return {"pieces": int(r[6]), "copy_ms": round(r[0], 4), "place_ms": round(r[1], 4),
+            "wait_ms": round(r[2], 4), "wait_max_ms": round(r[3], 4),
+            "total_ms": round(r[4], 3), "exposed_ms": round(r[5], 3)}
 
 
 def profile_single(ns, key: bytes, out, n: int = 300) -> list:
@@ -667,7 +721,8 @@ def main() -> None:
     k64 = {"onboard_copy_engine_bytes": 0}      # the 64 KiB onboard by the kernel, as before
     # Whole gets (one request, then Mover.stage_sorted; off by default, measured slower) and
     # puts that commit only from wait() (before early commits).
-    whole = {"whole_gets": TP(whole_onboard_keys=4096), "late_commits": TP(early_commits=False)}
+    whole = {"whole_gets": TP(whole_onboard_keys=4096), "chunked_gets": TP(whole_onboard_keys=0),
+             "late_commits": TP(early_commits=False)}
     v64k = {"kernel_onboard": TP(**k64),
             "direct_kernel": TP(staged=False, **k64),
             "kernel_without_priority": TP(kernel_priority=False, **k64),

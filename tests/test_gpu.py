@@ -189,6 +189,47 @@ def test_a_staged_offload_writes_only_its_own_slots(monkeypatch):
         seg.close()
 
 
+@pytest.mark.parametrize("ahead,items", [(True, True), (False, True), (True, False)],
+                         ids=["indices-ahead", "indices-per-piece", "pages-kernel"])
+def test_stage_sorted_places_every_page_of_a_dense_range_and_times_each_piece(
+        monkeypatch, ahead, items):
+    # 147 blocks of a dense slot range (20..170 less three), in any order, into scattered rows
+    # of 4 page tensors of 4 KiB (place_items16: 16 pages a thread block at once), pieces of
+    # 64 KiB of the range and three of them copied ahead, so each staging buffer is reused
+    # about a dozen times (a copy waits for its buffer's last placement): every named page
+    # holds its slot's bytes, every other keeps its poison, and each piece left four timing
+    # events (copy, placement) in the trace, the placement after its copy.
+    from kvtier.gpu import device
+    from kvtier.gpu.plan import sorted_pieces
+    monkeypatch.setattr(device, "SORTED_RING_BYTES", 3 * (64 << 10))
+    page = 4096
+    rng, host, seg, _dev = _segment_case(4 * page // 8, 300, 1, 8)
+    layers = [torch.full((200, page), 0xAB, dtype=torch.uint8, device="cuda")
+              for _ in range(4)]
+    try:
+        slots = rng.permutation(np.setdiff1d(np.arange(20, 170), [33, 90, 91]))
+        rows = rng.permutation(200)[:slots.size]
+        table = target_table(Pages.from_layers(layers), 4 * page)
+        st = Stream.resolve(None, 0)
+        staging = Staging(st)
+        pol = TransferPolicy(stage_piece_bytes=64 << 10, stage_items_kernel=items)
+        mover = Mover(seg, table, st, pol, staging)
+        mover.upload_ahead, mover.trace = ahead, []
+        assert mover.stage_sorted(slots, rows, 0, 4)
+        mover.event().synchronize()
+        pieces = [p for p in sorted_pieces(slots, 4 * page, 64 << 10)[1] if p[1] > p[0]]
+        assert mover.staged and len(mover.trace) == len(pieces) > 30
+        for p, t in enumerate(layers):
+            got = t.cpu().numpy()
+            assert (got[rows] == host[slots, p * page:(p + 1) * page]).all()
+            assert (np.delete(got, rows, axis=0) == 0xAB).all()
+        for marks in mover.trace:
+            assert len(marks) == 4 and cupy.cuda.get_elapsed_time(marks[1], marks[2]) >= 0
+        staging.release()
+    finally:
+        seg.close()
+
+
 def test_batched_copies_move_exactly_the_named_blocks():
     # Copy-engine pages on a stream of the caller's: the copies go to the driver in batches,
     # scattered slots to scattered rows and back; unnamed rows and slots keep their poison.

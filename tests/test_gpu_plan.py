@@ -215,6 +215,17 @@ def test_a_dense_batch_is_cut_in_slot_order_into_pieces_of_the_range():
     assert sorted_pieces(np.array([7]), 16384, 1) is not None
 
 
+def test_a_slot_asked_twice_keeps_both_places_in_the_slot_order():
+    # The order comes from one scatter over the span; a key asked twice names its slot twice,
+    # which the scatter alone would drop: both positions stay, in the stable sort's order.
+    local = np.array([12, 10, 11, 10, 13])
+    order, pieces = sorted_pieces(local, 1, 2)
+    assert order.tolist() == [1, 3, 2, 0, 4]
+    assert [hi - lo for lo, hi in pieces] == [3, 2]
+    order, _pieces = sorted_pieces(np.array([3, 1, 2, 0]), 1, 8)
+    assert order.tolist() == [3, 1, 2, 0]
+
+
 def test_policy_refuses_garbage_whole_gets_and_pieces():
     with pytest.raises(BadRequest, match="whole_onboard_keys"):
         TransferPolicy(whole_onboard_keys=-1)

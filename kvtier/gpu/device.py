@@ -23,6 +23,9 @@ _H2D, _D2H, _DEFAULT = 1, 2, 4       # cudaMemcpyHostToDevice, DeviceToHost, Def
 THREADS = 1024
 STAGE_BYTES = 256 << 20       # the largest staging buffer of a host->GPU move (two in turn)
 OUT_STAGE_BYTES = 64 << 20    # the pieces of a staged GPU->host move (two buffers in turn)
+# stage_sorted's staging: its first pieces' copies are enqueued ahead of their placements,
+# this many bytes of buffers (a 64 KiB get of 4,096 keys: four pieces of 16 MiB ahead).
+SORTED_RING_BYTES = 64 << 20
 _sm_counts: dict[int, int] = {}
 
 
@@ -172,6 +175,14 @@ class Staging:
         self._bufs, self._outs, self._keep = [], [], []
 
 
+def _timed(stream: Stream) -> Any:
+    """A timing event recorded on stream now (bench/gpu.py's per-piece timeline only)."""
+    import cupy
+    ev = cupy.cuda.Event()
+    ev.record(stream.cupy)
+    return ev
+
+
 def copy_one(slots: DeviceSlots, table: PageTable, stream: Stream, slot: int, row: int,
              lo: int, hi: int, to_seg: bool) -> None:
     """Pages lo..hi of one block (slot <-> engine block row) by a copy-engine call per page on
@@ -268,6 +279,13 @@ class Mover:
         self._out_turn = 0
         self._gather: Stream | None = None      # the stream of offload gathers (_staged_out)
         self._vectors: dict[tuple[int, int, int, int], int] = {}    # vector_bytes, per launch
+        # bench/gpu.py's timeline: where a list, each staged piece appends its timing events
+        # [copy start, copy end, placement start, placement end] (cupy Events).
+        self.trace: list[list[Any]] | None = None
+        # stage_sorted uploads every piece's indices, then enqueues its first copies ahead of
+        # the placements (False: round 3's order, each piece's copy, then its indices uploaded
+        # on the kernel stream and its placement: bench/gpu.py's diagnosis).
+        self.upload_ahead = True
 
     def event(self) -> Any:
         """An event of the transfer's stream covering everything enqueued so far (the side
@@ -307,13 +325,15 @@ class Mover:
         copy_one(self.slots, self.table, self.stream, slot, row, lo, hi, to_seg)
 
     def _staged(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int,
-                b: int, fork: bool = True) -> bool:
+                b: int, fork: bool = True, idx: int = 0, place: bool = False) -> bool:
         """Host to GPU through device memory: one copy-engine copy of the slot range holding
         the blocks (dense: a batch put together is consecutive slots) into a staging buffer,
         then the kernel from there, device to device. SM-issued reads over PCIe stop at ~0.8 of
         the link alone and ~0.6 beside a matmul; one large copy reaches it. Two staging buffers
-        in turn: a copy into one waits only for the kernel that last read it. False (nothing
-        enqueued) for a sparse or too large range."""
+        in turn: a copy into one waits only for the kernel that last read it. idx: the
+        kernel's indices (local - min, then rows), uploaded by the caller before; place: by
+        place_items16 (stage_sorted's pieces). False (nothing enqueued) for a sparse or too
+        large range."""
         import cupy
         if not self.policy.staged or local.size == 0:
             return False
@@ -328,25 +348,39 @@ class Mover:
         buf = self._buffer(span * width)
         bb = self.slots.block_bytes
         src = rng.base + smin * bb + off
+        marks = None if self.trace is None else [_timed(self.stream)]
         if width == bb:
             cupy.cuda.runtime.memcpyAsync(buf[0], src, span * bb, _DEFAULT, self.stream.ptr)
         else:
             cupy.cuda.runtime.memcpy2DAsync(buf[0], width, src, bb, width, span, _DEFAULT,
                                             self.stream.ptr)
+        if marks is not None:
+            marks.append(_timed(self.stream))
         # The kernel's slot i at buffer + (slot - smin) * width + (page offset - off).
-        self._launch(buf[0] - off, width, local - smin, rows, a, b, False, False, fork)
+        self._launch(buf[0] - off, width, local - smin, rows, a, b, False, False, fork,
+                     idx=idx, place=place, marks=marks)
         buf[2] = self._kernel_stream.event()
+        if marks is not None:
+            self.trace.append(marks)
         return True
 
     def stage_sorted(self, slots: np.ndarray, rows: np.ndarray, lo: int, hi: int) -> bool:
         """Pages lo..hi (one page size) of a whole batch host to GPU in slot order: where its
         slots are dense in one slot range (plan.sorted_pieces; a batch put together, asked in
         any key order), piece by piece of the range, each one copy-engine copy into a staging
-        buffer and the kernel from there (_staged), so that the copy of piece k + 1 runs while
-        the kernel places piece k. One copy per piece instead of one per block (64 KiB copies
-        stop at ~0.86 of H2D on their per-copy cost) or the kernel's reads of host memory
-        (~0.83). A piece _staged refuses (too sparse) goes by the direct kernel. False
-        (nothing enqueued) where the slots are not dense in one range."""
+        buffer and a placement kernel from there (place_items16), so that the copies run back
+        to back while the kernel places the pieces already in. One copy per piece instead of
+        one per block (64 KiB copies stop at ~0.86 of H2D on their per-copy cost) or the
+        kernel's reads of host memory (~0.83). False (nothing enqueued) where the slots are
+        not dense in one range.
+
+        Order (docs/DESIGN-NOTES.md, round 4, measured by per-piece events on the H200):
+        every piece's indices in one upload on the transfer's stream, then the first pieces'
+        copies (SORTED_RING_BYTES of staging), then each placement on the kernel stream
+        waiting for its own copy's event, and the next copy into the buffer it freed. Round
+        3 uploaded each piece's indices on the kernel stream after its copy: that small copy
+        queued behind the next piece's 16 MiB one, so placement k ran only after copy k + 1
+        (0.38 ms a piece) and the pieces added up instead of hiding under the copies."""
         if (not self.policy.staged or self.slots.device_to_device or slots.size == 0
                 or len(uniform_runs(self.table.size, lo, hi)) != 1):
             return False
@@ -360,11 +394,75 @@ class Mover:
             return False
         order, pieces = cut
         sl, r = local[order], rows[pos][order]
-        for p0, p1 in pieces:
-            if p1 > p0 and not self._staged(rng, sl[p0:p1], r[p0:p1], lo, hi):
-                self._launch(rng.base, self.slots.block_bytes, sl[p0:p1], r[p0:p1], lo, hi,
-                             False, False)
+        pieces = [(p0, p1) for p0, p1 in pieces if p1 > p0]
+        if not self.upload_ahead:                  # round 3's order (bench/gpu.py)
+            for p0, p1 in pieces:
+                if not self._staged(rng, sl[p0:p1], r[p0:p1], lo, hi, place=True):
+                    self._launch(rng.base, self.slots.block_bytes, sl[p0:p1], r[p0:p1], lo,
+                                 hi, False, False)
+            return True
+        self._sorted(rng, sl, r, lo, hi, width, pieces)
         return True
+
+    def _sorted(self, rng: SlotRange, sl: np.ndarray, r: np.ndarray, lo: int, hi: int,
+                width: int, pieces: list[tuple[int, int]]) -> None:
+        """stage_sorted's pieces (positions in the sorted slots sl, rows r), copies first."""
+        import cupy
+        self.staged = True
+        self.methods.update((Method.COPY_ENGINE, Method.KERNEL))
+        firsts = sl[[p0 for p0, _p1 in pieces]]
+        spans = [int(sl[p1 - 1]) - int(sl[p0]) + 1 for p0, p1 in pieces]
+        widest = max(spans) * width
+        ring: list[int] = []
+        depth = min(len(pieces), max(2, SORTED_RING_BYTES // widest))     # copies ahead
+        off, bb = int(self.table.offset[lo]), self.slots.block_bytes
+        st = own(self.table.device, "kernel-0", high_priority=True) if (
+            self.policy.kernel_priority) else own(self.table.device, "place")
+        if st not in self._pending:
+            self._pending.append(st)
+        copied: list[Any] = []
+        placed: list[Any] = []
+        marks: list[list[Any]] = []
+
+        def copy(k: int) -> None:
+            if k < depth:
+                ring.append(self.staging.device(-(-widest // 8)))
+            else:
+                self.stream.wait(placed[k - depth])     # its buffer's last placement
+            m = [] if self.trace is None else [_timed(self.stream)]
+            src = rng.base + int(firsts[k]) * bb + off
+            if width == bb:
+                cupy.cuda.runtime.memcpyAsync(ring[k % len(ring)], src, spans[k] * bb,
+                                              _DEFAULT, self.stream.ptr)
+            else:
+                cupy.cuda.runtime.memcpy2DAsync(ring[k % len(ring)], width, src, bb, width,
+                                                spans[k], _DEFAULT, self.stream.ptr)
+            if self.trace is not None:
+                m.append(_timed(self.stream))
+            marks.append(m)
+            copied.append(self.stream.event())
+        copy(0)                # first: the copy engine starts before the host's index work
+        if not self._tab:
+            self._tab = self.staging.upload(self.table.staged())
+        # Piece by piece: its slots less its first (the copy's start), then its rows; on the
+        # transfer's stream behind copy 0, ahead of every later copy.
+        rel = sl - np.repeat(firsts, [p1 - p0 for p0, p1 in pieces])
+        idx = self.staging.upload(np.concatenate(
+            [part for p0, p1 in pieces for part in (rel[p0:p1], r[p0:p1])]))
+        st.wait(self.stream.event())
+        for k in range(1, depth):
+            copy(k)
+        for k, (p0, p1) in enumerate(pieces):
+            st.wait(copied[k])
+            m = marks[k] if self.trace is not None else None
+            # The kernel's slot i at buffer + rel[i] * width + (page offset - off).
+            self._launch(ring[k % len(ring)] - off, width, rel[p0:p1], r[p0:p1], lo, hi,
+                         False, False, on=st, idx=idx + 16 * p0, place=True, marks=m)
+            placed.append(st.event())
+            if m is not None:
+                self.trace.append(m)
+            if k + depth < len(pieces):
+                copy(k + depth)
 
     def _staged_out(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int,
                     b: int) -> bool:
@@ -585,12 +683,15 @@ class Mover:
 
     def _launch(self, base: int, bb: int, local: np.ndarray, rows: np.ndarray, a: int, b: int,
                 to_seg: bool, d2d: bool, fork: bool = True, on: Stream | None = None,
-                idx: int = 0, refork: bool = True) -> None:
+                idx: int = 0, refork: bool = True, place: bool = False,
+                marks: list[Any] | None = None) -> None:
         """The kernel over pages a..b: slot i at base + local[i] * bb + offset, on the
         high-priority kernel stream (forked now, joined at the next event(): the next chunk's
         copy runs meanwhile; refork=False: forked already where it was since the last
-        event()), fork=False: the caller's, or on: that stream, ordered by the caller, reading
-        local and rows from idx (uploaded by the caller: n slots, n rows)."""
+        event()), fork=False: the caller's, or on: that stream, ordered by the caller. idx:
+        local and rows uploaded by the caller (n slots, n rows), else uploaded here on the
+        kernel's stream. place: a staged placement from device staging (place_items16 where
+        the policy's stage_items_kernel allows). marks: timing events appended around it."""
         n = local.size
         if n == 0:
             return
@@ -606,7 +707,9 @@ class Mover:
         # most of a block's threads would idle on every page.
         items = (d2d and vec == 16 and self.policy.device_items_kernel
                  and int(table.size[a]) >= 4 * THREADS * 16)
-        k = kernels.get("move_pages8" if vec == 8 else "move_items16" if items else
+        placing = place and vec == 16 and self.policy.stage_items_kernel
+        k = kernels.get("move_pages8" if vec == 8 else "place_items16" if placing else
+                        "move_items16" if items else
                         "move_pages16_deep" if d2d else "move_pages16")
         cap = self.policy.blocks(d2d, sm_count(table.device))
         st = on or self.stream
@@ -619,9 +722,16 @@ class Mover:
                 Lanes(self.stream, [st])
                 if st not in self._pending:
                     self._pending.append(st)
-        if on is None:
+        if not idx:
             idx = self.staging.upload(np.concatenate([local, rows]), st)
         self._kernel_stream = st
+        if marks is not None:
+            marks.append(_timed(st))
+        if placing:
+            self._place(k, base, bb, n, idx, a, b, vecs, cap, st)
+            if marks is not None:
+                marks.append(_timed(st))
+            return
         with st.cupy:
             for l0, l1 in kernel_launches(n, b - a, vecs):
                 total = (l1 - l0) * (b - a) * vecs
@@ -632,6 +742,25 @@ class Mover:
                    np.int32(table.pages), np.uint64(idx + 8 * l0),
                    np.uint64(idx + 8 * (n + l0)), np.int32(l1 - l0), np.int32(a),
                    np.int32(b - a), np.uint32(vecs), np.int32(1 if to_seg else 0)))
+        if marks is not None:
+            marks.append(_timed(st))
+
+    def _place(self, k: Any, base: int, bb: int, n: int, idx: int, a: int, b: int, vecs: int,
+               cap: int, st: Stream) -> None:
+        """place_items16 over pages a..b of n staged blocks (device staging to the engine's
+        pages), within cap thread blocks: a group of threads per page, vecs / 4 of them (a
+        warp at least, THREADS at most), so four vectors are in flight per thread, and
+        THREADS / that many pages a thread block at once."""
+        width = min(THREADS, max(32, -(-vecs // 128) * 32))
+        group = THREADS // width
+        with st.cupy:
+            for l0, l1 in kernel_launches(n, b - a, vecs):
+                grid = max(1, min(cap, -(-(l1 - l0) * (b - a) // group)))
+                k((grid,), (group * width,),
+                  (np.uint64(base % (1 << 64)), np.int64(bb), np.uint64(self._tab),
+                   np.int32(self.table.pages), np.uint64(idx + 8 * l0),
+                   np.uint64(idx + 8 * (n + l0)), np.int32(l1 - l0), np.int32(a),
+                   np.int32(b - a), np.uint32(vecs), np.int32(0), np.uint32(group)))
 
     def checksums(self, rows: np.ndarray, side: Stream) -> int:
         """xxh3-64 of engine blocks rows of the table, computed on the GPU on stream side

@@ -8,6 +8,8 @@ the link's speed, and the rest stay with the model. Vector g of the launch is ve
 g % vecs of page (p0 + item % np_) of block item / np_, item = g / vecs: consecutive threads
 touch consecutive bytes of one page, so both sides are coalesced.
 
+place_items16: a staged placement from device staging, a thread group per page.
+
 xxh3_pages: kvtier.gpu.xxh3's hash of each block, read in place from its pages.
 """
 
@@ -91,6 +93,45 @@ extern "C" __global__ void move_items16(unsigned long long seg, long long block_
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const unsigned int w = w0 + u * blockDim.x;
+                if (w < vecs) dst[w] = v[u];
+            }
+        }
+    }
+}
+
+// A staged placement (Mover.stage_sorted, _staged): device staging to the engine's pages,
+// pages of whole 16-byte vectors. As move_items16, a page of a block (an item) found once per
+// thread group, not per vector; a thread block takes `group` items at a time, blockDim.x /
+// group threads each, so a 16 KiB page (1,024 vectors) keeps 256 threads busy with four
+// vectors in flight and a block of 1,024 threads places four pages at once. move_pages16
+// divides twice and loads four table words per vector.
+extern "C" __global__ void place_items16(unsigned long long seg, long long block_bytes,
+        const long long* __restrict__ tab, int P, const long long* __restrict__ slots,
+        const long long* __restrict__ rows, int n, int p0, int np_, unsigned int vecs,
+        int to_seg, unsigned int group) {
+    const unsigned long long* pbase = (const unsigned long long*)tab;
+    const long long* pstride = tab + P;
+    const long long* poff = tab + 2 * P;
+    const unsigned int items = (unsigned int)n * (unsigned int)np_;
+    const unsigned int width = blockDim.x / group;
+    const unsigned int g = threadIdx.x / width, t = threadIdx.x - g * width;
+    if (g >= group) return;                  // no barrier below: idle threads may leave
+    for (unsigned int item = blockIdx.x * group + g; item < items; item += gridDim.x * group) {
+        const unsigned int i = item / np_, p = p0 + (item - i * np_);
+        ulonglong2* a = (ulonglong2*)(seg + slots[i] * block_bytes + poff[p]);
+        ulonglong2* b = (ulonglong2*)(pbase[p] + rows[i] * pstride[p]);
+        const ulonglong2* src = to_seg ? b : a;
+        ulonglong2* dst = to_seg ? a : b;
+        for (unsigned int w0 = t; w0 < vecs; w0 += 4u * width) {
+            ulonglong2 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const unsigned int w = w0 + u * width;
+                if (w < vecs) v[u] = src[w];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const unsigned int w = w0 + u * width;
                 if (w < vecs) dst[w] = v[u];
             }
         }

@@ -66,12 +66,17 @@ class TransferPolicy:
     # copy_engine_bytes is leased as one request; where its slots are then dense in one slot
     # range (in any key order: a batch put together) it moves by Mover.stage_sorted: the range
     # in slot order, piece by piece of stage_piece_bytes, one copy-engine copy each into device
-    # staging and the kernel from there. Else, and for the next transfer.SPARSE_RETRY gets of
-    # the namespace, in chunks. Measured slower on the H200 (4,096 keys, same processes: 64 KiB
-    # 0.654-0.679 of H2D against 0.813-0.823 in chunks, 16 KiB 0.42-0.49 against 0.52-0.57;
-    # docs/DESIGN-NOTES.md, round 3), so off; bench/gpu.py's whole_gets and staging measure it.
+    # staging and a placement kernel from there. Else, and for the next transfer.SPARSE_RETRY
+    # gets of the namespace, in chunks. The move alone now beats the chunked get's (H200, round
+    # 4: 64 KiB 0.913 of H2D against batched copies' 0.896, 16 KiB 0.852 against the direct
+    # kernel's 0.797), but the one request's control (~0.57 ms before any byte moves) is not
+    # hidden: end to end 64 KiB 0.798 against 0.783 alone and 0.721 against 0.842 beside the
+    # matmul, 16 KiB 0.543 against 0.561 (docs/DESIGN-NOTES.md, round 4), so still off.
     whole_onboard_keys: int = 0
     stage_piece_bytes: int = 16 << 20
+    # A staged placement (device staging to the engine's pages) by place_items16, a thread
+    # group per page (False: move_pages16, two divisions and four table loads per vector).
+    stage_items_kernel: bool = True
     # A put's chunk is committed as soon as its copies and the GPU hash have completed, also
     # while later reserve replies are still being read (False: only from done() or wait()).
     early_commits: bool = True
@@ -199,12 +204,19 @@ def sorted_pieces(local: np.ndarray, width: int, piece_bytes: int
     n = local.size
     if n == 0:
         return None
-    order = np.argsort(local, kind="stable")
-    sl = local[order]
-    smin = int(sl[0])
-    span = int(sl[-1]) - smin + 1
+    smin = int(local.min())
+    span = int(local.max()) - smin + 1
     if span > n + n // 4 + 8:
         return None
+    # Dense: the order by one scatter over the span (4,096 slots: a stable argsort took
+    # ~0.1-0.3 ms of the get's lead before its first copy), unless a slot repeats (a key
+    # asked twice), which the scatter would drop: then the sort.
+    at = np.full(span, -1, np.int64)
+    at[local - smin] = np.arange(n)
+    order = at[at >= 0]
+    if order.size != n:
+        order = np.argsort(local, kind="stable")
+    sl = local[order]
     per = max(1, piece_bytes // max(1, width))
     cuts = np.searchsorted(sl, smin + per * np.arange(1, -(-span // per)), "left").tolist()
     bounds = [0, *cuts, n]
