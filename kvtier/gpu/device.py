@@ -1,25 +1,27 @@
-"""What a GPU transfer enqueues: the device side of its blocks (target_table), its staged
-indices, and the copies of each page group by the method plan.py chooses (Mover), over the
-slots of kvtier.gpu.slots and the streams of kvtier.gpu.streams.
+"""What a GPU transfer enqueues: the device side of its blocks (target_table) and the copies of
+each page group by the method plan.py chooses (Mover), over the slots of kvtier.gpu.slots and
+the streams of kvtier.gpu.streams; its indices go up through kvtier.gpu.staging, its
+copy-engine calls through kvtier.gpu.copies.
 
 Needs cupy and a CUDA device; torch tensors are read through their data pointers, no copies.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import numpy as np
 
 from kvtier.errors import BadRequest, KvtierError
 from kvtier.gpu import kernels
+from kvtier.gpu.copies import _D2H, _DEFAULT, batch_available, copy_batch, copy_one
 from kvtier.gpu.plan import (MAX_VECTORS, Method, PageTable, TransferPolicy, copy_arrays,
                              copy_runs, kernel_launches, sorted_pieces, uniform_runs,
                              vector_bytes)
 from kvtier.gpu.slots import DeviceSlots, SlotRange
+from kvtier.gpu.staging import Staging
 from kvtier.gpu.streams import Lanes, Stream, can_wait_value, own, settle, wait_value
-_H2D, _D2H, _DEFAULT = 1, 2, 4       # cudaMemcpyHostToDevice, DeviceToHost, Default
+
 THREADS = 1024
 STAGE_BYTES = 256 << 20       # the largest staging buffer of a host->GPU move (two in turn)
 OUT_STAGE_BYTES = 64 << 20    # the pieces of a staged GPU->host move (two buffers in turn)
@@ -104,158 +106,12 @@ def _table(target: Any, block_bytes: int) -> PageTable:
                           nbytes // block_bytes, target.device.index)
 
 
-class _Arena:
-    """Pinned host buffers for staged indices, reused once the transfer that staged into them
-    has completed (never earlier: its copies may still read them)."""
-
-    def __init__(self) -> None:
-        self._free: list[tuple[int, int]] = []
-
-    def take(self, nbytes: int) -> tuple[int, int]:
-        for i, (addr, cap) in enumerate(self._free):
-            if cap >= nbytes:
-                return self._free.pop(i)
-        import cupy
-        cap = max(1 << 20, 1 << (nbytes - 1).bit_length())
-        return cupy.cuda.runtime.hostAlloc(cap, 0), cap
-
-    def give(self, bufs: list[tuple[int, int]]) -> None:
-        self._free.extend(bufs)
-
-
-ARENA = _Arena()
-
-
-class Staging:
-    """Index arrays of one transfer on their way to the GPU: written to pinned memory and copied
-    on the transfer's stream (a pageable copy would block the host behind the stream's earlier
-    work). Kept until the transfer has completed; release() then returns the pinned buffers."""
-
-    def __init__(self, stream: Stream) -> None:
-        self.stream = stream
-        self._bufs: list[tuple[int, int]] = []
-        self._outs: list[tuple[int, int]] = []
-        self._off = 0
-        self._keep: list[Any] = []
-
-    def upload(self, a: np.ndarray, stream: Stream | None = None) -> int:
-        """Device address of a copy of a (int64), valid on the stream (default: the
-        transfer's) from now on."""
-        import cupy
-        a = np.ascontiguousarray(a, dtype=np.int64)
-        nbytes = max(8, a.nbytes)
-        if not self._bufs or self._off + nbytes > self._bufs[-1][1]:
-            self._bufs.append(ARENA.take(nbytes))
-            self._off = 0
-        addr = self._bufs[-1][0] + self._off
-        if a.size:
-            ctypes.memmove(addr, a.ctypes.data, a.nbytes)
-        dev = cupy.empty(nbytes // 8, dtype=cupy.int64)
-        self._keep.append(dev)
-        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, addr, nbytes, _H2D,
-                                      (stream or self.stream).ptr)
-        self._off += -(-nbytes // 256) * 256
-        return int(dev.data.ptr)
-
-    def device(self, words: int) -> int:
-        """Device address of words uninitialised int64 words, kept as long as the staging."""
-        import cupy
-        dev = cupy.empty(max(1, words), dtype=cupy.int64)
-        self._keep.append(dev)
-        return int(dev.data.ptr)
-
-    def pinned(self, nbytes: int) -> int:
-        """A pinned host buffer of nbytes of its own, kept as long as the staging."""
-        buf = ARENA.take(nbytes)
-        self._outs.append(buf)
-        return buf[0]
-
-    def release(self) -> None:
-        ARENA.give(self._bufs + self._outs)
-        self._bufs, self._outs, self._keep = [], [], []
-
-
 def _timed(stream: Stream) -> Any:
     """A timing event recorded on stream now (bench/gpu.py's per-piece timeline only)."""
     import cupy
     ev = cupy.cuda.Event()
     ev.record(stream.cupy)
     return ev
-
-
-def copy_one(slots: DeviceSlots, table: PageTable, stream: Stream, slot: int, row: int,
-             lo: int, hi: int, to_seg: bool) -> None:
-    """Pages lo..hi of one block (slot <-> engine block row) by a copy-engine call per page on
-    stream: the latency case, no numpy. slots has one range."""
-    import cupy
-    rng = slots.ranges[0]
-    seg0 = rng.base + (slot - rng.first) * slots.block_bytes
-    for p in range(lo, hi):
-        seg = seg0 + int(table.offset[p])
-        dev = int(table.base[p]) + row * int(table.stride[p])
-        src, dst = (dev, seg) if to_seg else (seg, dev)
-        cupy.cuda.runtime.memcpyAsync(dst, src, int(table.size[p]), _DEFAULT, stream.ptr)
-
-
-class _Batch:
-    """cuMemcpyBatchAsync (the CUDA 13 driver's, without failIdx: cuMemcpyBatchAsync_v2) through
-    ctypes: many 1-D copies handed to the driver in one call, each in stream order. None where
-    the driver lacks it (copies then go one cudaMemcpyAsync each)."""
-
-    class Attrs(ctypes.Structure):
-        _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_type", ctypes.c_int),
-                    ("src_loc_id", ctypes.c_int), ("dst_loc_type", ctypes.c_int),
-                    ("dst_loc_id", ctypes.c_int), ("flags", ctypes.c_uint)]
-
-    _fn: list[Any] = []
-
-    @classmethod
-    def fn(cls) -> Any:
-        if not cls._fn:
-            fn = None
-            try:
-                fn = ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync_v2
-                vp, sz = ctypes.c_void_p, ctypes.c_size_t
-                fn.argtypes = [vp, vp, vp, sz, vp, vp, sz, vp]   # dsts srcs sizes count attrs
-                fn.restype = ctypes.c_int
-            except (OSError, AttributeError):
-                fn = None
-            cls._fn.append(fn)
-        return cls._fn[0]
-
-
-_ATTRS = _Batch.Attrs(1, 0, 0, 0, 0, 0)      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, no hints
-_ATTR_IDX = (ctypes.c_size_t * 1)(0)
-
-
-def batch_available() -> bool:
-    return _Batch.fn() is not None
-
-
-def copy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Stream,
-               per_call: int) -> None:
-    """The copies dst[i] <- src[i] (sizes[i] bytes), in stream order on stream (not the legacy
-    default stream, which the driver refuses: Mover forks off it), per_call to a driver call.
-    Within a call the copies run in any order, so no two may write the same bytes. The first
-    call is short, so the copy engines start while the rest are handed over. Raises
-    KvtierError on a driver error (the transfer then fails)."""
-    fn = _Batch.fn()
-    dst = np.ascontiguousarray(dst, dtype=np.uint64)
-    src = np.ascontiguousarray(src, dtype=np.uint64)
-    sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
-    n = dst.size
-    lo = 0
-    step = max(1, min(per_call, 8))
-    while lo < n:
-        hi = min(n, lo + step)
-        rc = fn(dst.ctypes.data + 8 * lo, src.ctypes.data + 8 * lo, sizes.ctypes.data + 8 * lo,
-                hi - lo, ctypes.addressof(_ATTRS), ctypes.addressof(_ATTR_IDX), 1,
-                ctypes.c_void_p(stream.ptr))
-        if rc != 0:
-            raise KvtierError(f"cuMemcpyBatchAsync failed with CUDA error {rc} (copies "
-                              f"{lo}..{hi} of {n}); kvtier.gpu.transfer.set_policy("
-                              "TransferPolicy(batch_copies=0)) copies one call per block")
-        lo, step = hi, per_call
 
 
 class Mover:

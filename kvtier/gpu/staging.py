@@ -1,0 +1,84 @@
+"""Pinned host buffers for a transfer's index arrays (ARENA) and their upload to the GPU on the
+transfer's stream (Staging), kept until the transfer has completed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from kvtier.gpu.copies import _H2D
+from kvtier.gpu.streams import Stream
+
+
+class _Arena:
+    """Pinned host buffers for staged indices, reused once the transfer that staged into them
+    has completed (never earlier: its copies may still read them)."""
+
+    def __init__(self) -> None:
+        self._free: list[tuple[int, int]] = []
+
+    def take(self, nbytes: int) -> tuple[int, int]:
+        for i, (addr, cap) in enumerate(self._free):
+            if cap >= nbytes:
+                return self._free.pop(i)
+        import cupy
+        cap = max(1 << 20, 1 << (nbytes - 1).bit_length())
+        return cupy.cuda.runtime.hostAlloc(cap, 0), cap
+
+    def give(self, bufs: list[tuple[int, int]]) -> None:
+        self._free.extend(bufs)
+
+
+ARENA = _Arena()
+
+
+class Staging:
+    """Index arrays of one transfer on their way to the GPU: written to pinned memory and copied
+    on the transfer's stream (a pageable copy would block the host behind the stream's earlier
+    work). Kept until the transfer has completed; release() then returns the pinned buffers."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self._bufs: list[tuple[int, int]] = []
+        self._outs: list[tuple[int, int]] = []
+        self._off = 0
+        self._keep: list[Any] = []
+
+    def upload(self, a: np.ndarray, stream: Stream | None = None) -> int:
+        """Device address of a copy of a (int64), valid on the stream (default: the
+        transfer's) from now on."""
+        import cupy
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        nbytes = max(8, a.nbytes)
+        if not self._bufs or self._off + nbytes > self._bufs[-1][1]:
+            self._bufs.append(ARENA.take(nbytes))
+            self._off = 0
+        addr = self._bufs[-1][0] + self._off
+        if a.size:
+            ctypes.memmove(addr, a.ctypes.data, a.nbytes)
+        dev = cupy.empty(nbytes // 8, dtype=cupy.int64)
+        self._keep.append(dev)
+        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, addr, nbytes, _H2D,
+                                      (stream or self.stream).ptr)
+        self._off += -(-nbytes // 256) * 256
+        return int(dev.data.ptr)
+
+    def device(self, words: int) -> int:
+        """Device address of words uninitialised int64 words, kept as long as the staging."""
+        import cupy
+        dev = cupy.empty(max(1, words), dtype=cupy.int64)
+        self._keep.append(dev)
+        return int(dev.data.ptr)
+
+    def pinned(self, nbytes: int) -> int:
+        """A pinned host buffer of nbytes of its own, kept as long as the staging."""
+        buf = ARENA.take(nbytes)
+        self._outs.append(buf)
+        return buf[0]
+
+    def release(self) -> None:
+        ARENA.give(self._bufs + self._outs)
+        self._bufs, self._outs, self._keep = [], [], []
