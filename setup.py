@@ -4,7 +4,7 @@ kvtier.pagetable._native (the page table's index: hashing, probing, inserts and
 removals), kvtier.coherence.policies._queues (the eviction queues and the ghost),
 kvtier.coherence._fast (the lease bookkeeping of a resident get, a put's rows and
 eviction's), kvtier._xxh (batch hashing through the system's libxxhash), kvtier.tiers._aio
-(the NVMe tier's AIO loop) and kvtier.tiers._slots (a host pool's checked write) are built when a C compiler and the
+(the NVMe tier's AIO loop), kvtier.tiers._reads (an NVMe get's read in C) and kvtier.tiers._slots (a host pool's checked write) are built when a C compiler and the
 Python headers are present; where they fail to build, the package installs anyway and the
 Python implementations run instead (the same results, slower).
 """
@@ -33,4 +33,9 @@ setup(ext_modules=[
     # The NVMe tier's native-AIO submit/reap loop (Linux only; tiers/aio.py falls back to Python).
     Extension("kvtier.tiers._aio", ["kvtier/tiers/_aio.c"],
               extra_compile_args=["-O2", "-std=gnu11"], optional=True),
+    # An NVMe get's whole read (AIO, checksums, verdicts) and its C threads (tiers/reads.py;
+    # without it the read runs on the I/O pool in Python, as before).
+    Extension("kvtier.tiers._reads", ["kvtier/tiers/_reads.c"],
+              extra_compile_args=["-O2", "-std=gnu11", "-Wall"], extra_link_args=["-pthread"],
+              optional=True),
 ])
