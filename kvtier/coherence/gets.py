@@ -36,6 +36,7 @@ import numpy as np
 from kvtier.coherence.namespace import GetResult, Lease, Namespace, add_one
 from kvtier.coherence.persist import ReadPlan
 from kvtier.errors import BadRequest
+from kvtier.tiers.reads import record_batch, run_batch, verdicts
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ class Step:
 
     locked: bool
     fn: Callable[[], Any]
+    # An NVMe read as a tiers.reads Batch: a driver with C reader threads may run it there
+    # (kvtier.api.steps: the loop learns of its end by an eventfd) instead of calling fn,
+    # which reads the same batch on the calling thread.
+    read: Any = None
 
 
 GetSteps = Generator[Step, Any, GetResult]
@@ -144,8 +149,9 @@ class Gets:
                 held, p.plan.pins = p.plan.pins, []
                 try:
                     try:
-                        yield Step(False, partial(self.nvme.run_read, p.plan,
-                                                  p.ns.slots[tier].pool))
+                        yield self._read_step(p, held)
+                        if p.batch is not None:     # the C read's verdicts (tiers.reads)
+                            p.plan.ok = verdicts(p.ns.log, p.batch)
                     except BaseException:
                         # Its slots go back, and the lease made for the blocks already here
                         # ends with the error: the caller never sees it, so nobody would
@@ -173,6 +179,17 @@ class Gets:
             # a block moved on under the read: again, once.
             yield Step(True, partial(self.release, res.lease_id, owner))
             attempt += 1
+
+    def _read_step(self, p: "_PendingGet", held: list[Any]) -> Step:
+        """The NVMe read of p's plan, unlocked: the C read where it applies (one GIL-free
+        call, or the driver's C threads: tiers.reads, issue 17), else run_read."""
+        pool = p.ns.slots[p.tier].pool
+        plan = p.plan
+        p.batch = record_batch(p.ns.log, pool.array, plan.dst, plan.segs, plan.offs,
+                               plan.sums, held)
+        if p.batch is None:
+            return Step(False, partial(self.nvme.run_read, plan, pool))
+        return Step(False, partial(run_batch, p.ns.log, p.batch), read=p.batch)
 
     def _unlocked_or_release(self, fn: Callable[[], Any], res: GetResult,
                              owner: int) -> Generator[Step, Any, None]:
@@ -418,3 +435,4 @@ class _PendingGet:
     repeats: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     repeat_src: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     short: bool = False         # some bring-ups found no room
+    batch: Any = None           # the plan's read as a tiers.reads Batch (None: run_read)
