@@ -31,11 +31,11 @@ setup(ext_modules=[
               depends=["kvtier/coherence/cviews.h"],
               extra_compile_args=["-O2", "-std=c11"], optional=True),
     # The NVMe tier's native-AIO submit/reap loop (Linux only; tiers/aio.py falls back to Python).
-    Extension("kvtier.tiers._aio", ["kvtier/tiers/_aio.c"],
+    Extension("kvtier.tiers._aio", ["kvtier/tiers/_aio.c"], depends=["kvtier/tiers/aio_loop.h"],
               extra_compile_args=["-O2", "-std=gnu11"], optional=True),
     # An NVMe get's whole read (AIO, checksums, verdicts) and its C threads (tiers/reads.py;
     # without it the read runs on the I/O pool in Python, as before).
-    Extension("kvtier.tiers._reads", ["kvtier/tiers/_reads.c"],
+    Extension("kvtier.tiers._reads", ["kvtier/tiers/_reads.c"], depends=["kvtier/tiers/aio_loop.h"],
               extra_compile_args=["-O2", "-std=gnu11", "-Wall"], extra_link_args=["-pthread"],
               optional=True),
 ])

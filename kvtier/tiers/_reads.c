@@ -58,6 +58,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "aio_loop.h"
+
 #define ALIGN 4096
 
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
@@ -85,12 +87,7 @@ static int cmp_cb(const void *a, const void *b)
     return x->aio_offset < y->aio_offset ? -1 : x->aio_offset > y->aio_offset;
 }
 
-static long sys_submit(aio_context_t ctx, long n, struct iocb **p)
-{
-    return syscall(SYS_io_submit, ctx, n, p);
-}
-
-/* The submit/reap loop of _aio.c over b's requests, then the verdicts. Returns 0, or the
+/* aio_loop.h's submit/reap loop over b's requests, then the verdicts. Returns 0, or the
  * errno of a failed io_getevents (requests may still be in flight: the caller destroys ctx). */
 static int batch_read(Batch *b, aio_context_t ctx, long window, xxh3_fn h)
 {
@@ -106,47 +103,16 @@ static int batch_read(Batch *b, aio_context_t ctx, long window, xxh3_fn h)
     }
     for (Py_ssize_t i = 0; i < n; i++)
         ptrs[i] = &b->cbs[i];
-    Py_ssize_t nxt = 0;
-    long inflight = 0;
     int fatal = 0;
-    while (nxt < n || inflight) {
-        long k = window - inflight;
-        if (k > n - nxt)
-            k = (long)(n - nxt);
-        if (k > 0) {
-            long got = sys_submit(ctx, k, ptrs + nxt);
-            if (got >= 0) {
-                nxt += got;
-                inflight += got;
-            } else if (errno == EAGAIN) {
-                if (inflight == 0) {     /* the kernel's queue is full of others': by hand */
-                    struct iocb *cb = ptrs[nxt];
-                    ssize_t r = pread((int)cb->aio_fildes, (void *)(uintptr_t)cb->aio_buf,
-                                      (size_t)cb->aio_nbytes, (off_t)cb->aio_offset);
-                    b->res[cb->aio_data] = r < 0 ? -(int64_t)errno : r;
-                    nxt++;
-                }
-            } else if (errno != EINTR) {
-                b->res[ptrs[nxt]->aio_data] = -(int64_t)errno;    /* refused; the rest go on */
-                nxt++;
-                continue;
-            }
-        }
-        if (inflight) {
-            long got = syscall(SYS_io_getevents, ctx, 1L, window, ev, NULL);
-            if (got < 0) {
-                if (errno == EINTR)
-                    continue;
-                fatal = errno;
-                break;
-            }
-            for (long j = 0; j < got; j++) {
-                uint64_t i = ev[j].data;
-                if (i < (uint64_t)b->n)
-                    b->res[i] = ev[j].res;
-            }
-            inflight -= got;
-        }
+    Py_ssize_t nxt = 0;
+    while ((nxt = aio_loop(ctx, ptrs, n, nxt, window, b->res, b->n, ev, &fatal)) < n
+           && !fatal) {
+        /* The kernel's queue is full of others' requests: this one by hand. */
+        struct iocb *cb = ptrs[nxt];
+        ssize_t r = pread((int)cb->aio_fildes, (void *)(uintptr_t)cb->aio_buf,
+                          (size_t)cb->aio_nbytes, (off_t)cb->aio_offset);
+        b->res[cb->aio_data] = r < 0 ? -(int64_t)errno : r;
+        nxt++;
     }
     free(ptrs);
     free(ev);
