@@ -289,3 +289,16 @@ def test_a_get_cancelled_during_its_c_read_waits_for_its_end_then_installs_nothi
         _nothing_installed_nor_held(eng, data)
     finally:
         eng.close(flush=False)
+
+
+def test_a_destination_that_is_not_a_host_array_is_left_to_the_python_read(tmp_path: Path):
+    # An HBM pool's array (cupy) has no host address: the C read must never be handed one.
+    log, data, segs, offs, sums = _log_with(tmp_path, 2)
+
+    class DeviceArray:                  # the shape of a cupy array, no .ctypes
+        ndim, shape, strides = 2, (2, BB), (BB, 1)
+
+    held = _held(log, segs)
+    assert reads.record_batch(log, DeviceArray(), np.arange(2), segs, offs, sums, held) is None
+    log.unpin(held)
+    log.close()

@@ -142,6 +142,7 @@ class StepRunner:
         if step.read is not None and self.use_read_threads:
             loop = asyncio.get_running_loop()
             if self._reads is None or self._reads.loop is not loop:
+                self.close()                    # (a runner moved to a new loop)
                 try:
                     self._reads = ReadThreads(loop)
                 except OSError:                 # fs.aio-max-nr reached: the I/O pool

@@ -17,7 +17,7 @@ the same verdict (read whole and its XXH3 equal to the row's checksum), and a re
 mid-way raises with nothing in flight any more (the AIO context is destroyed, which waits for
 its requests), so its caller installs nothing and frees slots no request still writes.
 Where this does not apply (the C module or libxxhash missing, no AIO, records padded beyond
-the block, slots not on 4 KiB boundaries) record_batch returns None and the caller reads by
+the block, slots not on 4 KiB boundaries, a destination that is not a host numpy array) record_batch returns None and the caller reads by
 read_rows or read(), as before.
 
 Thread-safety: a Batch is read by one thread at a time (run_batch, or one Reader thread); the
@@ -56,6 +56,8 @@ def record_batch(log: SegmentLog, into: np.ndarray, rows: np.ndarray, segs: np.n
     if native is None or checksums._fn is None or log._aio_reads is None:
         return None
     rb = log.record_bytes
+    if not isinstance(into, np.ndarray):
+        return None                 # an HBM pool's device array: never an address for AIO
     if (rb != log.block_bytes or into.ndim != 2 or into.shape[1] != rb or into.strides[1] != 1
             or into.ctypes.data % ALIGN or into.strides[0] % ALIGN):
         return None
