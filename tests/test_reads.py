@@ -302,3 +302,17 @@ def test_a_destination_that_is_not_a_host_array_is_left_to_the_python_read(tmp_p
     assert reads.record_batch(log, DeviceArray(), np.arange(2), segs, offs, sums, held) is None
     log.unpin(held)
     log.close()
+
+
+def test_rows_off_4k_boundaries_are_left_to_the_python_read(tmp_path: Path):
+    log, data, segs, offs, sums = _log_with(tmp_path, 2)
+    held = _held(log, segs)
+    mm = mmap.mmap(-1, 3 * BB + 4096)
+    shifted = np.frombuffer(mm, dtype=np.uint8)[512:512 + 3 * BB].reshape(3, BB)
+    assert reads.record_batch(log, shifted, np.arange(2), segs, offs, sums, held) is None
+    with pytest.raises(ValueError, match="8-byte integers"):     # the caller's bug: raised
+        reads.native.Batch(np.zeros((0, 4), np.int64), np.zeros(2, np.int64),
+                           np.zeros(1, np.int64), np.zeros(2, np.int64), _pool(2), BB,
+                           np.zeros(2, np.uint64))
+    log.unpin(held)
+    log.close()

@@ -12,16 +12,17 @@
  * never take the GIL, and the loop learns of a finished read from an eventfd, as it learns of
  * a frame (no hand-off at all).
  *
- *   Batch(segtab, segs, offs, rows, base, stride, nrows, nbytes, sums)
+ *   Batch(segtab, segs, offs, rows, into, nbytes, sums)
  *       One batch of records, checked and copied at construction (the caller's arrays are not
  *       held). segtab: int64 (k, 4), per segment held open by the caller (pinned) for the
  *       Batch's life: seg id, fd, file offset of record 0, bytes written. segs, offs, rows,
  *       sums: per record, int64 seg id, int64 offset in 4 KiB units, int64 row of the
- *       destination array, uint64 expected XXH3. base, stride, nrows: the destination array's
- *       first byte, bytes between rows and rows (4 KiB-aligned). nbytes: record and block
- *       size. A record whose segment is not in segtab or that does not lie whole on a record
- *       boundary inside what was written is not read (its verdict is False: a bad record). A
- *       row outside the array raises IndexError: that is the caller's bug, never the disk's.
+ *       destination array, uint64 expected XXH3. into: the destination, a writable 2-D byte
+ *       array (a host pool's) of 4 KiB-aligned rows of nbytes, the record and block size
+ *       (BufferError otherwise); the caller keeps it alive until the batch is read. A record
+ *       whose segment is not in segtab or that does not lie whole on a record boundary inside
+ *       what was written is not read (its verdict is False: a bad record). A row outside the
+ *       array raises IndexError: that is the caller's bug, never the disk's.
  *       .requests: the records that will be read.
  *   Batch.run(ctx, window, xxh3) -> None
  *       The read on the calling thread, the GIL released: ctx an io_setup context of at least
@@ -152,17 +153,26 @@ static void Batch_dealloc(Batch *b)
 static PyObject *Batch_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     (void)kw;
-    PyObject *a_tab, *a_segs, *a_offs, *a_rows, *a_sums;
-    unsigned long long base;
-    Py_ssize_t stride, nrows;
+    PyObject *a_tab, *a_segs, *a_offs, *a_rows, *a_sums, *a_into;
     long long nbytes;
-    if (!PyArg_ParseTuple(args, "OOOOKnnLO", &a_tab, &a_segs, &a_offs, &a_rows, &base, &stride,
-                          &nrows, &nbytes, &a_sums))
+    if (!PyArg_ParseTuple(args, "OOOOOLO", &a_tab, &a_segs, &a_offs, &a_rows, &a_into, &nbytes,
+                          &a_sums))
         return NULL;
-    if (base % ALIGN || stride <= 0 || stride % ALIGN || nrows < 0 || nbytes <= 0
-        || nbytes % ALIGN || nbytes > stride) {
-        PyErr_SetString(PyExc_ValueError, "Batch: the destination must be 4 KiB-aligned rows "
-                        "of at least nbytes (a multiple of 4 KiB)");
+    /* The destination's address and layout from its buffer (numpy's .ctypes costs ~3 us a
+     * call); its memory outlives the batch (a host pool's, the slots pinned by the caller). */
+    Py_buffer into;
+    if (PyObject_GetBuffer(a_into, &into, PyBUF_WRITABLE | PyBUF_STRIDES) < 0)
+        return NULL;
+    uint64_t base = (uint64_t)(uintptr_t)into.buf;
+    Py_ssize_t stride = into.ndim == 2 ? into.strides[0] : 0;
+    Py_ssize_t nrows = into.ndim == 2 ? into.shape[0] : 0;
+    int fits = into.ndim == 2 && into.itemsize == 1 && into.strides[1] == 1
+               && into.shape[1] == nbytes;
+    PyBuffer_Release(&into);
+    if (!fits || base % ALIGN || stride <= 0 || stride % ALIGN || nbytes <= 0
+        || nbytes % ALIGN) {
+        PyErr_SetString(PyExc_BufferError, "Batch: the destination must be a 2-D byte array of "
+                        "4 KiB-aligned rows of nbytes (a multiple of 4 KiB)");
         return NULL;
     }
     Py_buffer tab, segs, offs, rows, sums;

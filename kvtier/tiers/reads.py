@@ -59,15 +59,18 @@ def record_batch(log: SegmentLog, into: np.ndarray, rows: np.ndarray, segs: np.n
     if not isinstance(into, np.ndarray):
         return None                 # an HBM pool's device array: never an address for AIO
     if (rb != log.block_bytes or into.ndim != 2 or into.shape[1] != rb or into.strides[1] != 1
-            or into.ctypes.data % ALIGN or into.strides[0] % ALIGN):
+            or into.strides[0] % ALIGN):
         return None
     tab = np.array([(s.seg_id, s.fd, s.start, s.size) for s in held],
                    dtype=np.int64).reshape(-1, 4)
-    return native.Batch(tab, np.ascontiguousarray(segs, dtype=np.int64),
-                        np.ascontiguousarray(offs, dtype=np.int64),
-                        np.ascontiguousarray(rows, dtype=np.int64), into.ctypes.data,
-                        into.strides[0], into.shape[0], rb,
-                        np.ascontiguousarray(sums, dtype=np.uint64))
+    try:
+        # (the array's own alignment is checked in C, from its buffer)
+        return native.Batch(tab, np.ascontiguousarray(segs, dtype=np.int64),
+                            np.ascontiguousarray(offs, dtype=np.int64),
+                            np.ascontiguousarray(rows, dtype=np.int64), into, rb,
+                            np.ascontiguousarray(sums, dtype=np.uint64))
+    except BufferError:
+        return None                 # rows not on 4 KiB boundaries: read_rows' fallback
 
 
 def run_batch(log: SegmentLog, batch: Any) -> None:
