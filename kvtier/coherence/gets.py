@@ -33,10 +33,18 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, cast
 
 import numpy as np
 
+from kvtier.coherence.fastpath import _fast as _fast_built
 from kvtier.coherence.namespace import GetResult, Lease, Namespace, add_one
 from kvtier.coherence.persist import ReadPlan
 from kvtier.errors import BadRequest
 from kvtier.tiers.reads import record_batch, run_batch, verdicts
+
+try:
+    from kvtier.coherence._gets import split_rows as _split
+except ImportError:             # not built: the numpy split in Gets._get
+    _split = None
+if _fast_built is None:
+    _split = None               # (the split follows lease_native's refusal: both in C or neither)
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
@@ -293,6 +301,8 @@ class Gets:
         res = self.fast.lease_native(ns, rows, owner, tier)
         if res is not None:
             return res
+        if io and _split is not None:
+            return self._split_native(ns, karr, rows, owner, tier)
         found = rows >= 0
         if not io:
             # try_get of a batch that must read the disk (an NVMe reader's, tried on the loop
@@ -328,22 +338,52 @@ class Gets:
                         np.where(found, cols["checksum"][safe], 0).astype(np.uint64))
         todo = idx[~ready]
         if todo.size:
-            # A key repeated in the batch is brought up once; its repeats share the slot.
-            # (Most batches repeat nothing: one sort tells, and np.unique's index arrays and
-            # the set difference are only built when it says so.)
+            # (Most batches repeat nothing: one sort tells.)
             tr = np.sort(rows[todo])
-            if (tr[1:] != tr[:-1]).all():
-                p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier, slots,
-                                                             found)
-                return p
-            _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
-            inv = inv.reshape(-1)
-            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier, slots,
-                                                         found)
-            rep = np.setdiff1d(np.arange(todo.size), first)
-            if rep.size:
-                p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
+            self._bring_ups(p, todo, not (tr[1:] != tr[:-1]).all())
         return p
+
+    def _split_native(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray, owner: int,
+                      tier: Tier) -> "_PendingGet":
+        """_get's io path from lease_native's refusal on, its split in one C call
+        (coherence/_gets.c: found, the ready copies pinned, the versions and checksums, the
+        positions to bring up, whether they repeat): the same effects as the numpy path
+        below it, which try_get and builds without the module take."""
+        n = karr.size
+        miss = rows < 0
+        if miss.any():
+            _refuse_zero_key(karr[miss])        # before anything is pinned
+        cols = ns.table.cols
+        found = np.empty(n, dtype=bool)
+        slots = np.empty(n, dtype=np.int64)
+        versions = np.empty(n, dtype=np.uint64)
+        sums = np.empty(n, dtype=np.uint64)
+        todo = np.empty(n, dtype=np.int64)
+        k, hits, repeats = _split(cols["version"], cols["copy_ver"], cols["slot"],
+                                  cols["checksum"], ns.slots[tier].leases, rows,
+                                  ns.table.n_rows, int(tier), found, slots, versions, sums, todo)
+        self.counters.tiers[tier].hits += hits
+        p = _PendingGet(ns, karr, rows, found, slots, tier, owner, versions, sums)
+        if k:
+            self._bring_ups(p, todo[:k], repeats)
+        return p
+
+    def _bring_ups(self, p: "_PendingGet", todo: np.ndarray, repeats: bool) -> None:
+        """Plan p's bring-ups of batch positions todo (found, not current in p.tier). A key
+        repeated in the batch is brought up once; its repeats share the slot (np.unique's
+        index arrays and the set difference only when the batch repeats a key)."""
+        ns, rows, tier, slots, found = p.ns, p.rows, p.tier, p.slots, p.found
+        if not repeats:
+            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier, slots,
+                                                                  found)
+            return
+        _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier, slots,
+                                                              found)
+        rep = np.setdiff1d(np.arange(todo.size), first)
+        if rep.size:
+            p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
 
     def _finish_get(self, p: "_PendingGet", held: list[Any] | None = None) -> GetResult:
         """The rest of a get, under the lock: NVMe copies installed, repeats share their
