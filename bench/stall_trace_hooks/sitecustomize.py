@@ -49,7 +49,10 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
         EV.append(("step", t0, t1, getattr(getattr(fn, "func", None), "__name__", "?"), c1 - c0,
                    v1 - v0, i1 - i0))
     S.StepRunner._next = _next_t
-    C = SV._Connection
+    try:                          # one worker's connection: api/connection.py since its split
+        from kvtier.api.connection import Connection as C
+    except ImportError:           # (a tree from before it: server.py's _Connection)
+        C = SV._Connection
     _dr = C.data_received
     def _dr_t(self, data):
         v0, i0 = cs(); c0 = tt(); t0 = pc(); _dr(self, data); t1 = pc(); c1 = tt(); v1, i1 = cs()
