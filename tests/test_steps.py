@@ -212,6 +212,17 @@ def _no_lease_left_and_all_readable(eng, data) -> None:
     assert found.all() and (out == data).all()
 
 
+def _not_installed(eng, which) -> None:
+    """The blocks of keys(which) have no current host copy (a failed read installed none)."""
+    from kvtier.types import Tier
+    from tests.conftest import keys
+
+    ns = eng.namespace("m")
+    rows = ns.table.lookup(keys(which))
+    cols = ns.table.cols
+    assert (cols["copy_ver"][rows, Tier.HOST] != cols["version"][rows]).all()
+
+
 def test_a_get_whose_disk_read_raises_leaves_no_lease_and_no_pinned_slot(tmp_path):
     # The read itself raising (a mock: the AIO set closed after io_getevents failed, which
     # cannot be produced on demand here). The get's error reaches the caller, who never sees
@@ -221,6 +232,10 @@ def test_a_get_whose_disk_read_raises_leaves_no_lease_and_no_pinned_slot(tmp_pat
 
     from tests.conftest import keys
 
+    # The C read (tiers.reads.run_batch) fails after its bytes landed in the slots: the
+    # mid-way failure, whose slots must go back with nothing installed.
+    import kvtier.coherence.gets as G
+
     eng, data = _half_on_disk(tmp_path)
     try:
         log = eng.namespace("m").log
@@ -228,11 +243,24 @@ def test_a_get_whose_disk_read_raises_leaves_no_lease_and_no_pinned_slot(tmp_pat
         def closed(*_a, **_k):
             raise OSError(errno.EBADF, "this AIO context set is closed")
 
+        real, landed = G.run_batch, []
+
+        def read_then_fail(log_, batch):
+            real(log_, batch)
+            landed.append(batch.requests)
+            closed()
+
         log.read_rows = closed
         log.read = closed
-        with pytest.raises(OSError, match="closed"):
-            eng.get("m", keys(range(4)))
+        G.run_batch = read_then_fail
+        try:
+            with pytest.raises(OSError, match="closed"):
+                eng.get("m", keys(range(4)))
+        finally:
+            G.run_batch = real
         del log.read_rows, log.read
+        assert landed in ([], [2])              # [2]: the C read ran (where it applies)
+        _not_installed(eng, range(2, 4))
         _no_lease_left_and_all_readable(eng, data)
     finally:
         eng.close(flush=False)

@@ -49,7 +49,10 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
         EV.append(("step", t0, t1, getattr(getattr(fn, "func", None), "__name__", "?"), c1 - c0,
                    v1 - v0, i1 - i0))
     S.StepRunner._next = _next_t
-    C = SV._Connection
+    try:                          # one worker's connection: api/connection.py since its split
+        from kvtier.api.connection import Connection as C
+    except ImportError:           # (a tree from before it: server.py's _Connection)
+        C = SV._Connection
     _dr = C.data_received
     def _dr_t(self, data):
         v0, i0 = cs(); c0 = tt(); t0 = pc(); _dr(self, data); t1 = pc(); c1 = tt(); v1, i1 = cs()
@@ -115,3 +118,40 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
             _cls.read_rows = _nogil(_cls.read_rows)
         if "unpin" in vars(_cls):
             _cls.unpin = _wrap(_cls.unpin, "unpin")
+    # The C read path (kvtier.api.steps.ReadThreads, stall4): each read from its submit on the
+    # loop to its reap there, as a "read" event with no I/O-thread Python (0.0); the loop's
+    # reap callback itself as loop work ("reap").
+    if hasattr(S, "ReadThreads"):
+        _sub = S.ReadThreads.submit
+        _t_sub = {}
+        def _sub_t(self, batch):
+            fut = _sub(self, batch)
+            _t_sub[id(fut)] = pc()
+            return fut
+        S.ReadThreads.submit = _sub_t
+        _reader_reap = S.ReadThreads._reap
+        def _reap_t(self):
+            t0 = pc()
+            real = self._reader.reap
+            got = []
+            def reap():
+                out = real()
+                got.extend(out)
+                return out
+            self._reader = _Shim(self._reader, reap)
+            try:
+                _reader_reap(self)
+            finally:
+                self._reader = self._reader.inner
+            t1 = pc()
+            for fut, _err in got:
+                ts = _t_sub.pop(id(fut), None)
+                if ts is not None:
+                    EV.append(("read", ts, t0, "c", 0.0))
+            EV.append(("reap", t0, t1, "loop"))
+        class _Shim:
+            def __init__(self, inner, reap):
+                self.inner, self.reap = inner, reap
+            def __getattr__(self, k):
+                return getattr(self.inner, k)
+        S.ReadThreads._reap = _reap_t

@@ -132,10 +132,15 @@ class ResidentGets:
         return poll is not None and bool(poll.poll(0))
 
     def _close_frames(self) -> None:
+        """At the server's shutdown, after its tasks: the frame poll, and the step runner's C
+        reader threads (kvtier.api.steps.ReadThreads; no read is in flight by then)."""
         if getattr(self, "_frame_poll", None) is not None:
             self._frame_poll.close()
             self._frame_poll = None
             self._frame_fds = {}
+        steps = getattr(self, "steps", None)
+        if steps is not None:
+            steps.close()
 
     def _end_leases(self, client: ClientInfo, ids: list[int]) -> None:
         """The engine's part of piggybacked releases, inline when the lock is free, else on

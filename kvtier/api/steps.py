@@ -25,7 +25,15 @@ what they held the lock for: its p99 was 76x alone on the 16-core H200 host. Her
   a step, waited for the whole next step: the loop polls once per iteration, and the step runs
   in the iteration's ready callbacks, before its poll (uvloop's call_later(0) is call_soon).
   Once only, so a busy socket cannot hold a get's steps back (bench/stall.py, stall3);
-- the unlocked steps go to the I/O pool.
+- an NVMe read given as a C batch (Step.read, kvtier.tiers.reads) goes to C threads that
+  never take the GIL (ReadThreads); the loop learns that it is done from an eventfd it
+  watches, as it learns of a frame. On the I/O pool the read's thread took the GIL back three
+  times per read, and each time, while the loop ran a step, waited for CPython's 5 ms switch
+  interval to force the loop off it mid-step (bench/stall_trace.py, stall3: 74% of the
+  decides blocked beside 8 readers, on the H200 host);
+- the other unlocked steps go to the I/O pool. A get cancelled during one (its peer gone)
+  waits for it to end before its steps go on: their install frees the read's slots, which
+  a read still in flight would go on writing.
 
 Thread-safety: StepRunner is used from the loop's thread only.
 """
@@ -34,11 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import threading
 from typing import Any, Callable
 
 from kvtier.coherence.gets import GetSteps, advance
 from kvtier.coherence.namespace import GetResult
+from kvtier.tiers import reads
 
 Thunk = Callable[[], Any]
 
@@ -49,6 +59,44 @@ Thunk = Callable[[], Any]
 # the loop's next steps found the lock taken and followed (bench/stall.py, 8 readers:
 # 654 steps on the lane, a resident get's p99 7-8 ms).
 LOOP_WAIT_S = 300e-6
+
+# The C reader threads of a StepRunner: as many as the server's I/O pool has workers (4), so
+# that as many reads are in flight as before; each has its own AIO context of READ_DEPTH
+# events of the host-wide fs.aio-max-nr (an NVMe get is one batch of at most its keys).
+READ_THREADS = 4
+READ_DEPTH = 128
+
+
+class ReadThreads:
+    """tiers.reads Batches read on C threads (kvtier/tiers/_reads.c's Reader); each one's end
+    comes to the loop through the Reader's eventfd (add_reader). Loop thread only."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, threads: int = READ_THREADS,
+                 depth: int = READ_DEPTH) -> None:
+        self.loop = loop
+        self._reader = reads.native.Reader(threads, depth, reads.checksums._fn)
+        loop.add_reader(self._reader.fd, self._reap)
+
+    def submit(self, batch: Any) -> asyncio.Future:
+        """A future of the batch's read: None, or the OSError that ended it."""
+        fut = self.loop.create_future()
+        self._reader.submit(batch, fut)
+        return fut
+
+    def _reap(self) -> None:
+        for fut, err in self._reader.reap():
+            if fut.cancelled():
+                continue
+            if err:
+                fut.set_exception(OSError(err, f"NVMe read: {os.strerror(err)}"))
+            else:
+                fut.set_result(None)
+
+    def close(self) -> None:
+        """Stop watching and stop the threads (after the reads queued: the GIL released)."""
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self._reader.fd)
+        self._reader.close()
 
 
 class StepRunner:
@@ -67,13 +115,19 @@ class StepRunner:
         self._queue: collections.deque[tuple[Thunk, asyncio.Future]] = collections.deque()
         self._held_back = False         # the queue's head already waited for one poll
         self.held_back = 0              # steps that let the loop poll first (for stats)
+        self._reads: ReadThreads | None = None
+        self.use_read_threads = reads.available()
+        self.c_reads = 0                # reads run on the C threads (for stats and tests)
 
     async def drive(self, steps: GetSteps) -> GetResult:
         """The get's result, once every step has run."""
         step, out = advance(steps, None, None)
         while step is not None:
             try:
-                value = await (self._locked(step.fn) if step.locked else self._run_io(step.fn))
+                if step.locked:
+                    value = await self._locked(step.fn)
+                else:
+                    value = await _to_its_end(self._unlocked(step))
             except BaseException as exc:
                 # Back into the steps, a cancellation too: their finally installs what was
                 # read (or frees its pinned slots) before the error goes on.
@@ -81,6 +135,28 @@ class StepRunner:
             else:
                 step, out = advance(steps, value, None)
         return out
+
+    def _unlocked(self, step: Any) -> asyncio.Future:
+        """An unlocked step's future: a C read on the reader threads, the rest (and every read
+        where the C threads are not available) on the I/O pool."""
+        if step.read is not None and self.use_read_threads:
+            loop = asyncio.get_running_loop()
+            if self._reads is None or self._reads.loop is not loop:
+                self.close()                    # (a runner moved to a new loop)
+                try:
+                    self._reads = ReadThreads(loop)
+                except OSError:                 # fs.aio-max-nr reached: the I/O pool
+                    self.use_read_threads = False
+                    return self._run_io(step.fn)
+            self.c_reads += 1
+            return self._reads.submit(step.read)
+        return self._run_io(step.fn)
+
+    def close(self) -> None:
+        """Stop the C reader threads (the server's shutdown)."""
+        if self._reads is not None:
+            self._reads.close()
+            self._reads = None
 
     def _locked(self, fn: Thunk) -> asyncio.Future:
         """fn under the engine lock, on the loop, after the steps queued before it."""
@@ -123,6 +199,22 @@ class StepRunner:
     def _with_lock(self, fn: Thunk) -> Any:
         with self.lock:
             return fn()
+
+
+async def _to_its_end(fut: asyncio.Future) -> Any:
+    """fut's outcome; when the awaiting task is cancelled first, fut is still waited for (its
+    step ends on its thread whatever happens here) before the cancellation goes on."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                pass
+        if not fut.cancelled():
+            fut.exception()                 # retrieved: the cancellation is what goes on
+        raise
 
 
 def _pass_outcome(src: asyncio.Future, dst: asyncio.Future) -> None:

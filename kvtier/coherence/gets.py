@@ -33,9 +33,18 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, cast
 
 import numpy as np
 
+from kvtier.coherence.fastpath import _fast as _fast_built
 from kvtier.coherence.namespace import GetResult, Lease, Namespace, add_one
 from kvtier.coherence.persist import ReadPlan
 from kvtier.errors import BadRequest
+from kvtier.tiers.reads import record_batch, run_batch, verdicts
+
+try:
+    from kvtier.coherence._gets import split_rows as _split
+except ImportError:             # not built: the numpy split in Gets._get
+    _split = None
+if _fast_built is None:
+    _split = None               # (the split follows lease_native's refusal: both in C or neither)
 from kvtier.types import Tier
 
 if TYPE_CHECKING:
@@ -52,6 +61,10 @@ class Step:
 
     locked: bool
     fn: Callable[[], Any]
+    # An NVMe read as a tiers.reads Batch: a driver with C reader threads may run it there
+    # (kvtier.api.steps: the loop learns of its end by an eventfd) instead of calling fn,
+    # which reads the same batch on the calling thread.
+    read: Any = None
 
 
 GetSteps = Generator[Step, Any, GetResult]
@@ -144,8 +157,9 @@ class Gets:
                 held, p.plan.pins = p.plan.pins, []
                 try:
                     try:
-                        yield Step(False, partial(self.nvme.run_read, p.plan,
-                                                  p.ns.slots[tier].pool))
+                        yield self._read_step(p, held)
+                        if p.batch is not None:     # the C read's verdicts (tiers.reads)
+                            p.plan.ok = verdicts(p.ns.log, p.batch)
                     except BaseException:
                         # Its slots go back, and the lease made for the blocks already here
                         # ends with the error: the caller never sees it, so nobody would
@@ -173,6 +187,17 @@ class Gets:
             # a block moved on under the read: again, once.
             yield Step(True, partial(self.release, res.lease_id, owner))
             attempt += 1
+
+    def _read_step(self, p: "_PendingGet", held: list[Any]) -> Step:
+        """The NVMe read of p's plan, unlocked: the C read where it applies (one GIL-free
+        call, or the driver's C threads: tiers.reads, issue 17), else run_read."""
+        pool = p.ns.slots[p.tier].pool
+        plan = p.plan
+        p.batch = record_batch(p.ns.log, pool.array, plan.dst, plan.segs, plan.offs,
+                               plan.sums, held)
+        if p.batch is None:
+            return Step(False, partial(self.nvme.run_read, plan, pool))
+        return Step(False, partial(run_batch, p.ns.log, p.batch), read=p.batch)
 
     def _unlocked_or_release(self, fn: Callable[[], Any], res: GetResult,
                              owner: int) -> Generator[Step, Any, None]:
@@ -276,6 +301,8 @@ class Gets:
         res = self.fast.lease_native(ns, rows, owner, tier)
         if res is not None:
             return res
+        if io and _split is not None:
+            return self._split_native(ns, karr, rows, owner, tier)
         found = rows >= 0
         if not io:
             # try_get of a batch that must read the disk (an NVMe reader's, tried on the loop
@@ -311,22 +338,52 @@ class Gets:
                         np.where(found, cols["checksum"][safe], 0).astype(np.uint64))
         todo = idx[~ready]
         if todo.size:
-            # A key repeated in the batch is brought up once; its repeats share the slot.
-            # (Most batches repeat nothing: one sort tells, and np.unique's index arrays and
-            # the set difference are only built when it says so.)
+            # (Most batches repeat nothing: one sort tells.)
             tr = np.sort(rows[todo])
-            if (tr[1:] != tr[:-1]).all():
-                p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier, slots,
-                                                             found)
-                return p
-            _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
-            inv = inv.reshape(-1)
-            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier, slots,
-                                                         found)
-            rep = np.setdiff1d(np.arange(todo.size), first)
-            if rep.size:
-                p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
+            self._bring_ups(p, todo, not (tr[1:] != tr[:-1]).all())
         return p
+
+    def _split_native(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray, owner: int,
+                      tier: Tier) -> "_PendingGet":
+        """_get's io path from lease_native's refusal on, its split in one C call
+        (coherence/_gets.c: found, the ready copies pinned, the versions and checksums, the
+        positions to bring up, whether they repeat): the same effects as the numpy path
+        below it, which try_get and builds without the module take."""
+        n = karr.size
+        miss = rows < 0
+        if miss.any():
+            _refuse_zero_key(karr[miss])        # before anything is pinned
+        cols = ns.table.cols
+        found = np.empty(n, dtype=bool)
+        slots = np.empty(n, dtype=np.int64)
+        versions = np.empty(n, dtype=np.uint64)
+        sums = np.empty(n, dtype=np.uint64)
+        todo = np.empty(n, dtype=np.int64)
+        k, hits, repeats = _split(cols["version"], cols["copy_ver"], cols["slot"],
+                                  cols["checksum"], ns.slots[tier].leases, rows,
+                                  ns.table.n_rows, int(tier), found, slots, versions, sums, todo)
+        self.counters.tiers[tier].hits += hits
+        p = _PendingGet(ns, karr, rows, found, slots, tier, owner, versions, sums)
+        if k:
+            self._bring_ups(p, todo[:k], repeats)
+        return p
+
+    def _bring_ups(self, p: "_PendingGet", todo: np.ndarray, repeats: bool) -> None:
+        """Plan p's bring-ups of batch positions todo (found, not current in p.tier). A key
+        repeated in the batch is brought up once; its repeats share the slot (np.unique's
+        index arrays and the set difference only when the batch repeats a key)."""
+        ns, rows, tier, slots, found = p.ns, p.rows, p.tier, p.slots, p.found
+        if not repeats:
+            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier, slots,
+                                                                  found)
+            return
+        _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier, slots,
+                                                              found)
+        rep = np.setdiff1d(np.arange(todo.size), first)
+        if rep.size:
+            p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
 
     def _finish_get(self, p: "_PendingGet", held: list[Any] | None = None) -> GetResult:
         """The rest of a get, under the lock: NVMe copies installed, repeats share their
@@ -418,3 +475,4 @@ class _PendingGet:
     repeats: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     repeat_src: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     short: bool = False         # some bring-ups found no room
+    batch: Any = None           # the plan's read as a tiers.reads Batch (None: run_read)

@@ -7,6 +7,8 @@
  * what it does add is error handling the kernel's contract needs, below. tiers/aio.py keeps
  * the Python loop as the fallback where this module was not built; tests run both.
  *
+ * The loop itself is aio_loop.h's (shared with _reads.c).
+ *
  * Contract (the caller in aio.py builds the arguments and checks them):
  *   run(ctx, iocbs, out, first, window) -> int
  *       ctx: an io_setup context of at least `window` events. iocbs: n struct iocb, filled in
@@ -28,6 +30,8 @@
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "aio_loop.h"
 
 static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -68,44 +72,10 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < n; i++)
         ptrs[i] = &cb[i];
 
-    Py_ssize_t nxt = first;
-    long inflight = 0;
-    int fatal = 0;
+    Py_ssize_t nxt;
+    int fatal;
     Py_BEGIN_ALLOW_THREADS
-    while (nxt < n || inflight) {
-        long k = window - inflight;
-        if (k > n - nxt)
-            k = (long)(n - nxt);
-        if (k > 0) {
-            long got = syscall(SYS_io_submit, ctx, k, ptrs + nxt);
-            if (got >= 0) {
-                nxt += got;
-                inflight += got;
-            } else if (errno == EAGAIN) {
-                if (inflight == 0)
-                    break;                   /* the caller does this one synchronously */
-            } else if (errno != EINTR) {
-                res[nxt] = -(int64_t)errno;  /* this request is refused; the rest go on */
-                nxt++;
-                continue;
-            }
-        }
-        if (inflight) {
-            long got = syscall(SYS_io_getevents, ctx, 1L, window, ev, NULL);
-            if (got < 0) {
-                if (errno == EINTR)
-                    continue;
-                fatal = errno;
-                break;
-            }
-            for (long j = 0; j < got; j++) {
-                uint64_t i = ev[j].data;
-                if (i < (uint64_t)n)
-                    res[i] = ev[j].res;
-            }
-            inflight -= got;
-        }
-    }
+    nxt = aio_loop((aio_context_t)ctx, ptrs, n, first, window, res, n, ev, &fatal);
     Py_END_ALLOW_THREADS
     if (fatal) {
         errno = fatal;

@@ -270,6 +270,20 @@ class AioSet:
         finally:
             self._give(aio)
 
+    def run_native(self, fn: Callable[[int, int], None]) -> None:
+        """fn(ctx, depth) on a free context of the set: a C call that runs its own submit and
+        reap loop (tiers/reads.py). When fn raises OSError its context was destroyed by fn
+        (after a failed reap, which io_destroy waits out) and is dropped here."""
+        aio = self._take()
+        try:
+            with aio._lock:
+                fn(aio._ctx.value, aio.depth)
+        except OSError:
+            aio._ctx = ctypes.c_ulong(0)         # destroyed by fn: never reused
+            raise
+        finally:
+            self._give(aio)
+
     def _take(self) -> Aio:
         with self._cv:
             while True:
