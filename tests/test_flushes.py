@@ -145,6 +145,27 @@ def test_a_begun_puts_copies_stay_pinned_until_its_flush_picks_them(tmp_path: Pa
     eng.close(flush=False)
 
 
+def test_a_begun_put_with_a_repeated_key_pins_the_last_write_and_frees_the_first(
+        tmp_path: Path):
+    eng = engine(tmp_path)
+    ns = eng.namespace("m")
+    free = ns.slots[Tier.HOST].pool.free_count
+    data = blocks(3, BB, 5)
+    with eng.nvme.writer:                         # the flush thread waits before its pick
+        res = eng.reserve("m", keys([0, 1, 0]))
+        ns.slots[Tier.HOST].pool.write(res.slots, data)
+        _, handle = eng.puts.commit_begin(res.rid)
+        assert host_leases(eng, key(0)) == 1 and host_leases(eng, key(1)) == 1
+        leases = ns.slots[Tier.HOST].leases
+        assert leases[res.slots[0]] == 0                        # the repeat: unpinned...
+        assert ns.slots[Tier.HOST].pool.free_count == free - 2  # ...and freed
+    assert handle.wait(10) == 2
+    assert host_leases(eng, key(0)) == 0
+    found, out = eng.read("m", key(0))
+    assert found.all() and (out[0] == data[2]).all()           # the last write of the key
+    eng.close(flush=False)
+
+
 def test_evictions_deletes_and_close_beside_a_begun_put_do_not_deadlock(tmp_path: Path):
     disk = HeldSyncs()
     eng = engine(tmp_path, disk, host_capacity=f"{16 * BB}")

@@ -234,8 +234,8 @@ class Puts:
                            tuple[Tier, np.ndarray] | None]:
         """The commit under the lock. Returns the versions by position, the namespace, the
         rows installed, whether they are to be written through to NVMe now, and the tier and
-        slots left pinned (keep_pinned, and no key repeated in the batch: the caller unpins
-        them; otherwise None).
+        slots left pinned (keep_pinned: the slots installed, a repeated key's earlier slots
+        unpinned and freed; the caller unpins them; otherwise None).
 
         When checksums are given (xxh3-64 per block, as the writer computed them), a block whose
         slot does not hash to its checksum is a torn write: the whole batch is aborted and
@@ -280,13 +280,18 @@ class Puts:
                     self.owner.free_slots(ns, Tier.HOST, host_slots)
                 self.holds.end_reservation(res, HoldState.RELEASED)
                 raise
-            pinned = (tier, slots) if keep_pinned and keep is None else None
-            if pinned is None:
-                self.owner.unpin_slots(ns, tier, slots)
-            res.state = HoldState.COMMITTED
             # (setdiff1d sorts twice: ~1 ms for 4,096 keys on the dev VM, for nothing in the
             # common case of a batch without repeats)
             dup = None if keep is None else np.setdiff1d(np.arange(karr.size), keep)
+            pinned = None
+            if not keep_pinned:
+                self.owner.unpin_slots(ns, tier, slots)
+            elif keep is None:
+                pinned = (tier, slots)
+            else:                             # the kept slots stay pinned, the repeats go
+                pinned = (tier, slots[keep])
+                self.owner.unpin_slots(ns, tier, slots[dup])
+            res.state = HoldState.COMMITTED
             if dup is not None and dup.size:
                 self.owner.free_slots(ns, tier, slots[dup])
             if keep is None:                  # no view of each array for the whole batch
