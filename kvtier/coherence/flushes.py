@@ -30,9 +30,9 @@ ticket order included), and the returned ``FlushHandle`` completes when that flu
 its rows are then synced and applied, or the handle holds the error. Nothing waits for a
 handle with the writer or the engine lock held (the flush thread needs both), so a handle
 never deadlocks with settle() or with the apply's ticket order; until it completes its rows
-stay DIRTY (a reader is served the committed version from memory, an eviction writes it down
-before dropping it). A write_through put acknowledged at its handle's completion keeps
-DESIGN.md's contract: acknowledged only once synced and applied.
+stay DIRTY (a reader is served the committed version from memory; Puts.commit_begin keeps
+their slots pinned, so an eviction passes them over). A write_through put acknowledged at its
+handle's completion keeps DESIGN.md's contract: acknowledged only once synced and applied.
 
 Thread-safety: flush() is called from any thread without the engine lock; the lock is taken
 inside the writer, never the other way round. The queue has its own lock and the tickets
@@ -227,14 +227,8 @@ class Flushes:
                     log.exception("a begun flush's completion step failed")
                     error = error or exc
             with self._begun_cv:
-                self._begun.popleft()       # popped after the flush: pending() counts it
-                self._begun_cv.notify_all()
+                self._begun.popleft()
             h._complete(written, error)
-
-    def pending(self) -> int:
-        """begin() calls whose flush has not returned yet."""
-        with self._begun_cv:
-            return len(self._begun)
 
     def close(self) -> None:
         """Run every begun flush to its end and stop the flush thread. Called without the
