@@ -269,6 +269,24 @@ class _Target:
         else:
             self.engine.put("bench", kb, self.data[: idx.size], owner=owner)
 
+    def put_begin(self, idx: np.ndarray, owner: int) -> Any:
+        """A write_through put whose flush runs beside the lane's next calls: reserve, copy,
+        commit_begin. Returns the commit's FlushHandle (the put is acknowledged when it
+        completes), or None where the put was done in full (the service, or no NVMe)."""
+        if self.client is not None or self.job.tier != "nvme":
+            self.put(idx, owner)
+            return None
+        from kvtier.types import Tier
+        kb = self.keys[idx].tobytes()
+        res = self.engine.reserve("bench", kb, owner=owner)
+        try:
+            self.engine.namespace("bench").slots[Tier.HOST].pool.write(res.slots,
+                                                                       self.data[: idx.size])
+        except BaseException:
+            self.engine.abort(res.rid, owner)
+            raise
+        return self.engine.puts.commit_begin(res.rid, owner)[1]
+
     def get(self, idx: np.ndarray, owner: int, out: np.ndarray) -> bool:
         kb = self.keys[idx].tobytes()
         if self.client is not None:
@@ -319,30 +337,56 @@ def run_job(job: Job, progress: Any = None) -> dict[str, Any]:
             out = np.empty((job.iodepth, job.bs), dtype=np.uint8)
             order = _order(job, target.nblocks, rng, 1 << 16)
             pos = (j * target.nblocks // job.numjobs) if not job.rw.startswith("rand") else 0
+            # A put in flight: its flush (writes, fdatasync, apply) runs on the store's flush
+            # thread while this lane issues its next gets (issue 17). One at a time: the next
+            # put waits for it first. Its latency runs to its handle's completion.
+            pending: tuple[Any, float, int] | None = None
+
+            def settle_put() -> None:
+                nonlocal pending
+                if pending is None:
+                    return
+                handle, t0, n = pending
+                pending = None
+                try:
+                    handle.wait()
+                except KvtierError:         # not acknowledged: an I/O error, as fio's
+                    s.errors += 1
+                    return
+                record(True, t0, handle.done_at, n)
+
+            def record(write: bool, t0: float, t1: float, n: int) -> None:
+                if t0 - start >= job.ramp_time:
+                    # Every block of a batch completes when the call returns: its completion
+                    # latency is the batch's, as fio's clat is per I/O at that queue depth.
+                    (s.write if write else s.read).extend([t1 - t0] * n)
+                    s.timeline.append((t1 - start, n * job.bs))
+
             while True:
                 now = time.perf_counter()
                 if now >= stop_at:
+                    settle_put()
                     return
                 idx = order[(pos + np.arange(job.iodepth)) % order.size]
                 pos += job.iodepth
                 write = job.rw in ("write", "randwrite") or (
                     job.rw == "randrw" and rng.random() * 100 >= job.rwmixread)
+                if write or (pending is not None and pending[0].done()):
+                    settle_put()
                 t0 = time.perf_counter()
                 try:
                     if write:
-                        target.put(idx, owner=j + 1)
+                        handle = target.put_begin(idx, owner=j + 1)
+                        if handle is not None:
+                            pending = (handle, t0, idx.size)
+                            continue
                     else:
                         if not target.get(idx, owner=j + 1, out=out):
                             s.errors += 1
                 except KvtierError:         # counted, as fio counts I/O errors
                     s.errors += 1
                     continue
-                t1 = time.perf_counter()
-                if t0 - start >= job.ramp_time:
-                    # Every block of a batch completes when the call returns: its completion
-                    # latency is the batch's, as fio's clat is per I/O at that queue depth.
-                    (s.write if write else s.read).extend([t1 - t0] * idx.size)
-                    s.timeline.append((t1 - start, idx.size * job.bs))
+                record(write, t0, time.perf_counter(), idx.size)
 
         threads = [threading.Thread(target=worker, args=(j,)) for j in range(job.numjobs)]
         for t in threads:

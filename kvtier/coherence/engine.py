@@ -562,6 +562,7 @@ class Engine:
         """Flush dirty blocks (unless told not to), then close segments and LMDB."""
         if flush:
             self.flush(strict=False)
+        self.nvme.flushes.close()       # begun flushes first: their thread takes the lock
         with self.lock:
             self._record_hbm_demand()
             self.nvme.close()

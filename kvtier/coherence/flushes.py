@@ -24,6 +24,16 @@ A call's life, one batch per group of calls queued for a namespace:
 Whatever moves or names records (a reclaim, a checkpoint, record deletes, close) takes the
 writer, so no batch starts, and then settle()s the batches in flight.
 
+A flush that the caller does not wait for (``begin``, issue 17): the call is handed to the
+store's flush thread, which runs it as any flush() call (steps 1-4 above, group commit and
+ticket order included), and the returned ``FlushHandle`` completes when that flush() returns:
+its rows are then synced and applied, or the handle holds the error. Nothing waits for a
+handle with the writer or the engine lock held (the flush thread needs both), so a handle
+never deadlocks with settle() or with the apply's ticket order; until it completes its rows
+stay DIRTY (a reader is served the committed version from memory; Puts.commit_begin keeps
+their slots pinned, so an eviction passes them over). A write_through put acknowledged at its
+handle's completion keeps DESIGN.md's contract: acknowledged only once synced and applied.
+
 Thread-safety: flush() is called from any thread without the engine lock; the lock is taken
 inside the writer, never the other way round. The queue has its own lock and the tickets
 their condition, both held for a few statements only.
@@ -34,8 +44,10 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
@@ -113,6 +125,46 @@ class _Staged:
     ticket: int
 
 
+class FlushHandle:
+    """A flush running on the store's flush thread (Flushes.begin). Complete once its flush()
+    returned: its rows synced and applied (``written`` of them reached NVMe), or ``error``
+    set. ``done_at``: time.perf_counter() at completion, so that a caller that looks later
+    still times the flush itself."""
+
+    __slots__ = ("_event", "written", "error", "done_at")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.written = 0
+        self.error: BaseException | None = None
+        self.done_at = 0.0
+
+    @classmethod
+    def completed(cls, written: int = 0) -> "FlushHandle":
+        """A handle with nothing to wait for (a write_back commit, no NVMe tier)."""
+        h = cls()
+        h._complete(written, None)
+        return h
+
+    def _complete(self, written: int, error: BaseException | None) -> None:
+        self.written, self.error, self.done_at = written, error, time.perf_counter()
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Until complete; returns how many rows reached NVMe, or raises the flush's error
+        (StorageError: the NVMe tier is full or failing). Never call it holding the engine
+        lock or the store's writer: the flush thread takes both. TimeoutError after
+        ``timeout`` seconds (None: no limit)."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"the flush did not complete in {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.written
+
+
 class Flushes:
     """Group commit and the write / sync / apply pipeline of one NVMe store."""
 
@@ -125,6 +177,68 @@ class Flushes:
         self._next_apply = 0
         self._queue_lock = threading.Lock()
         self._queue: dict[str, list[_FlushCall]] = {}     # flush calls waiting, by namespace
+        # begin()'s calls, run in order by one flush thread (started at the first begin()).
+        self._begun: deque[tuple["Namespace", np.ndarray | None, bool,
+                                 Callable[[], None] | None, FlushHandle]] = deque()
+        self._begun_cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    def begin(self, ns: "Namespace", rows: np.ndarray | None = None, strict: bool = False,
+              on_done: Callable[[], None] | None = None) -> FlushHandle:
+        """flush(ns, rows, strict) run by the store's flush thread; returns at once with a
+        handle that completes when that flush() returns (see the module docstring). on_done
+        runs on that thread just before the handle completes, whatever the outcome (without
+        the locks: it may take the engine lock). Called without the engine lock, as flush()
+        is."""
+        if ns.log is None:
+            if on_done is not None:
+                on_done()
+            return FlushHandle.completed(0)
+        h = FlushHandle()
+        with self._begun_cv:
+            if self._closing:
+                raise StorageError("the NVMe store is closing; no flush can begin")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run_begun, daemon=True,
+                                                name="kvtier-flush")
+                self._thread.start()
+            self._begun.append((ns, None if rows is None else np.asarray(rows, np.int64),
+                                strict, on_done, h))
+            self._begun_cv.notify()
+        return h
+
+    def _run_begun(self) -> None:
+        while True:
+            with self._begun_cv:
+                while not self._begun and not self._closing:
+                    self._begun_cv.wait()
+                if not self._begun:
+                    return                  # closing, and every begun flush has run
+                ns, rows, strict, on_done, h = self._begun[0]
+            try:
+                written, error = self.flush(ns, rows, strict), None
+            except BaseException as exc:    # the handle carries it to whoever waits
+                written, error = 0, exc
+            if on_done is not None:
+                try:
+                    on_done()
+                except BaseException as exc:
+                    log.exception("a begun flush's completion step failed")
+                    error = error or exc
+            with self._begun_cv:
+                self._begun.popleft()
+            h._complete(written, error)
+
+    def close(self) -> None:
+        """Run every begun flush to its end and stop the flush thread. Called without the
+        engine lock and the writer (the flush thread takes both)."""
+        with self._begun_cv:
+            self._closing = True
+            self._begun_cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def in_flight(self) -> int:
         """Batches written whose sync or apply is not done yet (their host slots are pinned)."""

@@ -40,12 +40,12 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
 from kvtier.checksums import block_checksums
-from kvtier.coherence.flushes import Flushes
+from kvtier.coherence.flushes import FlushHandle, Flushes
 from kvtier.coherence.journal import Journal, entry_dtype, replay
 from kvtier.coherence.namespace import EngineCounters
 from kvtier.coherence.records import same_key
@@ -193,6 +193,13 @@ class NvmeStore:
         strict=True (a write_through put, an explicit flush): StorageError unless every row
         of this call that was picked was written."""
         return self.flushes.flush(ns, rows, strict)
+
+    def begin(self, ns: "Namespace", rows: np.ndarray | None = None, strict: bool = False,
+              on_done: Callable[[], None] | None = None) -> FlushHandle:
+        """flush() on the store's flush thread: returns a handle at once, complete when that
+        flush returns (durable and applied, or its error), after on_done has run. Unlocked;
+        never wait for the handle holding the engine lock or the writer."""
+        return self.flushes.begin(ns, rows, strict, on_done)
 
     def set_nvme(self, ns: "Namespace", rows: np.ndarray, segs: np.ndarray,
                   offs: np.ndarray, versions: np.ndarray, sums: np.ndarray) -> None:
@@ -401,6 +408,9 @@ class NvmeStore:
             table.link(rows[has], prow[has])
 
     def close(self) -> None:
+        """Run the begun flushes (Engine.close has them run before it takes the engine lock,
+        which their flush thread needs), then settle, checkpoint and close the logs."""
+        self.flushes.close()
         with self.writer:
             self.settle()
             self.checkpoint(strict=False)

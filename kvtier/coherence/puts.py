@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import numpy as np
 
 from kvtier.checksums import block_checksums
+from kvtier.coherence.flushes import FlushHandle
 from kvtier.coherence.gets import _refuse_zero_key
 from kvtier.coherence.namespace import Namespace, Reservation, to_numpy
 from kvtier.coherence.states import HoldState
@@ -183,6 +184,59 @@ class Puts:
                checksums: np.ndarray | None = None, trusted: bool = False) -> np.ndarray:
         """Phase two of a put. Returns the new version of each key (uint64).
 
+        Under write_through it returns once the batch is durable on NVMe and applied (a full
+        or failing disk raises StorageError instead). See _commit for the checks.
+        """
+        versions, ns, rows, through, _ = self._commit(rid, owner, checksums, trusted)
+        if through:
+            # Durable before the put is acknowledged, written with the lock released: a full
+            # or failing disk fails the put (StorageError) instead of acknowledging it.
+            self.nvme.flush(ns, rows, strict=True)
+        elif self.nvme.wanted():
+            self.nvme.drain()
+        return versions
+
+    def commit_begin(self, rid: int, owner: int = 0, checksums: np.ndarray | None = None,
+                     trusted: bool = False) -> tuple[np.ndarray, FlushHandle]:
+        """commit() whose write_through flush runs on the NVMe store's flush thread: returns
+        the new versions at once, with a handle that completes when the batch is durable and
+        applied (its wait() raises StorageError where commit() would have). The put is
+        acknowledged only then: until it completes, its rows stay DIRTY and readers are served
+        the committed version from memory (issue 17: a caller overlaps its next call with
+        the put's writes and fdatasync). Under write_back, or without NVMe, the handle is
+        complete already. Never wait for the handle holding the engine lock.
+
+        The reservation's slots stay pinned until the handle completes: an eviction meanwhile
+        (a get's room, say) passes them over instead of writing them down a second time in
+        its own flush (measured: 78 of 321 gets of a 5 s rw50 job did so, 14 ms each)."""
+        versions, ns, rows, through, pinned = self._commit(rid, owner, checksums, trusted,
+                                                           keep_pinned=True)
+
+        def unpin() -> None:
+            if pinned is not None:
+                with self.lock:
+                    self.owner.unpin_slots(ns, pinned[0], pinned[1])
+
+        if not through:
+            unpin()
+            if self.nvme.wanted():
+                self.nvme.drain()
+            return versions, FlushHandle.completed(0)
+        try:
+            return versions, self.nvme.begin(ns, rows, strict=True, on_done=unpin)
+        except BaseException:
+            unpin()
+            raise
+
+    def _commit(self, rid: int, owner: int, checksums: np.ndarray | None, trusted: bool,
+                keep_pinned: bool = False
+                ) -> tuple[np.ndarray, Namespace, np.ndarray, bool,
+                           tuple[Tier, np.ndarray] | None]:
+        """The commit under the lock. Returns the versions by position, the namespace, the
+        rows installed, whether they are to be written through to NVMe now, and the tier and
+        slots left pinned (keep_pinned: the slots installed, a repeated key's earlier slots
+        unpinned and freed; the caller unpins them; otherwise None).
+
         When checksums are given (xxh3-64 per block, as the writer computed them), a block whose
         slot does not hash to its checksum is a torn write: the whole batch is aborted and
         ChecksumError is raised, so no reader ever sees it. trusted=True records the given
@@ -226,11 +280,18 @@ class Puts:
                     self.owner.free_slots(ns, Tier.HOST, host_slots)
                 self.holds.end_reservation(res, HoldState.RELEASED)
                 raise
-            self.owner.unpin_slots(ns, tier, slots)
-            res.state = HoldState.COMMITTED
             # (setdiff1d sorts twice: ~1 ms for 4,096 keys on the dev VM, for nothing in the
             # common case of a batch without repeats)
             dup = None if keep is None else np.setdiff1d(np.arange(karr.size), keep)
+            pinned = None
+            if not keep_pinned:
+                self.owner.unpin_slots(ns, tier, slots)
+            elif keep is None:
+                pinned = (tier, slots)
+            else:                             # the kept slots stay pinned, the repeats go
+                pinned = (tier, slots[keep])
+                self.owner.unpin_slots(ns, tier, slots[dup])
+            res.state = HoldState.COMMITTED
             if dup is not None and dup.size:
                 self.owner.free_slots(ns, tier, slots[dup])
             if keep is None:                  # no view of each array for the whole batch
@@ -251,13 +312,7 @@ class Puts:
             write_through = self.settings.write_policy == "write_through"
             if write_through and self.remote is not None:
                 self.transfers.push_remote(ns, rows)
-        if write_through and ns.log is not None:
-            # Durable before the put is acknowledged, written with the lock released: a full
-            # or failing disk fails the put (StorageError) instead of acknowledging it.
-            self.nvme.flush(ns, rows, strict=True)
-        elif self.nvme.wanted():
-            self.nvme.drain()
-        return versions_by_pos
+        return versions_by_pos, ns, rows, write_through and ns.log is not None, pinned
 
     def put(self, namespace: str, keys: Any, blocks: Any, parents: Any = None,
             tier: Tier = Tier.HOST, owner: int = 0) -> np.ndarray:

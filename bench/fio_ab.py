@@ -1,0 +1,83 @@
+"""`kvtier bench JOBFILE --compare` for two trees, alternated, each run with its own fio runs
+(issue 17): the ratio of each tree to the fio run paired with it, and the trees' MiB/s side by
+side. Rounds alternate the order (A B, then B A, ...), so that neither tree always runs first.
+
+    PYTHONPATH=. python bench/fio_ab.py BASE_TREE BRANCH_TREE [ROUNDS] [JOBFILE] [DIR]
+    COMPARE=0 ...   (no fio runs: the trees alone, alternated; ratios are then None)
+
+Each tree must have its C extensions built (setup.py build_ext --inplace). Prints a table and
+writes one JSON line: per round and tree, every job's kvtier and fio MiB/s and the ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import header  # noqa: E402
+
+
+def run(tree: str, jobfile: str, directory: str) -> tuple[dict, float]:
+    """One `kvtier bench` of tree; returns its JSON and the CPU seconds it used (user +
+    system, fio's runs included when compared)."""
+    env = dict(os.environ, PYTHONPATH=tree)
+    compare = ["--compare"] if os.environ.get("COMPARE", "1") != "0" else []
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run([sys.executable, "-m", "kvtier.fio", jobfile, *compare,
+                          "--directory", directory, "--output-format", "json"],
+                         cwd=tree, env=env, capture_output=True, text=True, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(out.stdout[out.stdout.index("{"):]), cpu
+
+
+def summary(res: dict) -> list[dict]:
+    rows = []
+    for j in res["jobs"]:
+        base = (j["kvtier"].get("baseline") or {}).get("result") or {}
+        rows.append({"job": j["jobname"],
+                     "kvtier_mib": [round(j[d]["bw_bytes"] / 2**20, 1) for d in ("read", "write")],
+                     "fio_mib": [round((base.get(d) or {}).get("bw_bytes", 0) / 2**20, 1)
+                                 for d in ("read", "write")],
+                     "ratio": [j["kvtier"].get("ratio_read"), j["kvtier"].get("ratio_write")],
+                     "clat_ms": [round(j[d]["clat_ns"]["mean"] / 1e6, 2) for d in ("read", "write")]})
+    return rows
+
+
+def main() -> int:
+    base, branch = sys.argv[1], sys.argv[2]
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    jobfile = os.path.abspath(sys.argv[4] if len(sys.argv) > 4
+                              else os.path.join(ROOT, "bench/jobs/randrw.fio"))
+    directory = sys.argv[5] if len(sys.argv) > 5 else "/tmp"
+    m = header("fio_ab")
+    out = {"machine": m, "command": " ".join(sys.argv), "rounds": []}
+    for r in range(rounds):
+        order = [("main", base), ("branch", branch)]
+        if r % 2:
+            order.reverse()
+        for name, tree in order:
+            t0 = time.time()
+            load = os.getloadavg()[0]
+            res, cpu = run(tree, jobfile, directory)
+            rows = summary(res)
+            out["rounds"].append({"round": r + 1, "tree": name, "start": t0, "load": load,
+                                  "cpu_s": round(cpu, 2), "jobs": rows})
+            for row in rows:
+                print(f"r{r + 1} {name:6} {row['job']:13} kvtier {row['kvtier_mib'][0]:6.1f} / "
+                      f"{row['kvtier_mib'][1]:6.1f}  fio {row['fio_mib'][0]:6.1f} / "
+                      f"{row['fio_mib'][1]:6.1f}  ratio {row['ratio'][0]} / {row['ratio'][1]}"
+                      f"  load {load:.1f} cpu {cpu:.1f} s", file=sys.stderr, flush=True)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
