@@ -140,14 +140,6 @@ class PageTable:
 
     # ------------------------------------------------------------------ columns
 
-    def __getattr__(self, name: str) -> np.ndarray:
-        # Columns read as attributes (table.version, table.slot, ...). Only reached for names that
-        # are not real attributes, so the hot paths that use self.cols directly pay nothing.
-        cols = self.__dict__.get("cols")
-        if cols is not None and name in cols:
-            return cols[name]
-        raise AttributeError(name)
-
     def _grow(self, capacity: int) -> None:
         # np.empty of a large array maps pages lazily, so capacity that is never handed out costs
         # no resident memory (np.full would touch every page: 16 B/entry more at 10M entries).
@@ -646,3 +638,17 @@ class PageTable:
     def nbytes(self) -> int:
         """Bytes of the columns and the index as allocated (resident use may be lower)."""
         return sum(a.nbytes for a in self.cols.values()) + self._index.nbytes
+
+
+def _column_property(name: str) -> property:
+    return property(lambda self: self.cols[name], doc=f"The {name} column (cols[{name!r}]).")
+
+
+# Columns read as attributes (table.version, table.slot, ...), as properties: a __getattr__ on
+# the class, even one never reached, makes every attribute read of a PageTable go through
+# CPython's slot_tp_getattr_hook and keeps 3.11's specialising interpreter from caching it
+# (~90 reads a replayed request, ~8% of its instructions: round 4 of the replay's CPU).
+for _name in _columns(8):
+    setattr(PageTable, _name, _column_property(_name))
+del _name
+
