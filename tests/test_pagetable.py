@@ -241,3 +241,40 @@ def test_c_insert_refuses_a_free_row_outside_the_table_and_writes_nothing():
     with pytest.raises(ValueError, match="free row outside the table"):
         t.insert(new.tobytes())
     assert np.array_equal(t._index, index) and np.array_equal(t.cols["key"], keycol)
+
+
+def test_c_reset_rows_sets_every_column_s_fill_or_refuses_before_writing():
+    # reset_rows reads the table's fills (bytes) in place and checks the rows once against
+    # the shortest column: the rows get their fills in every column; a row outside a column,
+    # a fill of the wrong width or an unbufferable fill is refused with nothing written.
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    t = PageTable(16)
+    raw = np.zeros((20, 2), dtype=">u8")
+    raw[:, 1] = np.arange(1, 21)
+    rows, _ = t.insert(raw.tobytes())
+    rng = np.random.default_rng(5)
+    for c in t._col_tuple:
+        c.view(np.uint8)[...] = rng.integers(0, 256, c.nbytes, dtype=np.uint8).reshape(
+            c.view(np.uint8).shape)
+    pick = np.array([3, 17, 0, 9], dtype=np.int64)
+    before = [c.copy() for c in t._col_tuple]
+    # a bytearray and a numpy fill are read through the buffer protocol, bytes in place
+    fills = tuple(bytearray(f) if i % 3 == 1 else np.frombuffer(f, np.uint8) if i % 3 == 2
+                  else f for i, f in enumerate(t._row_fills))
+    table._native.reset_rows(t._col_tuple, fills, pick)
+    for c, b, f in zip(t._col_tuple, before, t._row_fills):
+        want = b.copy()
+        want.view(np.uint8).reshape(b.shape[0], -1)[pick] = np.frombuffer(f, np.uint8)
+        assert np.array_equal(c, want)
+    now = [c.copy() for c in t._col_tuple]
+    bad_fill = t._row_fills[:5] + (b"\0" * 7,) + t._row_fills[6:]
+    for cols, fl, r, err in [
+            (t._col_tuple, t._row_fills, np.array([1, t.capacity], np.int64), ValueError),
+            (t._col_tuple, t._row_fills, np.array([-1], np.int64), ValueError),
+            (t._col_tuple, bad_fill, pick, ValueError),
+            (t._col_tuple, t._row_fills[:-1] + (object(),), pick, TypeError),
+            (t._col_tuple, t._row_fills[:-1], pick, TypeError)]:
+        with pytest.raises(err):
+            table._native.reset_rows(cols, fl, r)
+        assert all(np.array_equal(c, b) for c, b in zip(t._col_tuple, now))
