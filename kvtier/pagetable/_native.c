@@ -330,25 +330,21 @@ static int get_link_args(PyObject *const *args, Py_ssize_t nargs, const char *na
     return 0;
 }
 
-static PyObject *link_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Each row linked under its parent (-1: none), table.py's link: backwards, each new child put
+ * in front of its parent's list, so that the new children end up in batch order ahead of the
+ * old ones, and a row's last occurrence, met first, is the one that counts (a small
+ * open-addressing set of the rows done). Every row and parent was checked by the caller.
+ * -1 (and MemoryError) when the set cannot be had, nothing linked. */
+static int link_each(int32_t *parent, int32_t *first, int32_t *nxt, const int64_t *rows,
+                     const int64_t *parents, Py_ssize_t n)
 {
-    static const int writable[5] = {1, 1, 1, 0, 0};
-    Py_buffer b[5];
-    if (get_link_args(args, nargs, "link_rows", 5, b, writable) < 0)
-        return NULL;
-    int32_t *parent = b[0].buf, *first = b[1].buf, *nxt = b[2].buf;
-    const int64_t *rows = b[3].buf, *parents = b[4].buf;
-    Py_ssize_t n = b[3].len / 8;
-    /* Backwards, each new child put in front of its parent's list: the new children end up
-     * in batch order ahead of the old ones, and a row's last occurrence, met first, is the
-     * one that counts (a small open-addressing set of the rows done). */
     Py_ssize_t cap = 16;
     while (cap < 2 * n)
         cap *= 2;
     int64_t *done = PyMem_Malloc((size_t)cap * sizeof(int64_t));
     if (!done) {
-        release_buffers(b, 5, writable);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     memset(done, 0xff, (size_t)cap * sizeof(int64_t));
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
@@ -370,7 +366,77 @@ static PyObject *link_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
     }
     PyMem_Free(done);
+    return 0;
+}
+
+static PyObject *link_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[5] = {1, 1, 1, 0, 0};
+    Py_buffer b[5];
+    if (get_link_args(args, nargs, "link_rows", 5, b, writable) < 0)
+        return NULL;
+    int r = link_each(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, b[3].len / 8);
     release_buffers(b, 5, writable);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* link_keys(index, keycol, width, parent_keys, parent, first_child, next_sib, rows, n_rows):
+ * table.py's link_keys in one call: each parent key looked up (a key not in the table is no
+ * parent: its row is unlinked), then link_rows. A commit's chain, once per replayed request:
+ * the lookup's output array, its call and the link's call were ~3k instructions of glue.
+ * Everything is checked before anything is linked. */
+static PyObject *link_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[9] = {0, 0, -1, 0, 1, 1, 1, 0, -1};
+    static const Py_ssize_t isz[9] = {4, 1, 0, 1, 4, 4, 4, 8, 0};
+    Py_buffer b[9];
+    if (get_buffers(args, nargs, "link_keys", 9, b, writable) < 0
+            || whole_items(b, 9, isz, writable, "link_keys") < 0)
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t n_rows = PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[8]);
+    Py_ssize_t size = b[0].len / 4, nrows = b[4].len / 4, n = b[7].len / 8;
+    const int64_t *rows = b[7].buf;
+    const char *bad = NULL;
+    if (width <= 0 || n_rows < 0 || PyErr_Occurred())
+        bad = "width and n_rows must be positive";
+    else if (size == 0 || (size & (size - 1)))
+        bad = "an index of power-of-two size";
+    else if (b[1].len % width || b[3].len != n * width || n_rows > b[1].len / width)
+        bad = "keycol whole keys, and one parent key per row";
+    else if (b[5].len != b[4].len || b[6].len != b[4].len)
+        bad = "link columns of one length";
+    for (Py_ssize_t i = 0; i < n && !bad; i++)
+        if (rows[i] < 0 || rows[i] >= nrows)
+            bad = "a row outside the columns";
+    int64_t *parents = NULL;
+    if (!bad && (parents = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t))) == NULL) {
+        release_buffers(b, 9, writable);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t keyrows = n_rows;          /* rows past n_rows were never handed out */
+    uint64_t mask = (uint64_t)size - 1;
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        int64_t found = probe_key(b[0].buf, mask, b[1].buf, keyrows,
+                                  (const uint8_t *)b[3].buf + i * width, width);
+        if (found == CORRUPT)
+            bad = "the index names a row past the key column";
+        else if (found >= nrows)
+            bad = "a parent row outside the link columns";
+        parents[i] = found < 0 ? -1 : found;
+    }
+    int r = bad ? -1 : link_each(b[4].buf, b[5].buf, b[6].buf, rows, parents, n);
+    PyMem_Free(parents);
+    release_buffers(b, 9, writable);
+    if (bad) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "link_keys: %s", bad);
+        return NULL;
+    }
+    if (r < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -820,6 +886,8 @@ static PyMethodDef methods[] = {
      "index_remove(index, rows, hashes): each row's index entry becomes a tombstone."},
     {"link_rows", (PyCFunction)(void (*)(void))link_rows, METH_FASTCALL,
      "link_rows(parent, first_child, next_sib, rows, parents): table.py's link."},
+    {"link_keys", (PyCFunction)(void (*)(void))link_keys, METH_FASTCALL,
+     "link_keys(index, keycol, width, parent_keys, parent, first, next, rows, n_rows)."},
     {"unlink_rows", (PyCFunction)(void (*)(void))unlink_rows, METH_FASTCALL,
      "unlink_rows(parent, first_child, next_sib, rows): table.py's _unlink of each row."},
     {"remove_rows", (PyCFunction)(void (*)(void))remove_rows, METH_FASTCALL,

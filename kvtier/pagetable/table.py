@@ -565,14 +565,16 @@ class PageTable:
 
     def link_keys(self, rows: np.ndarray, parents: bytes | np.ndarray) -> None:
         """link(rows, lookup(parents)) for packed parent keys (a parent not in the table
-        unlinks its row); with the C helper the link is called directly (a commit's chain)."""
-        found = self._rows_of(self.keys_array(parents))
+        unlinks its row); with the C helper one call, the lookup and the link (a commit's
+        chain)."""
+        pkeys = self.keys_array(parents)
         if _native is None:
-            self.link(rows, found)
+            self.link(rows, self._rows_of(pkeys))
             return
         c = self.cols
-        _native.link_rows(c["parent"], c["first_child"], c["next_sib"],
-                          np.ascontiguousarray(rows, dtype=np.int64), found)
+        _native.link_keys(self._index, c["key"], self.key_width, np.ascontiguousarray(pkeys),
+                          c["parent"], c["first_child"], c["next_sib"],
+                          np.ascontiguousarray(rows, dtype=np.int64), self.n_rows)
 
     def _detach(self, row: int) -> None:
         par = int(self.cols["parent"][row])
