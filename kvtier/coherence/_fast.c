@@ -67,6 +67,12 @@
  *       empty_rows over the same rows (k_drop: its result, -1 as there). The same effects
  *       in the same order as the two calls (the Python frames, casts and scratch arrays
  *       between them were most of a small eviction's cost, issue 18).
+ *   evict_slots(copy_ver, slot, slot_row, pool_leases, retired, victims, tier, version,
+ *               state, checksum, nvme_checksum, lost_next, nvme, clean, free_stack, low,
+ *               scratch) -> (low, k_free, k_drop)
+ *       The lowest tier's eviction of the policy's victim slots: their rows gathered into
+ *       scratch[:n], drop_rows over them, the freed slots pushed onto the pool's free stack
+ *       below low (SlotStack), the rows to remove in scratch[n:n + k_drop].
  *
  * No reference to any argument is kept. The GIL is held: these run under the engine lock, on
  * batches that take microseconds.
@@ -394,6 +400,40 @@ fail:
 
 /* Each row's copy in tier forgotten; its slot un-owned (slot_row -1), retired while pinned,
  * else into out_free. Returns how many were freed. */
+/* release_copies' work on the arrays' memory: every row (and the slot of its copy in tier)
+ * checked before anything is written; -1 with ValueError, else how many slots were written to
+ * out for the pool. c1: the columns' rows, nt / nsl: copy_ver's and slot's tiers, np1: the
+ * pool's slots. */
+static Py_ssize_t release_core(uint64_t *copy_ver, Py_ssize_t c1, Py_ssize_t nt, int32_t *slot,
+                               Py_ssize_t nsl, int64_t *slot_row, Py_ssize_t np1,
+                               const uint32_t *pool, uint8_t *retired, const int64_t *rows,
+                               Py_ssize_t n, Py_ssize_t tier, int64_t *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        int32_t s = r >= 0 && r < c1 ? slot[r * nsl + tier] : -1;
+        if (r < 0 || r >= c1 || (copy_ver[r * nt + tier] > 0 && (s < 0 || s >= np1))) {
+            PyErr_SetString(PyExc_ValueError, "release_copies: a row or its slot out of range");
+            return -1;
+        }
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (copy_ver[r * nt + tier] == 0)
+            continue;
+        int32_t s = slot[r * nsl + tier];
+        slot_row[s] = -1;
+        if (pool[s] > 0)
+            retired[s] = 1;
+        else
+            out[k++] = s;
+        slot[r * nsl + tier] = -1;
+        copy_ver[r * nt + tier] = 0;
+    }
+    return k;
+}
+
 static PyObject *release_copies(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 8) {
@@ -415,33 +455,60 @@ static PyObject *release_copies(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "release_copies: see _fast.c for the arrays");
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t r = rows[i];
-        int32_t s = r >= 0 && r < c1 ? slot[r * nsl + tier] : -1;
-        if (r < 0 || r >= c1 || (copy_ver[r * nt + tier] > 0 && (s < 0 || s >= np1))) {
-            PyErr_SetString(PyExc_ValueError, "release_copies: a row or its slot out of range");
-            goto fail;
-        }
-    }
-    Py_ssize_t k = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t r = rows[i];
-        if (copy_ver[r * nt + tier] == 0)
-            continue;
-        int32_t s = slot[r * nsl + tier];
-        slot_row[s] = -1;
-        if (pool[s] > 0)
-            retired[s] = 1;
-        else
-            out[k++] = s;
-        slot[r * nsl + tier] = -1;
-        copy_ver[r * nt + tier] = 0;
-    }
+    Py_ssize_t k = release_core(copy_ver, c1, nt, slot, nsl, slot_row, np1, pool, retired,
+                                rows, n, tier, out);
+    if (k < 0)
+        goto fail;
     views_release(&v);
     return PyLong_FromSsize_t(k);
 fail:
     views_release(&v);
     return NULL;
+}
+
+/* empty_rows' work on the arrays' memory (c0: the columns' rows, nt: copy_ver's tiers, nl:
+ * lost_next's states): how many rows were written to out, -1 (nothing written) when a row's
+ * state has no LOST move, -2 with ValueError for a row out of range. */
+static Py_ssize_t empty_core(uint64_t *version, Py_ssize_t c0, const uint64_t *copy_ver,
+                             Py_ssize_t nt, uint8_t *state, uint64_t *sums,
+                             const uint64_t *nsums, const int64_t *rows, Py_ssize_t n,
+                             const uint8_t *lost, Py_ssize_t nl, Py_ssize_t nvme,
+                             Py_ssize_t clean, int64_t *out)
+{
+    for (int pass = 0; pass < 2; pass++) {
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t r = rows[i];
+            if (r < 0 || r >= c0) {
+                PyErr_SetString(PyExc_ValueError, "empty_rows: a row out of range");
+                return -2;
+            }
+            uint64_t ver = version[r];
+            if (ver == 0)
+                continue;
+            int cur = 0;
+            for (Py_ssize_t t = 0; t < nt && !cur; t++)
+                cur = copy_ver[r * nt + t] == ver;
+            if (cur)
+                continue;
+            if (pass == 0) {
+                if (state[r] >= nl || lost[state[r]] == 255)
+                    return -1;
+                continue;
+            }
+            uint64_t nv = copy_ver[r * nt + nvme];
+            if (nv > 0) {
+                version[r] = nv;
+                sums[r] = nsums[r];
+                state[r] = (uint8_t)clean;
+            } else {
+                out[k++] = r;
+            }
+        }
+        if (pass == 1)
+            return k;
+    }
+    return 0;                          /* not reached */
 }
 
 /* Eviction's _forget_empty: rows with a version and no current copy in any tier lose their
@@ -470,43 +537,12 @@ static PyObject *empty_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "empty_rows: see _fast.c for the arrays");
         goto fail;
     }
-    for (int pass = 0; pass < 2; pass++) {
-        Py_ssize_t k = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t r = rows[i];
-            if (r < 0 || r >= c[0]) {
-                PyErr_SetString(PyExc_ValueError, "empty_rows: a row out of range");
-                goto fail;
-            }
-            uint64_t ver = version[r];
-            if (ver == 0)
-                continue;
-            int cur = 0;
-            for (Py_ssize_t t = 0; t < nt && !cur; t++)
-                cur = copy_ver[r * nt + t] == ver;
-            if (cur)
-                continue;
-            if (pass == 0) {
-                if (state[r] >= nl || lost[state[r]] == 255) {
-                    views_release(&v);
-                    return PyLong_FromLong(-1);
-                }
-                continue;
-            }
-            uint64_t nv = copy_ver[r * nt + nvme];
-            if (nv > 0) {
-                version[r] = nv;
-                sums[r] = nsums[r];
-                state[r] = (uint8_t)clean;
-            } else {
-                out[k++] = r;
-            }
-        }
-        if (pass == 1) {
-            views_release(&v);
-            return PyLong_FromSsize_t(k);
-        }
-    }
+    Py_ssize_t k = empty_core(version, c[0], copy_ver, nt, state, sums, nsums, rows, n, lost,
+                              nl, nvme, clean, out);
+    if (k < -1)
+        goto fail;
+    views_release(&v);
+    return PyLong_FromSsize_t(k);
 fail:
     views_release(&v);
     return NULL;
@@ -531,6 +567,80 @@ static PyObject *drop_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return Py_BuildValue("NN", freed, dropped);
 }
 
+/* evict_slots(copy_ver, slot, slot_row, pool_leases, retired, victims, tier, version, state,
+ *             checksum, nvme_checksum, lost_next, nvme, clean, free_stack, low, scratch)
+ *     -> (low, k_free, k_drop)
+ * The lowest tier's eviction of the policy's victims (slots) in one call: their rows
+ * (slot_row, into scratch[:n]), release_copies of those rows, the freed slots pushed onto the
+ * pool's free stack (kvtier.tiers.slots.SlotStack: free_stack[low - k_free:low], in the order
+ * release_copies gave them, as SlotStack.free pushes a batch), then empty_rows over the rows
+ * (k_drop of them into scratch[n:], -1 as there). The same effects in the same order as
+ * drop_rows and SlotStack.free; the victims' row gather, the scratch arrays and their slices
+ * between those calls were a replayed request's largest piece of glue (round 4). Every
+ * victim is checked (a slot of the pool holding a row) before anything is written; a stack
+ * without room for the freed slots (a double free) raises RuntimeError after the release, as
+ * SlotStack.free raises after drop_rows. */
+static PyObject *evict_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "evict_slots takes 17 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t c1, c2, nt, nsl, np1, np2, np3, n, tier, cv[4], nl, nvme, clean, nstack, low, nsc;
+    uint64_t *copy_ver = view(&v, args[0], 8, 1, &c1, &nt, "copy_ver");
+    int32_t *slot = copy_ver ? view(&v, args[1], 4, 1, &c2, &nsl, "slot") : NULL;
+    int64_t *slot_row = slot ? view(&v, args[2], 8, 1, &np1, NULL, "slot_row") : NULL;
+    uint32_t *pool = slot_row ? view(&v, args[3], 4, 0, &np2, NULL, "pool_leases") : NULL;
+    uint8_t *retired = pool ? view(&v, args[4], 1, 1, &np3, NULL, "retired") : NULL;
+    int64_t *victims = retired ? view(&v, args[5], 8, 0, &n, NULL, "victims") : NULL;
+    uint64_t *version = victims ? view(&v, args[7], 8, 1, &cv[0], NULL, "version") : NULL;
+    uint8_t *state = version ? view(&v, args[8], 1, 1, &cv[1], NULL, "state") : NULL;
+    uint64_t *sums = state ? view(&v, args[9], 8, 1, &cv[2], NULL, "checksum") : NULL;
+    uint64_t *nsums = sums ? view(&v, args[10], 8, 0, &cv[3], NULL, "nvme_checksum") : NULL;
+    uint8_t *lost = nsums ? view(&v, args[11], 1, 0, &nl, NULL, "lost_next") : NULL;
+    int64_t *stack = lost ? view(&v, args[14], 8, 1, &nstack, NULL, "free_stack") : NULL;
+    int64_t *scratch = stack ? view(&v, args[16], 8, 1, &nsc, NULL, "scratch") : NULL;
+    if (scratch == NULL || as_index(args[6], &tier, "tier") < 0
+            || as_index(args[12], &nvme, "nvme") < 0 || as_index(args[13], &clean, "clean") < 0
+            || as_index(args[15], &low, "low") < 0)
+        goto fail;
+    if (c1 != c2 || cv[0] != c1 || cv[1] != c1 || cv[2] != c1 || cv[3] != c1 || tier >= nt
+            || tier >= nsl || nvme >= nt || np1 != np2 || np1 != np3 || nstack != np1
+            || low > nstack || nsc < 2 * n) {
+        PyErr_SetString(PyExc_ValueError, "evict_slots: see _fast.c for the arrays");
+        goto fail;
+    }
+    int64_t *rows = scratch, *freed = scratch + n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = victims[i];
+        if (s < 0 || s >= np1 || slot_row[s] < 0 || slot_row[s] >= c1) {
+            PyErr_SetString(PyExc_ValueError, "evict_slots: a victim is not a slot holding a row");
+            goto fail;
+        }
+        rows[i] = slot_row[s];
+    }
+    Py_ssize_t k = release_core(copy_ver, c1, nt, slot, nsl, slot_row, np1, pool, retired,
+                                rows, n, tier, freed);
+    if (k < 0)
+        goto fail;
+    if (k > low) {
+        PyErr_SetString(PyExc_RuntimeError, "evict_slots: more slots freed than allocated "
+                        "(double free)");
+        goto fail;
+    }
+    memcpy(stack + (low - k), freed, (size_t)k * sizeof(int64_t));
+    Py_ssize_t d = empty_core(version, c1, copy_ver, nt, state, sums, nsums, rows, n, lost, nl,
+                              nvme, clean, scratch + n);
+    if (d < -1)
+        goto fail;
+    views_release(&v);
+    return Py_BuildValue("nnn", low - k, k, d);
+fail:
+    views_release(&v);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"lease_rows", (PyCFunction)(void (*)(void))lease_rows, METH_FASTCALL,
      "lease_rows(...): pin and touch a batch of resident rows, or False (see _fast.c)."},
@@ -550,6 +660,8 @@ static PyMethodDef methods[] = {
      "empty_rows(...) -> k rows to remove, or -1: eviction's _forget_empty (see _fast.c)."},
     {"drop_rows", (PyCFunction)(void (*)(void))drop_rows, METH_FASTCALL,
      "drop_rows(...) -> (k_free, k_drop): release_copies then empty_rows (see _fast.c)."},
+    {"evict_slots", (PyCFunction)(void (*)(void))evict_slots, METH_FASTCALL,
+     "evict_slots(...) -> (low, k_free, k_drop): the lowest tier's eviction (see _fast.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -324,10 +324,17 @@ class Engine:
 
     def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         """Slots nothing pins any more go back to their pool, and the host budget with them
-        (the one place both change)."""
+        (with slots_pushed, the only places both change)."""
         ns.slots[tier].pool.free(slots)
         if tier is _HOST:
             self.host_used -= slots.size * ns.block_bytes
+
+    def slots_pushed(self, ns: Namespace, tier: Tier, k: int, low: int) -> None:
+        """slots_freed for k slots a C helper pushed onto the pool's stack itself
+        (_fast.evict_slots), whose top is now low."""
+        ns.slots[tier].pool.pushed(low)
+        if tier is _HOST:
+            self.host_used -= k * ns.block_bytes
 
     def _unpin(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         st = ns.slots[tier]

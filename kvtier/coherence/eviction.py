@@ -35,7 +35,7 @@ except ImportError:
     _fast = None
 
 if TYPE_CHECKING:
-    from kvtier.coherence.namespace import EngineCounters, Namespace
+    from kvtier.coherence.namespace import EngineCounters, Namespace, SlotState
     from kvtier.config import Settings
 
 _LOST_NEXT = transition_array(Event.LOST)    # looked up once: an Enum hashes in Python
@@ -53,6 +53,7 @@ class SlotOwner(Protocol):
     def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
                     slots: np.ndarray | None = None) -> None: ...
     def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
+    def slots_pushed(self, ns: Namespace, tier: Tier, k: int, low: int) -> None: ...
 
 
 class Eviction:
@@ -64,6 +65,7 @@ class Eviction:
         # space.evict for the NVMe tier.
         self.namespaces, self.namespace, self.nvme = namespaces, namespace, nvme
         self.slots = slots
+        self._scratch = np.empty(0, dtype=np.int64)    # _evict_lowest's rows and drops
 
     def tier_policy(self, ns: Namespace, tier: Tier) -> TierPolicy:
         """The policy state of one slot tier of ns, made on first use (from the copies already
@@ -105,13 +107,11 @@ class Eviction:
         if not lowers and _fast is not None:
             # The lowest tier (a replay's host tier without NVMe): every victim goes as it is,
             # nothing is written down or set aside.
-            slot_row = st.slot_row
             while done < n:
                 slots = policy.victims(n - done)
                 if slots.size == 0:
                     break
-                done += self._drop_victims_native(ns, tier, slot_row[slots], lowers, slots,
-                                                  policy)
+                done += self._evict_lowest(ns, tier, st, slots, policy)
             return done
         held: list[np.ndarray] = []      # victims that could not be written down: kept aside
         try:
@@ -185,6 +185,33 @@ class Eviction:
             self.forget_empty(ns, rows)
         elif d > 0:
             ns.table.remove(out[n:n + d])
+        return int(n)
+
+    def _evict_lowest(self, ns: Namespace, tier: Tier, st: SlotState, slots: np.ndarray,
+                      policy: TierPolicy) -> int:
+        """_drop_victims_native for the lowest tier (nothing below to count a demotion in)
+        with the C helper: the policy's on_remove, then _fast.evict_slots (the victims' rows,
+        drop_rows, the freed slots pushed onto the pool's stack: no row gather, scratch
+        arrays or slices between the calls), the budget, the counters, the removal."""
+        cols = ns.table.cols
+        policy.on_remove(slots)
+        n = slots.size
+        if self._scratch.size < 2 * n:
+            self._scratch = np.empty(2 * n + 64, dtype=np.int64)
+        scratch = self._scratch
+        stack, low = st.pool.stack()
+        low, k, d = _fast.evict_slots(
+            cols["copy_ver"], cols["slot"], st.slot_row, st.leases, st.retired,
+            np.ascontiguousarray(slots, dtype=np.int64), int(tier), cols["version"],
+            cols["state"], cols["checksum"], cols["nvme_checksum"], _LOST_NEXT, _NVME, _CLEAN,
+            stack, low, scratch)
+        if k:
+            self.slots.slots_pushed(ns, tier, k, low)
+        self.counters.tiers[tier].evictions += n
+        if d < 0:                      # a row without a LOST move: forget_empty raises
+            self.forget_empty(ns, scratch[:n])
+        elif d > 0:
+            ns.table.remove(scratch[n:n + d])
         return int(n)
 
     @staticmethod

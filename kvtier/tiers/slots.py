@@ -54,6 +54,18 @@ class SlotStack:
         self._free[low - n: low] = slots
         self._low = low - n
 
+    def stack(self) -> tuple[np.ndarray, int]:
+        """The free stack and its top (_free, _low), for a C helper that pushes slots itself
+        (kvtier.coherence._fast.evict_slots); it then calls pushed."""
+        return self._free, self._low
+
+    def pushed(self, low: int) -> None:
+        """A C helper pushed slots onto the stack: its top is now low (at most the old one)."""
+        if not 0 <= low <= self._low:
+            raise RuntimeError(f"pool {self.name}: the free stack's top moved from "
+                               f"{self._low} to {low}")
+        self._low = low
+
     def check_slots(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots)
         if slots.size and (slots.min() < 0 or slots.max() >= self.n_slots):
