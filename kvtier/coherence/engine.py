@@ -461,7 +461,8 @@ class Engine:
         if top < 0:
             next_states(c["state"][rows], Event.COMMIT)      # raises IllegalTransition
         self.clock += n
-        self._placed(ns, tier, rows, slots)
+        # _placed, without its two frames where the tier's policy exists already
+        (st.policy or self._tier_policy(ns, tier)).on_insert(rows, slots)
         return top
 
     def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,

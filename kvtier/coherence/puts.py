@@ -340,6 +340,9 @@ def _last_occurrences(table: PageTable, karr: np.ndarray) -> np.ndarray:
 
 
 def _blocks_array(blocks: Any, n: int, block_bytes: int) -> np.ndarray:
+    if (type(blocks) is np.ndarray and blocks.dtype == np.uint8
+            and blocks.shape == (n, block_bytes)):
+        return blocks                 # already what the pool's write takes (the replay's)
     if isinstance(blocks, (list, tuple)):
         if len(blocks) != n:
             raise BadRequest(f"{len(blocks)} blocks for {n} keys")

@@ -141,6 +141,18 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const int writable[5] = {0, 0, -1, 0, 1};
     Py_buffer b[5];
+    /* An optional sixth argument, n_rows: rows past it were never handed out (the key
+     * column's whole capacity can then be passed as it is, a kept view, not a slice). */
+    Py_ssize_t n_rows = -1;
+    if (nargs == 6) {
+        n_rows = PyLong_AsSsize_t(args[5]);
+        if (n_rows < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "lookup: n_rows must not be negative");
+            return NULL;
+        }
+        nargs = 5;
+    }
     if (get_buffers(args, nargs, "lookup", 5, b, writable) < 0)
         return NULL;
     Py_ssize_t width = PyLong_AsSsize_t(args[2]);
@@ -154,6 +166,8 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         bad = "keycol and keys must be whole numbers of keys";
     else if (b[4].len < (b[3].len / width) * 8)
         bad = "out holds fewer than n int64";
+    else if (n_rows > b[1].len / width)
+        bad = "n_rows past the key column";
     if (bad) {
         release_buffers(b, 5, writable);
         if (!PyErr_Occurred())
@@ -162,7 +176,7 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     const int32_t *index = b[0].buf;
     const uint8_t *keycol = b[1].buf, *keys = b[3].buf;
-    Py_ssize_t rows = b[1].len / width, n = b[3].len / width;
+    Py_ssize_t rows = n_rows >= 0 ? n_rows : b[1].len / width, n = b[3].len / width;
     int64_t *out = b[4].buf;
     uint64_t mask = (uint64_t)size - 1;
     int corrupt = 0;
@@ -879,7 +893,7 @@ static PyMethodDef methods[] = {
     {"hash_keys", (PyCFunction)(void (*)(void))hash_keys, METH_FASTCALL,
      "hash_keys(keys, width, out): table.py's key hash of each key into out (uint64)."},
     {"lookup", (PyCFunction)(void (*)(void))lookup, METH_FASTCALL,
-     "lookup(index, keycol, width, keys, out): the row of each key, or -1, into out (int64)."},
+     "lookup(index, keycol, width, keys, out[, n_rows]): the row of each key, or -1, into out."},
     {"index_insert", (PyCFunction)(void (*)(void))index_insert, METH_FASTCALL,
      "index_insert(index, rows, hashes): store each row along its probe sequence."},
     {"index_remove", (PyCFunction)(void (*)(void))index_remove, METH_FASTCALL,

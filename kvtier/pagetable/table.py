@@ -243,8 +243,8 @@ class PageTable:
             return np.full(n, NO_ROW, dtype=np.int64)
         if _native is not None:
             out = np.empty(n, dtype=np.int64)
-            _native.lookup(self._index, self.cols["key"][: self.n_rows], self.key_width,
-                           np.ascontiguousarray(karr), out)
+            _native.lookup(self._index, self.cols["key"], self.key_width,
+                           np.ascontiguousarray(karr), out, self.n_rows)
             return out
         if n <= _SCALAR_KEYS:
             raw = karr.tobytes()

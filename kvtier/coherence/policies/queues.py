@@ -160,7 +160,8 @@ class LruQueue(_SlotPolicy):
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
         last = self.table.cols["last_access"]
         if _queues is not None:
-            rows, slots = _i64(rows), _i64(slots)
+            rows = np.ascontiguousarray(rows, dtype=np.int64)     # _i64, without its frame
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
             stamps = np.empty(slots.size, dtype=np.int64)
             e = _queues.lru_insert(self._per, self._where, self._st, rows, slots, last, stamps)
             if e >= 0:                        # the batch's accesses are of one epoch
@@ -222,7 +223,7 @@ class LruQueue(_SlotPolicy):
                     break
             self._pos, took, moved, held = _queues.lru_take(
                 self._per, self._where, self._st, self._cur, self._pos, n - k, slot_row,
-                last_col, self.st.leases, out[k:], scratch)
+                last_col, self.st.leases, out if k == 0 else out[k:], scratch)
             k += took
             if moved:                          # accessed since the sort: to their new bucket
                 m = scratch[:moved].copy()
@@ -231,7 +232,7 @@ class LruQueue(_SlotPolicy):
                 pinned.append(scratch[size - held:][::-1].copy())
         for p in pinned:                       # leased now; they come round again
             self._add(p[:, 0], p[:, 1], last_col[slot_row[p[:, 0]]])
-        return out[:k]
+        return out if k == n else out[:k]      # (a slice is a numpy view: ~1k instructions)
 
     def _victims_numpy(self, n: int) -> np.ndarray:
         out: list[np.ndarray] = []
@@ -352,7 +353,7 @@ class S3Fifo(_SlotPolicy):
         out = np.empty(n, dtype=np.int64)
         k = _queues.s3_victims(*self._c_args(), self.st.slot_row, self.table.cols["freq"],
                                self.st.leases, n, out)
-        return out[:k]
+        return out if k == n else out[:k]
 
     def give_back(self, slots: np.ndarray) -> None:
         if _queues is None:
