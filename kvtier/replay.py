@@ -335,7 +335,7 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
             # Store the misses in order, each chained to the block before it; a run longer
             # than the tier goes in tier-sized pieces (the tail is what stays, as in LRU).
             for lo in range(a + n, b, cap):
-                hi = min(b, lo + cap)
+                hi = b if b < lo + cap else lo + cap
                 eng.put("trace", keys[lo:hi], payload[: hi - lo], parents=parents[lo:hi])
             if log is not None:
                 nvme_max = max(nvme_max, log.live_bytes() // log.record_bytes)

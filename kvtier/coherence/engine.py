@@ -81,6 +81,10 @@ _COMMIT_NEXT = transition_array(Event.COMMIT)    # looked up once: an Enum hashe
 _HOST, _HBM = Tier.HOST, Tier.HBM
 
 
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+_U64, _contiguous = np.uint64, np.ascontiguousarray
+
+
 class Engine:
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
@@ -303,7 +307,9 @@ class Engine:
         short = n - st.pool.free_count
         if tier is _HOST:
             over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
-            short = max(short, -(-over // ns.block_bytes))
+            over = -(-over // ns.block_bytes)
+            if over > short:
+                short = over
         if short > 0:
             self.reap()
             self._evict(ns, tier, short)
@@ -455,7 +461,7 @@ class Engine:
             c["prev_access"], c["freq"], c["slot"], c["copy_ver"], st.slot_row, rows,
             # rows, created and slots as the commit made them (int64, bool, int64: the
             # table's insert and the reservation), sums possibly a caller's trusted array
-            created, slots, np.ascontiguousarray(sums, dtype=np.uint64), _COMMIT_NEXT,
+            created, slots, _contiguous(sums, dtype=_U64), _COMMIT_NEXT,
             int(tier), ns.table.version_floor, self.epoch << EPOCH_BITS, self.clock,
             ns.block_bytes)
         if top < 0:

@@ -46,6 +46,10 @@ _LOWER = {t: lower_tiers(t) for t in Tier}
 _NVME_TIER = Tier.NVME
 
 
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+_I64, _contiguous, _empty = np.int64, np.ascontiguousarray, np.empty
+
+
 class SlotOwner(Protocol):
     """What eviction needs of the engine's slot tiers (the caller holds the lock)."""
 
@@ -201,12 +205,12 @@ class Eviction:
         policy.on_remove(slots)
         n = slots.size
         if self._scratch.size < 2 * n:
-            self._scratch = np.empty(2 * n + 64, dtype=np.int64)
+            self._scratch = _empty(2 * n + 64, dtype=_I64)
         scratch = self._scratch
         stack, low = st.pool.stack()
         low, k, d = _fast.evict_slots(
             cols["copy_ver"], cols["slot"], st.slot_row, st.leases, st.retired,
-            np.ascontiguousarray(slots, dtype=np.int64), int(tier), cols["version"],
+            _contiguous(slots, dtype=_I64), int(tier), cols["version"],
             cols["state"], cols["checksum"], cols["nvme_checksum"], _LOST_NEXT, _NVME, _CLEAN,
             stack, low, scratch)
         if k:

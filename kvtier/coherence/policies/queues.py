@@ -58,8 +58,13 @@ _NO_REPLACED = np.empty((0, 3), dtype=np.int64)
  ST_SMALL_TARGET, ST_FREQ_MAX, ST_LEAF_FIRST, ST_COMPACT_AT, ST_SIZE) = range(13)
 
 
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+(_I64, _U64, _contiguous, _empty, _ndarray) = (
+    np.int64, np.uint64, np.ascontiguousarray, np.empty, np.ndarray)
+
+
 def _i64(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return _contiguous(a, dtype=_I64)
 
 
 def _positions(table: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -160,9 +165,9 @@ class LruQueue(_SlotPolicy):
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
         last = self.table.cols["last_access"]
         if _queues is not None:
-            rows = np.ascontiguousarray(rows, dtype=np.int64)     # _i64, without its frame
-            slots = np.ascontiguousarray(slots, dtype=np.int64)
-            stamps = np.empty(slots.size, dtype=np.int64)
+            rows = _contiguous(rows, dtype=_I64)     # _i64, without its frame
+            slots = _contiguous(slots, dtype=_I64)
+            stamps = _empty(slots.size, dtype=_I64)
             e = _queues.lru_insert(self._per, self._where, self._st, rows, slots, last, stamps)
             if e >= 0:                        # the batch's accesses are of one epoch
                 self._bucket(e).append((slots, stamps))
@@ -206,15 +211,17 @@ class LruQueue(_SlotPolicy):
     def victims(self, n: int) -> np.ndarray:
         # No more victims than slots: an admin evict of "everything" asks for 2^30, and the
         # output and scratch arrays are sized by n.
-        n = min(n, int(self.st.slot_row.shape[0]))
+        cap = self.st.slot_row.shape[0]
+        if n > cap:                # (builtin min: a tuple and an iteration, ~0.1 us)
+            n = cap
         if _queues is None:
             return self._victims_numpy(n)
-        out = np.empty(n, dtype=np.int64)
+        out = _empty(n, dtype=_I64)
         if self._scratch.shape[0] < 2 * n + 32:
-            self._scratch = np.empty((2 * n + 32, 3), dtype=np.int64)
+            self._scratch = _empty((2 * n + 32, 3), dtype=_I64)
         scratch, size = self._scratch, self._scratch.shape[0]
         last_col, slot_row = self.table.cols["last_access"], self.st.slot_row
-        pinned: list[np.ndarray] = []
+        pinned: list[_ndarray] = []
         k = 0
         while k < n:
             if self._cur is None or self._pos >= self._cur.shape[0]:
@@ -227,7 +234,7 @@ class LruQueue(_SlotPolicy):
             k += took
             if moved:                          # accessed since the sort: to their new bucket
                 m = scratch[:moved].copy()
-                self._add(m[:, 0], m[:, 1], m[:, 2].astype(np.uint64))
+                self._add(m[:, 0], m[:, 1], m[:, 2].astype(_U64))
             if held:                           # written from the end, last first
                 pinned.append(scratch[size - held:][::-1].copy())
         for p in pinned:                       # leased now; they come round again
@@ -335,7 +342,7 @@ class S3Fifo(_SlotPolicy):
     def on_remove(self, slots: np.ndarray) -> None:
         if _queues is None:
             return self._on_remove_numpy(slots)
-        out = np.empty((slots.size, 3), dtype=np.int64)
+        out = _empty((slots.size, 3), dtype=_I64)
         k = _queues.s3_remove(self._per, self._where, self._st, *self._ghost_args(),
                               self.st.slot_row, self.table.cols["key"], self.table.key_width,
                               _i64(slots), out)
@@ -345,12 +352,14 @@ class S3Fifo(_SlotPolicy):
     def victims(self, n: int) -> np.ndarray:
         # No more victims than slots: an admin evict of "everything" asks for 2^30, and the
         # output and scratch arrays are sized by n.
-        n = min(n, int(self.st.slot_row.shape[0]))
+        cap = self.st.slot_row.shape[0]
+        if n > cap:                # (builtin min: a tuple and an iteration, ~0.1 us)
+            n = cap
         if _queues is None:
             return self._victims_numpy(n)
         # Probation's entries may all move to main in this call; nothing else adds entries.
         self._rings[self.MAIN].reserve(len(self._rings[self.SMALL]))
-        out = np.empty(n, dtype=np.int64)
+        out = _empty(n, dtype=_I64)
         k = _queues.s3_victims(*self._c_args(), self.st.slot_row, self.table.cols["freq"],
                                self.st.leases, n, out)
         return out if k == n else out[:k]
