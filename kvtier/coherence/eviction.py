@@ -110,7 +110,10 @@ class Eviction:
         st = ns.slots[tier]
         policy = self.tier_policy(ns, tier)
         cols = ns.table.cols
-        lowers = [t for t in _LOWER[tier] if t in ns.slots or (t is _NVME_TIER and ns.log)]
+        lowers = []                     # (a list comprehension is a frame of its own in 3.11)
+        for t in _LOWER[tier]:
+            if t in ns.slots or (t is _NVME_TIER and ns.log):
+                lowers.append(t)
         done = 0
         if not lowers and _fast is not None:
             # The lowest tier (a replay's host tier without NVMe): every victim goes as it is,

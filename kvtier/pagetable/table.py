@@ -401,8 +401,10 @@ class PageTable:
         """insert with the C helper: room for the whole batch made first (index, columns, the
         fresh rows reset), then one pass."""
         n = karr.shape[0]
-        self._ensure_index_room(n)
-        self._room_for_rows(n)
+        if (self._index_used + n) * 2 > self._index.size:   # _ensure_index_room's own test
+            self._ensure_index_room(n)
+        if self.n_rows + n > self.capacity:                 # _room_for_rows's
+            self._room_for_rows(n)
         rows = _empty(n, dtype=_I64)
         created = _empty(n, dtype=bool)
         old = self.n_rows
@@ -494,7 +496,8 @@ class PageTable:
             return
         if _native is not None:
             c = self.cols
-            self._free_room(rows.size)
+            if self._nfree + rows.size > self._free.size:     # (the common case: no frame)
+                self._free_room(rows.size)
             before = self._nfree
             self._nfree, top = _native.remove_rows(
                 self._index, c["key"], self.key_width, c["parent"], c["first_child"],

@@ -170,7 +170,8 @@ class LruQueue(_SlotPolicy):
             stamps = _empty(slots.size, dtype=_I64)
             e = _queues.lru_insert(self._per, self._where, self._st, rows, slots, last, stamps)
             if e >= 0:                        # the batch's accesses are of one epoch
-                self._bucket(e).append((slots, stamps))
+                chunks = self._buckets.get(e)     # (_bucket, without its frame when it exists)
+                (self._bucket(e) if chunks is None else chunks).append((slots, stamps))
             elif slots.size:
                 self._add(slots, stamps, last[rows])
             return
