@@ -278,3 +278,53 @@ def test_c_reset_rows_sets_every_column_s_fill_or_refuses_before_writing():
         with pytest.raises(err):
             table._native.reset_rows(cols, fl, r)
         assert all(np.array_equal(c, b) for c, b in zip(t._col_tuple, now))
+
+
+def test_c_link_keys_links_what_lookup_and_link_rows_link_and_refuses_bad_input():
+    # _native.link_keys (the commit's chain: the parents' lookup and the link in one call)
+    # against lookup + link_rows on copies of the same table, parents present, absent and
+    # repeated; then arguments it must refuse with nothing linked.
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    rng = np.random.default_rng(7)
+    for step in range(60):
+        a, b = PageTable(16), PageTable(16)
+        ids = rng.permutation(200)[:int(rng.integers(2, 120))] + 1
+        raw = np.zeros((ids.size, 2), dtype=">u8")
+        raw[:, 1] = ids
+        for t in (a, b):
+            t.insert(raw.tobytes())
+        n = int(rng.integers(1, ids.size))
+        rows = rng.choice(a.live_rows(), n).astype(np.int64)       # repeats allowed
+        pk = np.zeros((n, 2), dtype=">u8")
+        pk[:, 1] = rng.choice(np.r_[ids, 1000 + np.arange(20)], n)  # some parents absent
+        pkeys = a.keys_array(pk.tobytes())
+        ca, cb = a.cols, b.cols
+        table._native.link_keys(a._index, ca["key"], 16, pkeys, ca["parent"],
+                                ca["first_child"], ca["next_sib"], rows, a.n_rows)
+        found = np.empty(n, np.int64)
+        table._native.lookup(b._index, cb["key"][:b.n_rows], 16, pkeys, found)
+        table._native.link_rows(cb["parent"], cb["first_child"], cb["next_sib"], rows, found)
+        for name in ("parent", "first_child", "next_sib"):
+            assert np.array_equal(ca[name][:a.n_rows], cb[name][:b.n_rows]), (step, name)
+    c = a.cols
+    links = [c[k].copy() for k in ("parent", "first_child", "next_sib")]
+    good = (a._index, c["key"], 16, pkeys, c["parent"], c["first_child"], c["next_sib"], rows,
+            a.n_rows)
+    for i, bad in [(2, 0), (3, pkeys[:-1]), (7, np.array([a.capacity], np.int64)),
+                   (7, np.array([-1], np.int64)), (5, c["first_child"][:-1]),
+                   (8, a.capacity + 1), (0, a._index[:-1])]:
+        args = list(good)
+        args[i] = bad
+        if i == 7:
+            args[3] = pkeys[:1]
+        with pytest.raises(ValueError):
+            table._native.link_keys(*args)
+        assert all(np.array_equal(c[k], v) for k, v in
+                   zip(("parent", "first_child", "next_sib"), links))
+    with pytest.raises(TypeError):
+        table._native.link_keys(*good[:8])
+    out = np.empty(pkeys.size, np.int64)
+    for n_rows in (-1, a.capacity + 1):
+        with pytest.raises(ValueError):
+            table._native.lookup(a._index, c["key"], 16, pkeys, out, n_rows)
