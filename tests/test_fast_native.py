@@ -137,6 +137,25 @@ def test_pin_slots_adds_one_pin_per_listed_slot_and_refuses_a_slot_past_the_pool
     assert int(pool.sum()) == 3                       # checked before anything is written
 
 
+def _eviction_columns(rng: np.random.Generator, step: int, cap: int, nt: int, ns: int,
+                      slots: int) -> tuple[dict[str, np.ndarray], int, np.ndarray]:
+    """Random page-table columns and a slot tier's arrays for the eviction helpers' tests
+    (no copy placed yet), a tier, and a permutation of the slots to place copies in."""
+    from kvtier.coherence.states import BlockState
+    c = {"copy_ver": rng.integers(0, 3, (cap, nt)).astype(np.uint64),
+         "slot": np.full((cap, ns), -1, np.int32),
+         "slot_row": np.full(slots, -1, np.int64),
+         "pool": (rng.random(slots) < 0.2).astype(np.uint32),
+         "retired": np.zeros(slots, bool),
+         "version": rng.integers(0, 3, cap).astype(np.uint64),
+         "state": rng.choice([int(s) for s in BlockState], cap).astype(np.uint8),
+         "checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64),
+         "nvme_checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64)}
+    if step % 3:                                   # mostly states that can lose a block
+        c["state"][:] = int(BlockState.CLEAN)
+    return c, int(rng.integers(0, ns)), rng.permutation(slots)
+
+
 def test_drop_rows_does_what_release_copies_then_empty_rows_do():
     """An eviction's fused call against its two parts on copies of the same random columns:
     the same freed slots, dropped rows, fallbacks to NVMe and refusals (-1), column by column."""
@@ -147,19 +166,7 @@ def test_drop_rows_does_what_release_copies_then_empty_rows_do():
     cap, nt, ns, slots = 40, len(Tier), 3, 64
     seen = set()
     for step in range(400):
-        c = {"copy_ver": rng.integers(0, 3, (cap, nt)).astype(np.uint64),
-             "slot": np.full((cap, ns), -1, np.int32),
-             "slot_row": np.full(slots, -1, np.int64),
-             "pool": (rng.random(slots) < 0.2).astype(np.uint32),
-             "retired": np.zeros(slots, bool),
-             "version": rng.integers(0, 3, cap).astype(np.uint64),
-             "state": rng.choice([int(s) for s in BlockState], cap).astype(np.uint8),
-             "checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64),
-             "nvme_checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64)}
-        if step % 3:                                   # mostly states that can lose a block
-            c["state"][:] = int(BlockState.CLEAN)
-        tier = int(rng.integers(0, ns))
-        free_slots = rng.permutation(slots)
+        c, tier, free_slots = _eviction_columns(rng, step, cap, nt, ns, slots)
         for r in range(cap):
             if c["copy_ver"][r, tier]:
                 c["slot"][r, tier] = free_slots[r]
@@ -202,19 +209,7 @@ def test_evict_slots_does_what_drop_rows_and_the_stack_s_free_do():
     cap, nt, ns, slots = 40, len(Tier), 3, 64
     seen = set()
     for step in range(400):
-        c = {"copy_ver": rng.integers(0, 3, (cap, nt)).astype(np.uint64),
-             "slot": np.full((cap, ns), -1, np.int32),
-             "slot_row": np.full(slots, -1, np.int64),
-             "pool": (rng.random(slots) < 0.2).astype(np.uint32),
-             "retired": np.zeros(slots, bool),
-             "version": rng.integers(0, 3, cap).astype(np.uint64),
-             "state": rng.choice([int(s) for s in BlockState], cap).astype(np.uint8),
-             "checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64),
-             "nvme_checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64)}
-        if step % 3:                                   # mostly states that can lose a block
-            c["state"][:] = int(BlockState.CLEAN)
-        tier = int(rng.integers(0, ns))
-        free_slots = rng.permutation(slots)
+        c, tier, free_slots = _eviction_columns(rng, step, cap, nt, ns, slots)
         for r in range(cap):
             c["copy_ver"][r, tier] = max(int(c["copy_ver"][r, tier]), 1)   # each holds one
             c["slot"][r, tier] = free_slots[r]
