@@ -13,8 +13,8 @@ Interface. Owns: each slot tier's policy object (made on first use, kept in Slot
 Public: evict (admin eviction; the engine's method of that name is this, bound), evict_copies,
 evict_other_namespaces, tier_policy, placed, forget_empty (the engine binds them under its own
 names). Calls: the engine's slot ops through ``SlotOwner`` (alloc, set_copy, drop_copies,
-slots_freed, and the host budget it reads), the NVMe store's write_down and whole-segment evict,
-the settings (the policy per tier), the counters and the namespaces.
+slots_freed, slots_pushed, and the host budget it reads), the NVMe store's write_down and
+whole-segment evict, the settings (the policy per tier), the counters and the namespaces.
 """
 
 from __future__ import annotations
