@@ -307,6 +307,10 @@ class S3Fifo(_SlotPolicy):
         self._base = self._per[:, 1]
         self._cnt = self._per[:, 2]
         self._replaced: np.ndarray = _NO_REPLACED
+        # The ghost's arrays for the C calls, as one tuple made here (Ghost never replaces
+        # them): on_insert and on_remove pass them without a frame and a tuple each.
+        g = self.ghost
+        self._ghost_args: tuple[np.ndarray, ...] = (g._fp, g._seq, g._alive, g._st)
 
     ghost_hits = property(lambda self: int(self._st[ST_GHOST_HITS]))
 
@@ -325,28 +329,25 @@ class S3Fifo(_SlotPolicy):
     def _c_args(self) -> tuple[np.ndarray, ...]:
         return (self._per, self._where, self._st, self._rings[0]._buf, self._rings[1]._buf)
 
-    def _ghost_args(self) -> tuple[np.ndarray, ...]:
-        g = self.ghost
-        return g._fp, g._seq, g._alive, g._st
-
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
         if _queues is None:
             return self._on_insert_numpy(rows, slots)
         for ring in self._rings:
             ring.reserve(rows.size)
         cols = self.table.cols
-        _queues.s3_insert(*self._c_args(), *self._ghost_args(), cols["key"],
-                          self.table.key_width, cols["freq"], _i64(rows), _i64(slots),
-                          self._replaced)
+        _queues.s3_insert(*self._c_args(), *self._ghost_args, cols["key"],
+                          self.table.key_width, cols["freq"], _contiguous(rows, dtype=_I64),
+                          _contiguous(slots, dtype=_I64), self._replaced)
         self._replaced = _NO_REPLACED
 
     def on_remove(self, slots: np.ndarray) -> None:
         if _queues is None:
             return self._on_remove_numpy(slots)
         out = _empty((slots.size, 3), dtype=_I64)
-        k = _queues.s3_remove(self._per, self._where, self._st, *self._ghost_args(),
-                              self.st.slot_row, self.table.cols["key"], self.table.key_width,
-                              _i64(slots), out)
+        k = _queues.s3_remove(self._per, self._where, self._st,
+                              *self._ghost_args, self.st.slot_row,
+                              self.table.cols["key"], self.table.key_width,
+                              _contiguous(slots, dtype=_I64), out)
         if k >= 0:
             self._replaced = out[:k]
 
