@@ -48,6 +48,11 @@ NATIVE_WIDTH = 4096
 MAX_THREADS = 16
 
 
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+(_I64, _U64, _contiguous, _empty, _ndarray) = (
+    np.int64, np.uint64, np.ascontiguousarray, np.empty, np.ndarray)
+
+
 def _load() -> int | None:
     """The address of libxxhash's XXH3_64bits, once it has hashed a probe as python-xxhash
     does; None where the library is missing or disagrees."""
@@ -107,18 +112,18 @@ def block_checksums(arr: np.ndarray, rows: Sequence[int] | np.ndarray | None = N
         if arr.shape[1] <= NATIVE_WIDTH and arr.strides[0] >= 0:
             # A small batch of small rows (a put's 25 blocks of the replay): one C call,
             # bounds checked there, in place of a python-xxhash call per row.
-            idx = (np.arange(n, dtype=np.int64) if rows is None
-                   else np.ascontiguousarray(rows, dtype=np.int64))
-            out = np.empty(n, dtype=np.uint64)
+            idx = (np.arange(n, dtype=_I64) if rows is None
+                   else _contiguous(rows, dtype=_I64))
+            out = _empty(n, dtype=_U64)
             _xxh.hash_slots(_fn, arr, idx, out)
             return out
     h = xxhash.xxh3_64_intdigest
-    out = np.empty(n, dtype=np.uint64)
+    out = _empty(n, dtype=_U64)
     if rows is None:
         for i in range(n):
             out[i] = h(arr[i])
     else:
-        for i, r in enumerate(rows.tolist() if isinstance(rows, np.ndarray) else rows):
+        for i, r in enumerate(rows.tolist() if isinstance(rows, _ndarray) else rows):
             out[i] = h(arr[r])
     return out
 

@@ -315,14 +315,14 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
         keys, parents, starts = _keys(trace)
         out = []
         log = eng.namespace("trace").log
-        try_get = eng.try_get
+        try_get, lookup_prefix = eng.try_get, eng.lookup_prefix
         nvme_max = 0
         cpu0 = time.process_time()
         bounds = starts.tolist()           # Python ints: no numpy scalar per request
         for i in range(len(trace)):
             a, b = bounds[i], bounds[i + 1]
             req = keys[a:b]
-            n = eng.match_prefix("trace", req) if b > a else 0
+            n = lookup_prefix("trace", req)[0] if b > a else 0     # match_prefix's own
             out.append(n)
             if n:
                 # As the service answers a host get of resident blocks (api/resident.py: on
@@ -335,7 +335,7 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
             # Store the misses in order, each chained to the block before it; a run longer
             # than the tier goes in tier-sized pieces (the tail is what stays, as in LRU).
             for lo in range(a + n, b, cap):
-                hi = min(b, lo + cap)
+                hi = b if b < lo + cap else lo + cap
                 eng.put("trace", keys[lo:hi], payload[: hi - lo], parents=parents[lo:hi])
             if log is not None:
                 nvme_max = max(nvme_max, log.live_bytes() // log.record_bytes)

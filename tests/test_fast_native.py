@@ -137,6 +137,25 @@ def test_pin_slots_adds_one_pin_per_listed_slot_and_refuses_a_slot_past_the_pool
     assert int(pool.sum()) == 3                       # checked before anything is written
 
 
+def _eviction_columns(rng: np.random.Generator, step: int, cap: int, nt: int, ns: int,
+                      slots: int) -> tuple[dict[str, np.ndarray], int, np.ndarray]:
+    """Random page-table columns and a slot tier's arrays for the eviction helpers' tests
+    (no copy placed yet), a tier, and a permutation of the slots to place copies in."""
+    from kvtier.coherence.states import BlockState
+    c = {"copy_ver": rng.integers(0, 3, (cap, nt)).astype(np.uint64),
+         "slot": np.full((cap, ns), -1, np.int32),
+         "slot_row": np.full(slots, -1, np.int64),
+         "pool": (rng.random(slots) < 0.2).astype(np.uint32),
+         "retired": np.zeros(slots, bool),
+         "version": rng.integers(0, 3, cap).astype(np.uint64),
+         "state": rng.choice([int(s) for s in BlockState], cap).astype(np.uint8),
+         "checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64),
+         "nvme_checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64)}
+    if step % 3:                                   # mostly states that can lose a block
+        c["state"][:] = int(BlockState.CLEAN)
+    return c, int(rng.integers(0, ns)), rng.permutation(slots)
+
+
 def test_drop_rows_does_what_release_copies_then_empty_rows_do():
     """An eviction's fused call against its two parts on copies of the same random columns:
     the same freed slots, dropped rows, fallbacks to NVMe and refusals (-1), column by column."""
@@ -147,19 +166,7 @@ def test_drop_rows_does_what_release_copies_then_empty_rows_do():
     cap, nt, ns, slots = 40, len(Tier), 3, 64
     seen = set()
     for step in range(400):
-        c = {"copy_ver": rng.integers(0, 3, (cap, nt)).astype(np.uint64),
-             "slot": np.full((cap, ns), -1, np.int32),
-             "slot_row": np.full(slots, -1, np.int64),
-             "pool": (rng.random(slots) < 0.2).astype(np.uint32),
-             "retired": np.zeros(slots, bool),
-             "version": rng.integers(0, 3, cap).astype(np.uint64),
-             "state": rng.choice([int(s) for s in BlockState], cap).astype(np.uint8),
-             "checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64),
-             "nvme_checksum": rng.integers(0, 1 << 60, cap).astype(np.uint64)}
-        if step % 3:                                   # mostly states that can lose a block
-            c["state"][:] = int(BlockState.CLEAN)
-        tier = int(rng.integers(0, ns))
-        free_slots = rng.permutation(slots)
+        c, tier, free_slots = _eviction_columns(rng, step, cap, nt, ns, slots)
         for r in range(cap):
             if c["copy_ver"][r, tier]:
                 c["slot"][r, tier] = free_slots[r]
@@ -187,6 +194,80 @@ def test_drop_rows_does_what_release_copies_then_empty_rows_do():
     assert {(True, True, False), (True, False, True)} <= seen   # drops and refusals both met
     with pytest.raises(TypeError, match="16 arguments"):
         _fast.drop_rows(1, 2, 3)
+
+
+def test_evict_slots_does_what_drop_rows_and_the_stack_s_free_do():
+    """The lowest tier's fused eviction against drop_rows over slot_row[victims] and
+    SlotStack.free of the freed slots, on copies of the same random columns and stack: the same
+    columns, stack, top, freed count, dropped rows and refusals (-1); a victim that holds no
+    row, a stack without room and short scratch are refused."""
+    from kvtier.coherence.states import BlockState, Event, transition_array
+    from kvtier.tiers.slots import SlotStack
+    from kvtier.types import Tier
+    lost = transition_array(Event.LOST)
+    rng = np.random.default_rng(19)
+    cap, nt, ns, slots = 40, len(Tier), 3, 64
+    seen = set()
+    for step in range(400):
+        c, tier, free_slots = _eviction_columns(rng, step, cap, nt, ns, slots)
+        for r in range(cap):
+            c["copy_ver"][r, tier] = max(int(c["copy_ver"][r, tier]), 1)   # each holds one
+            c["slot"][r, tier] = free_slots[r]
+            c["slot_row"][free_slots[r]] = r
+        held = np.flatnonzero(c["slot_row"] >= 0)
+        victims = rng.choice(held, int(rng.integers(0, 12)), replace=False).astype(np.int64)
+        stacks = []
+        for _ in range(2):
+            st = SlotStack()
+            st._init_slots("t", slots)
+            st.alloc(int(rng.integers(cap, slots)) if not stacks else stacks[0].used_count)
+            stacks.append(st)
+        a = {k: v.copy() for k, v in c.items()}
+        stack, low = stacks[0].stack()
+        scratch = np.full(2 * victims.size + 3, -7, np.int64)
+        low2, kf, kd = _fast.evict_slots(
+            a["copy_ver"], a["slot"], a["slot_row"], a["pool"], a["retired"], victims, tier,
+            a["version"], a["state"], a["checksum"], a["nvme_checksum"], lost, int(Tier.NVME),
+            int(BlockState.CLEAN), stack, low, scratch)
+        stacks[0].pushed(low2)
+        b = {k: v.copy() for k, v in c.items()}
+        rows = b["slot_row"][victims]
+        fb, db = np.empty(rows.size, np.int64), np.empty(rows.size, np.int64)
+        kf2, kd2 = _fast.drop_rows(b["copy_ver"], b["slot"], b["slot_row"], b["pool"],
+                                   b["retired"], rows, tier, fb, b["version"], b["state"],
+                                   b["checksum"], b["nvme_checksum"], lost, int(Tier.NVME),
+                                   int(BlockState.CLEAN), db)
+        stacks[1].free(fb[:kf2])
+        assert (kf, kd) == (kf2, kd2), step
+        assert scratch[:victims.size].tolist() == rows.tolist()
+        assert kd < 0 or scratch[victims.size:victims.size + kd].tolist() == db[:kd].tolist()
+        assert stacks[0].free_count == stacks[1].free_count
+        assert np.array_equal(stacks[0]._free, stacks[1]._free), step
+        for k in c:
+            assert np.array_equal(a[k], b[k]), (step, k)
+        seen.add((kf > 0, kd > 0, kd < 0))
+    assert {(True, True, False), (True, False, True)} <= seen   # drops and refusals both met
+    args = lambda v, stack, low, scratch: (  # noqa: E731
+        c["copy_ver"], c["slot"], c["slot_row"], c["pool"], c["retired"], v, tier, c["version"],
+        c["state"], c["checksum"], c["nvme_checksum"], lost, int(Tier.NVME),
+        int(BlockState.CLEAN), stack, low, scratch)
+    empty = np.flatnonzero(c["slot_row"] < 0)[:1].astype(np.int64)
+    before = {k: v.copy() for k, v in c.items()}
+    full = np.arange(slots, dtype=np.int64)
+    for bad, err in [((empty, full, 0, np.empty(8, np.int64)), "not a slot holding a row"),
+                     ((np.array([slots], np.int64), full, 0, np.empty(8, np.int64)),
+                      "not a slot holding a row"),
+                     ((held[:2].astype(np.int64), full, 0, np.empty(3, np.int64)), "arrays"),
+                     ((held[:2].astype(np.int64), full[:5], 0, np.empty(8, np.int64)),
+                      "arrays")]:
+        with pytest.raises(ValueError, match=err):
+            _fast.evict_slots(*args(*bad))
+        for k in c:
+            assert np.array_equal(c[k], before[k]), k          # refused before any write
+    with pytest.raises(RuntimeError, match="double free"):
+        _fast.evict_slots(*args(held[:2].astype(np.int64), full, 0, np.empty(8, np.int64)))
+    with pytest.raises(TypeError, match="17 arguments"):
+        _fast.evict_slots(1, 2, 3)
 
 
 def test_kept_views_follow_their_arrays_and_let_them_go():

@@ -241,3 +241,90 @@ def test_c_insert_refuses_a_free_row_outside_the_table_and_writes_nothing():
     with pytest.raises(ValueError, match="free row outside the table"):
         t.insert(new.tobytes())
     assert np.array_equal(t._index, index) and np.array_equal(t.cols["key"], keycol)
+
+
+def test_c_reset_rows_sets_every_column_s_fill_or_refuses_before_writing():
+    # reset_rows reads the table's fills (bytes) in place and checks the rows once against
+    # the shortest column: the rows get their fills in every column; a row outside a column,
+    # a fill of the wrong width or an unbufferable fill is refused with nothing written.
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    t = PageTable(16)
+    raw = np.zeros((20, 2), dtype=">u8")
+    raw[:, 1] = np.arange(1, 21)
+    rows, _ = t.insert(raw.tobytes())
+    rng = np.random.default_rng(5)
+    for c in t._col_tuple:
+        c.view(np.uint8)[...] = rng.integers(0, 256, c.nbytes, dtype=np.uint8).reshape(
+            c.view(np.uint8).shape)
+    pick = np.array([3, 17, 0, 9], dtype=np.int64)
+    before = [c.copy() for c in t._col_tuple]
+    # a bytearray and a numpy fill are read through the buffer protocol, bytes in place
+    fills = tuple(bytearray(f) if i % 3 == 1 else np.frombuffer(f, np.uint8) if i % 3 == 2
+                  else f for i, f in enumerate(t._row_fills))
+    table._native.reset_rows(t._col_tuple, fills, pick)
+    for c, b, f in zip(t._col_tuple, before, t._row_fills):
+        want = b.copy()
+        want.view(np.uint8).reshape(b.shape[0], -1)[pick] = np.frombuffer(f, np.uint8)
+        assert np.array_equal(c, want)
+    now = [c.copy() for c in t._col_tuple]
+    bad_fill = t._row_fills[:5] + (b"\0" * 7,) + t._row_fills[6:]
+    for cols, fl, r, err in [
+            (t._col_tuple, t._row_fills, np.array([1, t.capacity], np.int64), ValueError),
+            (t._col_tuple, t._row_fills, np.array([-1], np.int64), ValueError),
+            (t._col_tuple, bad_fill, pick, ValueError),
+            (t._col_tuple, t._row_fills[:-1] + (object(),), pick, TypeError),
+            (t._col_tuple, t._row_fills[:-1], pick, TypeError)]:
+        with pytest.raises(err):
+            table._native.reset_rows(cols, fl, r)
+        assert all(np.array_equal(c, b) for c, b in zip(t._col_tuple, now))
+
+
+def test_c_link_keys_links_what_lookup_and_link_rows_link_and_refuses_bad_input():
+    # _native.link_keys (the commit's chain: the parents' lookup and the link in one call)
+    # against lookup + link_rows on copies of the same table, parents present, absent and
+    # repeated; then arguments it must refuse with nothing linked.
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    rng = np.random.default_rng(7)
+    for step in range(60):
+        a, b = PageTable(16), PageTable(16)
+        ids = rng.permutation(200)[:int(rng.integers(2, 120))] + 1
+        raw = np.zeros((ids.size, 2), dtype=">u8")
+        raw[:, 1] = ids
+        for t in (a, b):
+            t.insert(raw.tobytes())
+        n = int(rng.integers(1, ids.size))
+        rows = rng.choice(a.live_rows(), n).astype(np.int64)       # repeats allowed
+        pk = np.zeros((n, 2), dtype=">u8")
+        pk[:, 1] = rng.choice(np.r_[ids, 1000 + np.arange(20)], n)  # some parents absent
+        pkeys = a.keys_array(pk.tobytes())
+        ca, cb = a.cols, b.cols
+        table._native.link_keys(a._index, ca["key"], 16, pkeys, ca["parent"],
+                                ca["first_child"], ca["next_sib"], rows, a.n_rows)
+        found = np.empty(n, np.int64)
+        table._native.lookup(b._index, cb["key"][:b.n_rows], 16, pkeys, found)
+        table._native.link_rows(cb["parent"], cb["first_child"], cb["next_sib"], rows, found)
+        for name in ("parent", "first_child", "next_sib"):
+            assert np.array_equal(ca[name][:a.n_rows], cb[name][:b.n_rows]), (step, name)
+    c = a.cols
+    links = [c[k].copy() for k in ("parent", "first_child", "next_sib")]
+    good = (a._index, c["key"], 16, pkeys, c["parent"], c["first_child"], c["next_sib"], rows,
+            a.n_rows)
+    for i, bad in [(2, 0), (3, pkeys[:-1]), (7, np.array([a.capacity], np.int64)),
+                   (7, np.array([-1], np.int64)), (5, c["first_child"][:-1]),
+                   (8, a.capacity + 1), (0, a._index[:-1])]:
+        args = list(good)
+        args[i] = bad
+        if i == 7:
+            args[3] = pkeys[:1]
+        with pytest.raises(ValueError):
+            table._native.link_keys(*args)
+        assert all(np.array_equal(c[k], v) for k, v in
+                   zip(("parent", "first_child", "next_sib"), links))
+    with pytest.raises(TypeError):
+        table._native.link_keys(*good[:8])
+    out = np.empty(pkeys.size, np.int64)
+    for n_rows in (-1, a.capacity + 1):
+        with pytest.raises(ValueError):
+            table._native.lookup(a._index, c["key"], 16, pkeys, out, n_rows)

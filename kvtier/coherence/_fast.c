@@ -67,6 +67,12 @@
  *       empty_rows over the same rows (k_drop: its result, -1 as there). The same effects
  *       in the same order as the two calls (the Python frames, casts and scratch arrays
  *       between them were most of a small eviction's cost, issue 18).
+ *   evict_slots(copy_ver, slot, slot_row, pool_leases, retired, victims, tier, version,
+ *               state, checksum, nvme_checksum, lost_next, nvme, clean, free_stack, low,
+ *               scratch) -> (low, k_free, k_drop)
+ *       The lowest tier's eviction of the policy's victim slots: their rows gathered into
+ *       scratch[:n], drop_rows over them, the freed slots pushed onto the pool's free stack
+ *       below low (SlotStack), the rows to remove in scratch[n:n + k_drop].
  *
  * No reference to any argument is kept. The GIL is held: these run under the engine lock, on
  * batches that take microseconds.
@@ -394,6 +400,68 @@ fail:
 
 /* Each row's copy in tier forgotten; its slot un-owned (slot_row -1), retired while pinned,
  * else into out_free. Returns how many were freed. */
+/* A slot tier's copy columns and arrays, as release_copies and evict_slots take them:
+ * copy_ver (rows x tiers), slot (rows x slot tiers), and the pool's slot_row, pool_leases and
+ * retired (one entry per slot). */
+typedef struct {
+    uint64_t *copy_ver;
+    int32_t *slot;
+    int64_t *slot_row;
+    uint32_t *pool;
+    uint8_t *retired;
+    Py_ssize_t rows, nt, nsl, slots;
+} CopyCols;
+
+/* The five arrays from a[0..4], their lengths checked against each other; -1 with an error. */
+static int copy_views(Views *v, PyObject *const *a, CopyCols *c, const char *fn)
+{
+    Py_ssize_t c2, np2, np3;
+    c->copy_ver = view(v, a[0], 8, 1, &c->rows, &c->nt, "copy_ver");
+    c->slot = c->copy_ver ? view(v, a[1], 4, 1, &c2, &c->nsl, "slot") : NULL;
+    c->slot_row = c->slot ? view(v, a[2], 8, 1, &c->slots, NULL, "slot_row") : NULL;
+    c->pool = c->slot_row ? view(v, a[3], 4, 0, &np2, NULL, "pool_leases") : NULL;
+    c->retired = c->pool ? view(v, a[4], 1, 1, &np3, NULL, "retired") : NULL;
+    if (c->retired == NULL)
+        return -1;
+    if (c2 != c->rows || np2 != c->slots || np3 != c->slots) {
+        PyErr_Format(PyExc_ValueError, "%s: see _fast.c for the arrays", fn);
+        return -1;
+    }
+    return 0;
+}
+
+/* release_copies' work on the arrays' memory: every row (and the slot of its copy in tier)
+ * checked before anything is written; -1 with ValueError, else how many slots were written to
+ * out for the pool. */
+static Py_ssize_t release_core(const CopyCols *c, const int64_t *rows, Py_ssize_t n,
+                               Py_ssize_t tier, int64_t *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        int32_t s = r >= 0 && r < c->rows ? c->slot[r * c->nsl + tier] : -1;
+        if (r < 0 || r >= c->rows
+                || (c->copy_ver[r * c->nt + tier] > 0 && (s < 0 || s >= c->slots))) {
+            PyErr_SetString(PyExc_ValueError, "release_copies: a row or its slot out of range");
+            return -1;
+        }
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (c->copy_ver[r * c->nt + tier] == 0)
+            continue;
+        int32_t s = c->slot[r * c->nsl + tier];
+        c->slot_row[s] = -1;
+        if (c->pool[s] > 0)
+            c->retired[s] = 1;
+        else
+            out[k++] = s;
+        c->slot[r * c->nsl + tier] = -1;
+        c->copy_ver[r * c->nt + tier] = 0;
+    }
+    return k;
+}
+
 static PyObject *release_copies(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 8) {
@@ -401,47 +469,98 @@ static PyObject *release_copies(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     }
     Views v = {.n = 0};
-    Py_ssize_t c1, c2, nt, nsl, np1, np2, np3, n, no, tier;
-    uint64_t *copy_ver = view(&v, args[0], 8, 1, &c1, &nt, "copy_ver");
-    int32_t *slot = copy_ver ? view(&v, args[1], 4, 1, &c2, &nsl, "slot") : NULL;
-    int64_t *slot_row = slot ? view(&v, args[2], 8, 1, &np1, NULL, "slot_row") : NULL;
-    uint32_t *pool = slot_row ? view(&v, args[3], 4, 0, &np2, NULL, "pool_leases") : NULL;
-    uint8_t *retired = pool ? view(&v, args[4], 1, 1, &np3, NULL, "retired") : NULL;
-    int64_t *rows = retired ? view(&v, args[5], 8, 0, &n, NULL, "rows") : NULL;
-    int64_t *out = rows ? view(&v, args[7], 8, 1, &no, NULL, "out_free") : NULL;
-    if (out == NULL || as_index(args[6], &tier, "tier") < 0)
+    CopyCols c;
+    Py_ssize_t n, no, tier;
+    int64_t *rows = NULL, *out = NULL;
+    if (copy_views(&v, args, &c, "release_copies") < 0
+            || (rows = view(&v, args[5], 8, 0, &n, NULL, "rows")) == NULL
+            || (out = view(&v, args[7], 8, 1, &no, NULL, "out_free")) == NULL
+            || as_index(args[6], &tier, "tier") < 0)
         goto fail;
-    if (c1 != c2 || tier >= nt || tier >= nsl || no < n || np1 != np2 || np1 != np3) {
+    if (tier >= c.nt || tier >= c.nsl || no < n) {
         PyErr_SetString(PyExc_ValueError, "release_copies: see _fast.c for the arrays");
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t r = rows[i];
-        int32_t s = r >= 0 && r < c1 ? slot[r * nsl + tier] : -1;
-        if (r < 0 || r >= c1 || (copy_ver[r * nt + tier] > 0 && (s < 0 || s >= np1))) {
-            PyErr_SetString(PyExc_ValueError, "release_copies: a row or its slot out of range");
-            goto fail;
-        }
-    }
-    Py_ssize_t k = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t r = rows[i];
-        if (copy_ver[r * nt + tier] == 0)
-            continue;
-        int32_t s = slot[r * nsl + tier];
-        slot_row[s] = -1;
-        if (pool[s] > 0)
-            retired[s] = 1;
-        else
-            out[k++] = s;
-        slot[r * nsl + tier] = -1;
-        copy_ver[r * nt + tier] = 0;
-    }
+    Py_ssize_t k = release_core(&c, rows, n, tier, out);
+    if (k < 0)
+        goto fail;
     views_release(&v);
     return PyLong_FromSsize_t(k);
 fail:
     views_release(&v);
     return NULL;
+}
+
+/* The columns empty_rows reads and writes besides copy_ver: version, state, checksum,
+ * nvme_checksum (one entry per row), and the LOST transition table. */
+typedef struct {
+    uint64_t *version, *sums;
+    const uint64_t *nsums;
+    uint8_t *state;
+    const uint8_t *lost;
+    Py_ssize_t rows, nl;
+} LostCols;
+
+/* Those five from their arguments, the four columns' lengths checked; -1 with an error. */
+static int lost_views(Views *v, PyObject *version, PyObject *state, PyObject *sums,
+                      PyObject *nsums, PyObject *lost, LostCols *c, const char *fn)
+{
+    Py_ssize_t c2, c3, c4;
+    c->version = view(v, version, 8, 1, &c->rows, NULL, "version");
+    c->state = c->version ? view(v, state, 1, 1, &c2, NULL, "state") : NULL;
+    c->sums = c->state ? view(v, sums, 8, 1, &c3, NULL, "checksum") : NULL;
+    c->nsums = c->sums ? view(v, nsums, 8, 0, &c4, NULL, "nvme_checksum") : NULL;
+    c->lost = c->nsums ? view(v, lost, 1, 0, &c->nl, NULL, "lost_next") : NULL;
+    if (c->lost == NULL)
+        return -1;
+    if (c2 != c->rows || c3 != c->rows || c4 != c->rows) {
+        PyErr_Format(PyExc_ValueError, "%s: see _fast.c for the arrays", fn);
+        return -1;
+    }
+    return 0;
+}
+
+/* empty_rows' work on the arrays' memory (copy_ver: rows x nt): how many rows were written to
+ * out, -1 (nothing written) when a row's state has no LOST move, -2 with ValueError for a row
+ * out of range. */
+static Py_ssize_t empty_core(const LostCols *c, const uint64_t *copy_ver, Py_ssize_t nt,
+                             const int64_t *rows, Py_ssize_t n, Py_ssize_t nvme,
+                             Py_ssize_t clean, int64_t *out)
+{
+    for (int pass = 0; pass < 2; pass++) {
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t r = rows[i];
+            if (r < 0 || r >= c->rows) {
+                PyErr_SetString(PyExc_ValueError, "empty_rows: a row out of range");
+                return -2;
+            }
+            uint64_t ver = c->version[r];
+            if (ver == 0)
+                continue;
+            int cur = 0;
+            for (Py_ssize_t t = 0; t < nt && !cur; t++)
+                cur = copy_ver[r * nt + t] == ver;
+            if (cur)
+                continue;
+            if (pass == 0) {
+                if (c->state[r] >= c->nl || c->lost[c->state[r]] == 255)
+                    return -1;
+                continue;
+            }
+            uint64_t nv = copy_ver[r * nt + nvme];
+            if (nv > 0) {
+                c->version[r] = nv;
+                c->sums[r] = c->nsums[r];
+                c->state[r] = (uint8_t)clean;
+            } else {
+                out[k++] = r;
+            }
+        }
+        if (pass == 1)
+            return k;
+    }
+    return 0;                          /* not reached */
 }
 
 /* Eviction's _forget_empty: rows with a version and no current copy in any tier lose their
@@ -455,58 +574,25 @@ static PyObject *empty_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     Views v = {.n = 0};
-    Py_ssize_t c[5], nt, n, nl, no, nvme, clean;
-    uint64_t *version = view(&v, args[0], 8, 1, &c[0], NULL, "version");
-    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &c[1], &nt, "copy_ver") : NULL;
-    uint8_t *state = copy_ver ? view(&v, args[2], 1, 1, &c[2], NULL, "state") : NULL;
-    uint64_t *sums = state ? view(&v, args[3], 8, 1, &c[3], NULL, "checksum") : NULL;
-    uint64_t *nsums = sums ? view(&v, args[4], 8, 0, &c[4], NULL, "nvme_checksum") : NULL;
-    int64_t *rows = nsums ? view(&v, args[5], 8, 0, &n, NULL, "rows") : NULL;
-    uint8_t *lost = rows ? view(&v, args[6], 1, 0, &nl, NULL, "lost_next") : NULL;
-    int64_t *out = lost ? view(&v, args[9], 8, 1, &no, NULL, "out_drop") : NULL;
-    if (out == NULL || as_index(args[7], &nvme, "nvme") < 0 || as_index(args[8], &clean, "clean") < 0)
+    LostCols c;
+    Py_ssize_t cc, nt, n, no, nvme, clean;
+    uint64_t *copy_ver = NULL;
+    int64_t *rows = NULL, *out = NULL;
+    if (lost_views(&v, args[0], args[2], args[3], args[4], args[6], &c, "empty_rows") < 0
+            || (copy_ver = view(&v, args[1], 8, 0, &cc, &nt, "copy_ver")) == NULL
+            || (rows = view(&v, args[5], 8, 0, &n, NULL, "rows")) == NULL
+            || (out = view(&v, args[9], 8, 1, &no, NULL, "out_drop")) == NULL
+            || as_index(args[7], &nvme, "nvme") < 0 || as_index(args[8], &clean, "clean") < 0)
         goto fail;
-    if (c[1] != c[0] || c[2] != c[0] || c[3] != c[0] || c[4] != c[0] || nvme >= nt || no < n) {
+    if (cc != c.rows || nvme >= nt || no < n) {
         PyErr_SetString(PyExc_ValueError, "empty_rows: see _fast.c for the arrays");
         goto fail;
     }
-    for (int pass = 0; pass < 2; pass++) {
-        Py_ssize_t k = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t r = rows[i];
-            if (r < 0 || r >= c[0]) {
-                PyErr_SetString(PyExc_ValueError, "empty_rows: a row out of range");
-                goto fail;
-            }
-            uint64_t ver = version[r];
-            if (ver == 0)
-                continue;
-            int cur = 0;
-            for (Py_ssize_t t = 0; t < nt && !cur; t++)
-                cur = copy_ver[r * nt + t] == ver;
-            if (cur)
-                continue;
-            if (pass == 0) {
-                if (state[r] >= nl || lost[state[r]] == 255) {
-                    views_release(&v);
-                    return PyLong_FromLong(-1);
-                }
-                continue;
-            }
-            uint64_t nv = copy_ver[r * nt + nvme];
-            if (nv > 0) {
-                version[r] = nv;
-                sums[r] = nsums[r];
-                state[r] = (uint8_t)clean;
-            } else {
-                out[k++] = r;
-            }
-        }
-        if (pass == 1) {
-            views_release(&v);
-            return PyLong_FromSsize_t(k);
-        }
-    }
+    Py_ssize_t k = empty_core(&c, copy_ver, nt, rows, n, nvme, clean, out);
+    if (k < -1)
+        goto fail;
+    views_release(&v);
+    return PyLong_FromSsize_t(k);
 fail:
     views_release(&v);
     return NULL;
@@ -531,6 +617,72 @@ static PyObject *drop_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return Py_BuildValue("NN", freed, dropped);
 }
 
+/* evict_slots(copy_ver, slot, slot_row, pool_leases, retired, victims, tier, version, state,
+ *             checksum, nvme_checksum, lost_next, nvme, clean, free_stack, low, scratch)
+ *     -> (low, k_free, k_drop)
+ * The lowest tier's eviction of the policy's victims (slots) in one call: their rows
+ * (slot_row, into scratch[:n]), release_copies of those rows, the freed slots pushed onto the
+ * pool's free stack (kvtier.tiers.slots.SlotStack: free_stack[low - k_free:low], in the order
+ * release_copies gave them, as SlotStack.free pushes a batch), then empty_rows over the rows
+ * (k_drop of them into scratch[n:], -1 as there). The same effects in the same order as
+ * drop_rows and SlotStack.free; the victims' row gather, the scratch arrays and their slices
+ * between those calls were a replayed request's largest piece of glue (round 4). Every
+ * victim is checked (a slot of the pool holding a row) before anything is written; a stack
+ * without room for the freed slots (a double free) raises RuntimeError after the release, as
+ * SlotStack.free raises after drop_rows. */
+static PyObject *evict_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "evict_slots takes 17 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    CopyCols c;
+    LostCols l;
+    Py_ssize_t n, tier, nvme, clean, nstack, low, nsc;
+    int64_t *victims = NULL, *stack = NULL, *scratch = NULL;
+    if (copy_views(&v, args, &c, "evict_slots") < 0
+            || (victims = view(&v, args[5], 8, 0, &n, NULL, "victims")) == NULL
+            || lost_views(&v, args[7], args[8], args[9], args[10], args[11], &l,
+                          "evict_slots") < 0
+            || (stack = view(&v, args[14], 8, 1, &nstack, NULL, "free_stack")) == NULL
+            || (scratch = view(&v, args[16], 8, 1, &nsc, NULL, "scratch")) == NULL
+            || as_index(args[6], &tier, "tier") < 0 || as_index(args[12], &nvme, "nvme") < 0
+            || as_index(args[13], &clean, "clean") < 0 || as_index(args[15], &low, "low") < 0)
+        goto fail;
+    if (l.rows != c.rows || tier >= c.nt || tier >= c.nsl || nvme >= c.nt
+            || nstack != c.slots || low > nstack || nsc < 2 * n) {
+        PyErr_SetString(PyExc_ValueError, "evict_slots: see _fast.c for the arrays");
+        goto fail;
+    }
+    int64_t *rows = scratch, *freed = scratch + n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = victims[i];
+        if (s < 0 || s >= c.slots || c.slot_row[s] < 0 || c.slot_row[s] >= c.rows) {
+            PyErr_SetString(PyExc_ValueError, "evict_slots: a victim is not a slot holding a row");
+            goto fail;
+        }
+        rows[i] = c.slot_row[s];
+    }
+    Py_ssize_t k = release_core(&c, rows, n, tier, freed);
+    if (k < 0)
+        goto fail;
+    if (k > low) {
+        PyErr_SetString(PyExc_RuntimeError, "evict_slots: more slots freed than allocated "
+                        "(double free)");
+        goto fail;
+    }
+    memcpy(stack + (low - k), freed, (size_t)k * sizeof(int64_t));
+    Py_ssize_t d = empty_core(&l, c.copy_ver, c.nt, rows, n, nvme, clean, scratch + n);
+    if (d < -1)
+        goto fail;
+    views_release(&v);
+    return Py_BuildValue("nnn", low - k, k, d);
+fail:
+    views_release(&v);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"lease_rows", (PyCFunction)(void (*)(void))lease_rows, METH_FASTCALL,
      "lease_rows(...): pin and touch a batch of resident rows, or False (see _fast.c)."},
@@ -550,6 +702,8 @@ static PyMethodDef methods[] = {
      "empty_rows(...) -> k rows to remove, or -1: eviction's _forget_empty (see _fast.c)."},
     {"drop_rows", (PyCFunction)(void (*)(void))drop_rows, METH_FASTCALL,
      "drop_rows(...) -> (k_free, k_drop): release_copies then empty_rows (see _fast.c)."},
+    {"evict_slots", (PyCFunction)(void (*)(void))evict_slots, METH_FASTCALL,
+     "evict_slots(...) -> (low, k_free, k_drop): the lowest tier's eviction (see _fast.c)."},
     {NULL, NULL, 0, NULL},
 };
 

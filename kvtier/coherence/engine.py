@@ -81,6 +81,10 @@ _COMMIT_NEXT = transition_array(Event.COMMIT)    # looked up once: an Enum hashe
 _HOST, _HBM = Tier.HOST, Tier.HBM
 
 
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+_U64, _contiguous = np.uint64, np.ascontiguousarray
+
+
 class Engine:
     """The coherence engine of one data directory. See the module docstring for the rules."""
 
@@ -303,7 +307,9 @@ class Engine:
         short = n - st.pool.free_count
         if tier is _HOST:
             over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
-            short = max(short, -(-over // ns.block_bytes))
+            over = -(-over // ns.block_bytes)
+            if over > short:
+                short = over
         if short > 0:
             self.reap()
             self._evict(ns, tier, short)
@@ -324,10 +330,17 @@ class Engine:
 
     def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         """Slots nothing pins any more go back to their pool, and the host budget with them
-        (the one place both change)."""
+        (with slots_pushed, the only places both change)."""
         ns.slots[tier].pool.free(slots)
         if tier is _HOST:
             self.host_used -= slots.size * ns.block_bytes
+
+    def slots_pushed(self, ns: Namespace, tier: Tier, k: int, low: int) -> None:
+        """slots_freed for k slots a C helper pushed onto the pool's stack itself
+        (_fast.evict_slots), whose top is now low."""
+        ns.slots[tier].pool.pushed(low)
+        if tier is _HOST:
+            self.host_used -= k * ns.block_bytes
 
     def _unpin(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None:
         st = ns.slots[tier]
@@ -448,13 +461,14 @@ class Engine:
             c["prev_access"], c["freq"], c["slot"], c["copy_ver"], st.slot_row, rows,
             # rows, created and slots as the commit made them (int64, bool, int64: the
             # table's insert and the reservation), sums possibly a caller's trusted array
-            created, slots, np.ascontiguousarray(sums, dtype=np.uint64), _COMMIT_NEXT,
+            created, slots, _contiguous(sums, dtype=_U64), _COMMIT_NEXT,
             int(tier), ns.table.version_floor, self.epoch << EPOCH_BITS, self.clock,
             ns.block_bytes)
         if top < 0:
             next_states(c["state"][rows], Event.COMMIT)      # raises IllegalTransition
         self.clock += n
-        self._placed(ns, tier, rows, slots)
+        # _placed, without its two frames where the tier's policy exists already
+        (st.policy or self._tier_policy(ns, tier)).on_insert(rows, slots)
         return top
 
     def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,

@@ -13,8 +13,8 @@ Interface. Owns: each slot tier's policy object (made on first use, kept in Slot
 Public: evict (admin eviction; the engine's method of that name is this, bound), evict_copies,
 evict_other_namespaces, tier_policy, placed, forget_empty (the engine binds them under its own
 names). Calls: the engine's slot ops through ``SlotOwner`` (alloc, set_copy, drop_copies,
-slots_freed, and the host budget it reads), the NVMe store's write_down and whole-segment evict,
-the settings (the policy per tier), the counters and the namespaces.
+slots_freed, slots_pushed, and the host budget it reads), the NVMe store's write_down and
+whole-segment evict, the settings (the policy per tier), the counters and the namespaces.
 """
 
 from __future__ import annotations
@@ -35,11 +35,19 @@ except ImportError:
     _fast = None
 
 if TYPE_CHECKING:
-    from kvtier.coherence.namespace import EngineCounters, Namespace
+    from kvtier.coherence.namespace import EngineCounters, Namespace, SlotState
     from kvtier.config import Settings
 
 _LOST_NEXT = transition_array(Event.LOST)    # looked up once: an Enum hashes in Python
 _NVME, _CLEAN = int(Tier.NVME), int(BlockState.CLEAN)
+# Looked up once: lower_tiers searches SERVE_ORDER, and Tier.NVME read on the class goes
+# through EnumType's __getattr__ (~0.2 us in Python 3.11); evict_copies asks on every put.
+_LOWER = {t: lower_tiers(t) for t in Tier}
+_NVME_TIER = Tier.NVME
+
+
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+_I64, _contiguous, _empty = np.int64, np.ascontiguousarray, np.empty
 
 
 class SlotOwner(Protocol):
@@ -53,6 +61,7 @@ class SlotOwner(Protocol):
     def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
                     slots: np.ndarray | None = None) -> None: ...
     def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
+    def slots_pushed(self, ns: Namespace, tier: Tier, k: int, low: int) -> None: ...
 
 
 class Eviction:
@@ -64,6 +73,7 @@ class Eviction:
         # space.evict for the NVMe tier.
         self.namespaces, self.namespace, self.nvme = namespaces, namespace, nvme
         self.slots = slots
+        self._scratch = np.empty(0, dtype=np.int64)    # _evict_lowest's rows and drops
 
     def tier_policy(self, ns: Namespace, tier: Tier) -> TierPolicy:
         """The policy state of one slot tier of ns, made on first use (from the copies already
@@ -100,18 +110,19 @@ class Eviction:
         st = ns.slots[tier]
         policy = self.tier_policy(ns, tier)
         cols = ns.table.cols
-        lowers = [t for t in lower_tiers(tier) if t in ns.slots or (t is Tier.NVME and ns.log)]
+        lowers = []                     # (a list comprehension is a frame of its own in 3.11)
+        for t in _LOWER[tier]:
+            if t in ns.slots or (t is _NVME_TIER and ns.log):
+                lowers.append(t)
         done = 0
         if not lowers and _fast is not None:
             # The lowest tier (a replay's host tier without NVMe): every victim goes as it is,
             # nothing is written down or set aside.
-            slot_row = st.slot_row
             while done < n:
                 slots = policy.victims(n - done)
                 if slots.size == 0:
                     break
-                done += self._drop_victims_native(ns, tier, slot_row[slots], lowers, slots,
-                                                  policy)
+                done += self._evict_lowest(ns, tier, st, slots, policy)
             return done
         held: list[np.ndarray] = []      # victims that could not be written down: kept aside
         try:
@@ -185,6 +196,33 @@ class Eviction:
             self.forget_empty(ns, rows)
         elif d > 0:
             ns.table.remove(out[n:n + d])
+        return int(n)
+
+    def _evict_lowest(self, ns: Namespace, tier: Tier, st: SlotState, slots: np.ndarray,
+                      policy: TierPolicy) -> int:
+        """_drop_victims_native for the lowest tier (nothing below to count a demotion in)
+        with the C helper: the policy's on_remove, then _fast.evict_slots (the victims' rows,
+        drop_rows, the freed slots pushed onto the pool's stack: no row gather, scratch
+        arrays or slices between the calls), the budget, the counters, the removal."""
+        cols = ns.table.cols
+        policy.on_remove(slots)
+        n = slots.size
+        if self._scratch.size < 2 * n:
+            self._scratch = _empty(2 * n + 64, dtype=_I64)
+        scratch = self._scratch
+        stack, low = st.pool.stack()
+        low, k, d = _fast.evict_slots(
+            cols["copy_ver"], cols["slot"], st.slot_row, st.leases, st.retired,
+            _contiguous(slots, dtype=_I64), int(tier), cols["version"],
+            cols["state"], cols["checksum"], cols["nvme_checksum"], _LOST_NEXT, _NVME, _CLEAN,
+            stack, low, scratch)
+        if k:
+            self.slots.slots_pushed(ns, tier, k, low)
+        self.counters.tiers[tier].evictions += n
+        if d < 0:                      # a row without a LOST move: forget_empty raises
+            self.forget_empty(ns, scratch[:n])
+        elif d > 0:
+            ns.table.remove(scratch[n:n + d])
         return int(n)
 
     @staticmethod

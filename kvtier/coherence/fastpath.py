@@ -51,6 +51,10 @@ _TRUE = np.ones(1, dtype=bool)
 _ONE = (np.empty(1, dtype=np.int32), np.empty(1, dtype=np.uint64), np.empty(1, dtype=np.uint64))
 
 
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+_I32, _I64, _U64, _empty = np.int32, np.int64, np.uint64, np.empty
+
+
 class Ledger(Protocol):
     """What a lease needs of the engine: the access clock (last_access is on it), the next
     lease id, and the touch of a batch's rows (advances the clock)."""
@@ -195,9 +199,9 @@ class FastPath:
         n = rows.size
         st = ns.slots[tier]
         ledger = self.ledger
-        slots = np.empty(n, dtype=np.int32)
-        versions = np.empty(n, dtype=np.uint64)
-        sums = np.empty(n, dtype=np.uint64)
+        slots = _empty(n, dtype=_I32)
+        versions = _empty(n, dtype=_U64)
+        sums = _empty(n, dtype=_U64)
         if not _fast.lease_rows(cols["version"], cols["copy_ver"], cols["slot"], cols["leases"],
                                 cols["last_access"], cols["prev_access"], cols["freq"],
                                 cols["checksum"], st.leases, rows, ns.table.n_rows, int(tier),
@@ -206,9 +210,9 @@ class FastPath:
         ledger.clock += n
         self.count_hits(ns, n, tier)
         lid = self._new_id()
-        self.leases[lid] = Lease(lid, ns, tier, slots.astype(np.int64), rows, versions, owner,
+        self.leases[lid] = Lease(lid, ns, tier, slots.astype(_I64), rows, versions, owner,
                                  time.monotonic() + self.settings.lease_timeout)
-        found = np.empty(n, dtype=bool)    # np.ones is a Python function: two calls more
+        found = _empty(n, dtype=bool)    # np.ones is a Python function: two calls more
         found.fill(True)
         return GetResult(found, slots, versions.copy(), sums, lid, tier)
 

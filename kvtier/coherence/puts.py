@@ -52,6 +52,10 @@ except ImportError:
 _HOST = Tier.HOST
 
 
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+_U8, _contiguous, _ndarray = np.uint8, np.ascontiguousarray, np.ndarray
+
+
 class PutOwner(Protocol):
     """What a put needs of the engine (the caller holds the lock)."""
 
@@ -352,10 +356,9 @@ class Puts:
         n = karr.size
         data = _blocks_array(blocks, n, ns.block_bytes)
         try:
-            slots = self.owner.alloc(ns, _HOST, n)
+            slots = self.owner.alloc(ns, _HOST, n)     # int64, as the pools hand them out
         except CapacityError:
             return None
-        slots = slots.astype(np.int64, copy=False)
         pool = ns.slots[_HOST].pool
         try:
             pool.write(slots, data)
@@ -395,6 +398,9 @@ def _last_occurrences(table: PageTable, karr: np.ndarray) -> np.ndarray:
 
 
 def _blocks_array(blocks: Any, n: int, block_bytes: int) -> np.ndarray:
+    if (type(blocks) is _ndarray and blocks.dtype == _U8
+            and blocks.shape == (n, block_bytes)):
+        return blocks                 # already what the pool's write takes (the replay's)
     if isinstance(blocks, (list, tuple)):
         if len(blocks) != n:
             raise BadRequest(f"{len(blocks)} blocks for {n} keys")
@@ -402,11 +408,11 @@ def _blocks_array(blocks: Any, n: int, block_bytes: int) -> np.ndarray:
             if len(memoryview(b).cast("B")) != block_bytes:
                 raise BadRequest(f"a block is {len(memoryview(b).cast('B'))} bytes; this "
                                  f"namespace's blocks are {block_bytes} bytes")
-        return np.frombuffer(b"".join(bytes(b) for b in blocks), dtype=np.uint8).reshape(
+        return np.frombuffer(b"".join(bytes(b) for b in blocks), dtype=_U8).reshape(
             n, block_bytes)
     arr = np.asarray(blocks)
-    if arr.dtype != np.uint8:
-        arr = np.ascontiguousarray(arr).view(np.uint8)
+    if arr.dtype != _U8:
+        arr = _contiguous(arr).view(_U8)
     if arr.size != n * block_bytes:
         raise BadRequest(f"blocks hold {arr.size} bytes; expected {n} x {block_bytes}")
     return arr.reshape(n, block_bytes)

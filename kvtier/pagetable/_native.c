@@ -141,6 +141,18 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const int writable[5] = {0, 0, -1, 0, 1};
     Py_buffer b[5];
+    /* An optional sixth argument, n_rows: rows past it were never handed out (the key
+     * column's whole capacity can then be passed as it is, a kept view, not a slice). */
+    Py_ssize_t n_rows = -1;
+    if (nargs == 6) {
+        n_rows = PyLong_AsSsize_t(args[5]);
+        if (n_rows < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "lookup: n_rows must not be negative");
+            return NULL;
+        }
+        nargs = 5;
+    }
     if (get_buffers(args, nargs, "lookup", 5, b, writable) < 0)
         return NULL;
     Py_ssize_t width = PyLong_AsSsize_t(args[2]);
@@ -154,6 +166,8 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         bad = "keycol and keys must be whole numbers of keys";
     else if (b[4].len < (b[3].len / width) * 8)
         bad = "out holds fewer than n int64";
+    else if (n_rows > b[1].len / width)
+        bad = "n_rows past the key column";
     if (bad) {
         release_buffers(b, 5, writable);
         if (!PyErr_Occurred())
@@ -162,7 +176,7 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     const int32_t *index = b[0].buf;
     const uint8_t *keycol = b[1].buf, *keys = b[3].buf;
-    Py_ssize_t rows = b[1].len / width, n = b[3].len / width;
+    Py_ssize_t rows = n_rows >= 0 ? n_rows : b[1].len / width, n = b[3].len / width;
     int64_t *out = b[4].buf;
     uint64_t mask = (uint64_t)size - 1;
     int corrupt = 0;
@@ -330,25 +344,21 @@ static int get_link_args(PyObject *const *args, Py_ssize_t nargs, const char *na
     return 0;
 }
 
-static PyObject *link_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Each row linked under its parent (-1: none), table.py's link: backwards, each new child put
+ * in front of its parent's list, so that the new children end up in batch order ahead of the
+ * old ones, and a row's last occurrence, met first, is the one that counts (a small
+ * open-addressing set of the rows done). Every row and parent was checked by the caller.
+ * -1 (and MemoryError) when the set cannot be had, nothing linked. */
+static int link_each(int32_t *parent, int32_t *first, int32_t *nxt, const int64_t *rows,
+                     const int64_t *parents, Py_ssize_t n)
 {
-    static const int writable[5] = {1, 1, 1, 0, 0};
-    Py_buffer b[5];
-    if (get_link_args(args, nargs, "link_rows", 5, b, writable) < 0)
-        return NULL;
-    int32_t *parent = b[0].buf, *first = b[1].buf, *nxt = b[2].buf;
-    const int64_t *rows = b[3].buf, *parents = b[4].buf;
-    Py_ssize_t n = b[3].len / 8;
-    /* Backwards, each new child put in front of its parent's list: the new children end up
-     * in batch order ahead of the old ones, and a row's last occurrence, met first, is the
-     * one that counts (a small open-addressing set of the rows done). */
     Py_ssize_t cap = 16;
     while (cap < 2 * n)
         cap *= 2;
     int64_t *done = PyMem_Malloc((size_t)cap * sizeof(int64_t));
     if (!done) {
-        release_buffers(b, 5, writable);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     memset(done, 0xff, (size_t)cap * sizeof(int64_t));
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
@@ -370,7 +380,77 @@ static PyObject *link_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
     }
     PyMem_Free(done);
+    return 0;
+}
+
+static PyObject *link_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[5] = {1, 1, 1, 0, 0};
+    Py_buffer b[5];
+    if (get_link_args(args, nargs, "link_rows", 5, b, writable) < 0)
+        return NULL;
+    int r = link_each(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, b[3].len / 8);
     release_buffers(b, 5, writable);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* link_keys(index, keycol, width, parent_keys, parent, first_child, next_sib, rows, n_rows):
+ * table.py's link_keys in one call: each parent key looked up (a key not in the table is no
+ * parent: its row is unlinked), then link_rows. A commit's chain, once per replayed request:
+ * the lookup's output array, its call and the link's call were ~3k instructions of glue.
+ * Everything is checked before anything is linked. */
+static PyObject *link_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int writable[9] = {0, 0, -1, 0, 1, 1, 1, 0, -1};
+    static const Py_ssize_t isz[9] = {4, 1, 0, 1, 4, 4, 4, 8, 0};
+    Py_buffer b[9];
+    if (get_buffers(args, nargs, "link_keys", 9, b, writable) < 0
+            || whole_items(b, 9, isz, writable, "link_keys") < 0)
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t n_rows = PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[8]);
+    Py_ssize_t size = b[0].len / 4, nrows = b[4].len / 4, n = b[7].len / 8;
+    const int64_t *rows = b[7].buf;
+    const char *bad = NULL;
+    if (width <= 0 || n_rows < 0 || PyErr_Occurred())
+        bad = "width and n_rows must be positive";
+    else if (size == 0 || (size & (size - 1)))
+        bad = "an index of power-of-two size";
+    else if (b[1].len % width || b[3].len != n * width || n_rows > b[1].len / width)
+        bad = "keycol whole keys, and one parent key per row";
+    else if (b[5].len != b[4].len || b[6].len != b[4].len)
+        bad = "link columns of one length";
+    for (Py_ssize_t i = 0; i < n && !bad; i++)
+        if (rows[i] < 0 || rows[i] >= nrows)
+            bad = "a row outside the columns";
+    int64_t *parents = NULL;
+    if (!bad && (parents = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t))) == NULL) {
+        release_buffers(b, 9, writable);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t keyrows = n_rows;          /* rows past n_rows were never handed out */
+    uint64_t mask = (uint64_t)size - 1;
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        int64_t found = probe_key(b[0].buf, mask, b[1].buf, keyrows,
+                                  (const uint8_t *)b[3].buf + i * width, width);
+        if (found == CORRUPT)
+            bad = "the index names a row past the key column";
+        else if (found >= nrows)
+            bad = "a parent row outside the link columns";
+        parents[i] = found < 0 ? -1 : found;
+    }
+    int r = bad ? -1 : link_each(b[4].buf, b[5].buf, b[6].buf, rows, parents, n);
+    PyMem_Free(parents);
+    release_buffers(b, 9, writable);
+    if (bad) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "link_keys: %s", bad);
+        return NULL;
+    }
+    if (r < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -510,6 +590,17 @@ static PyObject *remove_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
             for (uint64_t word = bits[w]; word; word &= word - 1)
                 freelist[out++] = (int64_t)w * 64 + __builtin_ctzll(word);
         PyMem_Free(bits);
+    } else if (got <= 64) {
+        /* A replayed request's ~25 rows: an insertion sort (glibc's qsort is a merge sort
+         * through a comparison callback and a scratch buffer, ~6k instructions for 25). */
+        int64_t *a = freelist + nfree;
+        for (Py_ssize_t i = 1; i < got; i++) {
+            int64_t x = a[i];
+            Py_ssize_t j = i;
+            for (; j > 0 && a[j - 1] > x; j--)
+                a[j] = a[j - 1];
+            a[j] = x;
+        }
     } else {
         qsort(freelist + nfree, (size_t)got, sizeof(int64_t), cmp_i64);
     }
@@ -528,12 +619,19 @@ static PyObject *remove_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("nK", k, (unsigned long long)top);
 }
 
-/* reset_rows(columns, fills, rows): each column's row set to its fill (one row's bytes). */
+/* reset_rows(columns, fills, rows): each column's row set to its fill (one row's bytes).
+ * The rows are checked once against the shortest column, and a fill that is a bytes object
+ * (the table's own, PageTable._row_fills) is read in place: a replayed request's eviction
+ * resets ~25 rows of 16 columns, and a buffer request per fill and a bounds pass per column
+ * were most of the call's ~12k instructions. Nothing is written when a check fails. */
+#define RESET_MAX_COLS 32
 static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])
-            || PyTuple_GET_SIZE(args[0]) != PyTuple_GET_SIZE(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "reset_rows(columns tuple, fills tuple, rows)");
+            || PyTuple_GET_SIZE(args[0]) != PyTuple_GET_SIZE(args[1])
+            || PyTuple_GET_SIZE(args[0]) > RESET_MAX_COLS) {
+        PyErr_SetString(PyExc_TypeError, "reset_rows(columns tuple, fills tuple, rows), at "
+                        "most 32 columns");
         return NULL;
     }
     Py_buffer rb;
@@ -541,53 +639,75 @@ static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     const int64_t *rows = rb.buf;
     Py_ssize_t n = rb.len / 8, ncols = PyTuple_GET_SIZE(args[0]);
-    for (Py_ssize_t c = 0; c < ncols; c++) {
-        Py_buffer cb, fb;
-        if (get_kept_buffer(PyTuple_GET_ITEM(args[0], c), &cb, 1) < 0) {
-            PyBuffer_Release(&rb);
-            return NULL;
+    Py_buffer cb[RESET_MAX_COLS], fb[RESET_MAX_COLS];
+    int fb_taken[RESET_MAX_COLS];
+    const char *fill[RESET_MAX_COLS];
+    Py_ssize_t width[RESET_MAX_COLS];
+    Py_ssize_t got = 0, cap = PY_SSIZE_T_MAX;
+    int ok = 1;
+    for (; got < ncols; got++) {
+        PyObject *f = PyTuple_GET_ITEM(args[1], got);
+        if (get_kept_buffer(PyTuple_GET_ITEM(args[0], got), &cb[got], 1) < 0)
+            break;
+        if (PyBytes_CheckExact(f)) {
+            fb_taken[got] = 0;
+            fill[got] = PyBytes_AS_STRING(f);
+            width[got] = PyBytes_GET_SIZE(f);
+        } else if (PyObject_GetBuffer(f, &fb[got], PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&cb[got]);
+            break;
+        } else {
+            fb_taken[got] = 1;
+            fill[got] = fb[got].buf;
+            width[got] = fb[got].len;
         }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[1], c), &fb, PyBUF_C_CONTIGUOUS) < 0) {
-            PyBuffer_Release(&cb);
-            PyBuffer_Release(&rb);
-            return NULL;
-        }
-        Py_ssize_t cap = cb.ndim >= 1 ? cb.shape[0] : 0, row_bytes = fb.len;
-        int ok = cap > 0 && row_bytes > 0 && cb.len == cap * row_bytes;
-        for (Py_ssize_t i = 0; i < n && ok; i++)
-            ok = rows[i] >= 0 && rows[i] < cap;
-        if (ok) {
-            uint8_t *base = cb.buf;
+        Py_ssize_t c = cb[got].ndim >= 1 ? cb[got].shape[0] : 0;
+        if (c <= 0 || width[got] <= 0 || cb[got].len != c * width[got])
+            ok = 0;
+        if (c < cap)
+            cap = c;
+    }
+    for (Py_ssize_t i = 0; i < n && ok && got == ncols; i++)
+        ok = rows[i] >= 0 && rows[i] < cap;
+    if (ok && got == ncols) {
+        for (Py_ssize_t c = 0; c < ncols; c++) {
+            uint8_t *base = cb[c].buf;
+            const char *fc = fill[c];
             /* The common widths as fixed-size copies (the compiler makes each one store):
              * 16 columns of 4,096 rows were 65,536 calls of memcpy. */
 #define RESET_WIDTH(w)                                                          \
             case w:                                                             \
                 for (Py_ssize_t i = 0; i < n; i++)                              \
-                    memcpy(base + rows[i] * (w), fb.buf, (w));                  \
+                    memcpy(base + rows[i] * (w), fc, (w));                      \
                 break;
-            switch (row_bytes) {
+            switch (width[c]) {
                 RESET_WIDTH(1)
                 RESET_WIDTH(2)
                 RESET_WIDTH(4)
                 RESET_WIDTH(8)
                 RESET_WIDTH(16)
+                RESET_WIDTH(12)
                 RESET_WIDTH(32)
             default:
                 for (Py_ssize_t i = 0; i < n; i++)
-                    memcpy(base + rows[i] * row_bytes, fb.buf, (size_t)row_bytes);
+                    memcpy(base + rows[i] * width[c], fc, (size_t)width[c]);
             }
 #undef RESET_WIDTH
         }
-        PyBuffer_Release(&fb);
-        PyBuffer_Release(&cb);
-        if (!ok) {
-            PyBuffer_Release(&rb);
-            PyErr_SetString(PyExc_ValueError, "reset_rows: a fill is not one row of its "
-                            "column, or a row is outside it");
-            return NULL;
-        }
+    }
+    for (Py_ssize_t c = 0; c < got; c++) {
+        if (fb_taken[c])
+            PyBuffer_Release(&fb[c]);
+        PyBuffer_Release(&cb[c]);
     }
     PyBuffer_Release(&rb);
+    if (got < ncols)
+        return NULL;                   /* a column or fill refused its buffer: its error */
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "reset_rows: a fill is not one row of its "
+                        "column, or a row is outside it");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -784,13 +904,15 @@ static PyMethodDef methods[] = {
     {"hash_keys", (PyCFunction)(void (*)(void))hash_keys, METH_FASTCALL,
      "hash_keys(keys, width, out): table.py's key hash of each key into out (uint64)."},
     {"lookup", (PyCFunction)(void (*)(void))lookup, METH_FASTCALL,
-     "lookup(index, keycol, width, keys, out): the row of each key, or -1, into out (int64)."},
+     "lookup(index, keycol, width, keys, out[, n_rows]): the row of each key, or -1, into out."},
     {"index_insert", (PyCFunction)(void (*)(void))index_insert, METH_FASTCALL,
      "index_insert(index, rows, hashes): store each row along its probe sequence."},
     {"index_remove", (PyCFunction)(void (*)(void))index_remove, METH_FASTCALL,
      "index_remove(index, rows, hashes): each row's index entry becomes a tombstone."},
     {"link_rows", (PyCFunction)(void (*)(void))link_rows, METH_FASTCALL,
      "link_rows(parent, first_child, next_sib, rows, parents): table.py's link."},
+    {"link_keys", (PyCFunction)(void (*)(void))link_keys, METH_FASTCALL,
+     "link_keys(index, keycol, width, parent_keys, parent, first, next, rows, n_rows)."},
     {"unlink_rows", (PyCFunction)(void (*)(void))unlink_rows, METH_FASTCALL,
      "unlink_rows(parent, first_child, next_sib, rows): table.py's _unlink of each row."},
     {"remove_rows", (PyCFunction)(void (*)(void))remove_rows, METH_FASTCALL,

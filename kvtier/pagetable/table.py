@@ -61,6 +61,13 @@ _SCALAR_KEYS = 8
 _WINDOW = 8
 
 
+# numpy's module defines __getattr__, which keeps CPython 3.11 from specialising any
+# attribute read on it: np.empty or np.int64 is a full module lookup each time (~48 a
+# replayed request, ~3% of its instructions). The hot paths read these as globals.
+(_I64, _U8, _contiguous, _empty, _ndarray) = (
+    np.int64, np.uint8, np.ascontiguousarray, np.empty, np.ndarray)
+
+
 @functools.lru_cache(maxsize=16)
 def _tier_mask(tiers: tuple[int, ...]) -> int:
     """A bit per tier (a prefix match's tier sets, computed once rather than per request)."""
@@ -140,14 +147,6 @@ class PageTable:
 
     # ------------------------------------------------------------------ columns
 
-    def __getattr__(self, name: str) -> np.ndarray:
-        # Columns read as attributes (table.version, table.slot, ...). Only reached for names that
-        # are not real attributes, so the hot paths that use self.cols directly pay nothing.
-        cols = self.__dict__.get("cols")
-        if cols is not None and name in cols:
-            return cols[name]
-        raise AttributeError(name)
-
     def _grow(self, capacity: int) -> None:
         # np.empty of a large array maps pages lazily, so capacity that is never handed out costs
         # no resident memory (np.full would touch every page: 16 B/entry more at 10M entries).
@@ -180,11 +179,11 @@ class PageTable:
 
     def keys_array(self, keys: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
         """Packed keys (a buffer of n x key_width bytes) as a V{w} array, validated."""
-        if isinstance(keys, np.ndarray) and keys.dtype == self._kdtype and keys.ndim == 1:
+        if isinstance(keys, _ndarray) and keys.dtype == self._kdtype and keys.ndim == 1:
             return keys                   # the common case: a batch already in key form
-        arr = np.frombuffer(keys, dtype=np.uint8) if not isinstance(keys, np.ndarray) else keys
+        arr = np.frombuffer(keys, dtype=_U8) if not isinstance(keys, _ndarray) else keys
         if arr.dtype != self._kdtype:
-            arr = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+            arr = _contiguous(arr).view(_U8).reshape(-1)
             if arr.size % self.key_width:
                 from kvtier.errors import BadRequest
                 raise BadRequest(
@@ -248,17 +247,17 @@ class PageTable:
     def _rows_of(self, karr: np.ndarray, h: np.ndarray | None = None) -> np.ndarray:
         n = karr.shape[0]
         if n == 0 or self.live == 0:
-            return np.full(n, NO_ROW, dtype=np.int64)
+            return np.full(n, NO_ROW, dtype=_I64)
         if _native is not None:
-            out = np.empty(n, dtype=np.int64)
-            _native.lookup(self._index, self.cols["key"][: self.n_rows], self.key_width,
-                           np.ascontiguousarray(karr), out)
+            out = _empty(n, dtype=_I64)
+            _native.lookup(self._index, self.cols["key"], self.key_width,
+                           _contiguous(karr), out, self.n_rows)
             return out
         if n <= _SCALAR_KEYS:
             raw = karr.tobytes()
             w = self.key_width
             imask = self._index.size - 1
-            out = np.empty(n, dtype=np.int64)
+            out = _empty(n, dtype=_I64)
             for i in range(n):
                 key = raw[i * w:(i + 1) * w]
                 out[i] = self._probe_one(key, self._hash_one(key) & imask)
@@ -326,9 +325,9 @@ class PageTable:
         the second is exact without it, and with it may be a hash collision (a caller that
         sees it takes its exact path)."""
         if _native is not None:
-            bits = _native.key_flags(np.ascontiguousarray(karr), self.key_width)
+            bits = _native.key_flags(_contiguous(karr), self.key_width)
             return bool(bits & 1), bool(bits & 2)
-        raw = karr.view(np.uint8).reshape(karr.size, -1)
+        raw = karr.view(_U8).reshape(karr.size, -1)
         return (not raw.any(axis=1).all(),
                 karr.size > 1 and bool(np.unique(raw, axis=0).shape[0] < karr.size))
 
@@ -339,7 +338,7 @@ class PageTable:
         tiers. One C call with the helper (a prefix match is per request, issue 18)."""
         if _native is not None and self.live:
             return _native.current_prefix(self._index, self.cols["key"], self.key_width,
-                                          np.ascontiguousarray(karr), self.cols["version"],
+                                          _contiguous(karr), self.cols["version"],
                                           self.cols["copy_ver"], _tier_mask(local),
                                           _tier_mask(memory))
         rows = self._rows_of(karr)
@@ -402,13 +401,15 @@ class PageTable:
         """insert with the C helper: room for the whole batch made first (index, columns, the
         fresh rows reset), then one pass."""
         n = karr.shape[0]
-        self._ensure_index_room(n)
-        self._room_for_rows(n)
-        rows = np.empty(n, dtype=np.int64)
-        created = np.empty(n, dtype=bool)
+        if (self._index_used + n) * 2 > self._index.size:   # _ensure_index_room's own test
+            self._ensure_index_room(n)
+        if self.n_rows + n > self.capacity:                 # _room_for_rows's
+            self._room_for_rows(n)
+        rows = _empty(n, dtype=_I64)
+        created = _empty(n, dtype=bool)
         old = self.n_rows
         self.n_rows, self._nfree, made = _native.insert_keys(
-            self._index, self.cols["key"], self.key_width, np.ascontiguousarray(karr),
+            self._index, self.cols["key"], self.key_width, _contiguous(karr),
             self._free, self._nfree, self.n_rows, rows, created)
         if self.n_rows > old:             # fresh rows: every column but the keys just written
             self._reset_rows(slice(old, self.n_rows), keys=False)
@@ -490,18 +491,20 @@ class PageTable:
         """Forget rows entirely: index entry, chain links and columns. Rows must be live; a
         row listed twice is removed once. With the C helper: two calls (remove_rows, then
         reset_rows, the second inside the first), whatever the batch."""
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        rows = _contiguous(rows, dtype=_I64)
         if rows.size == 0:
             return
         if _native is not None:
             c = self.cols
-            self._free_room(rows.size)
+            if self._nfree + rows.size > self._free.size:     # (the common case: no frame)
+                self._free_room(rows.size)
             before = self._nfree
             self._nfree, top = _native.remove_rows(
                 self._index, c["key"], self.key_width, c["parent"], c["first_child"],
                 c["next_sib"], c["version"], rows, self._free, before, self._col_tuple,
                 self._row_fills)
-            self.version_floor = max(self.version_floor, top)
+            if top > self.version_floor:
+                self.version_floor = top
             self.live -= self._nfree - before
             return
         rows = np.unique(rows)
@@ -573,14 +576,16 @@ class PageTable:
 
     def link_keys(self, rows: np.ndarray, parents: bytes | np.ndarray) -> None:
         """link(rows, lookup(parents)) for packed parent keys (a parent not in the table
-        unlinks its row); with the C helper the link is called directly (a commit's chain)."""
-        found = self._rows_of(self.keys_array(parents))
+        unlinks its row); with the C helper one call, the lookup and the link (a commit's
+        chain)."""
+        pkeys = self.keys_array(parents)
         if _native is None:
-            self.link(rows, found)
+            self.link(rows, self._rows_of(pkeys))
             return
         c = self.cols
-        _native.link_rows(c["parent"], c["first_child"], c["next_sib"],
-                          np.ascontiguousarray(rows, dtype=np.int64), found)
+        _native.link_keys(self._index, c["key"], self.key_width, _contiguous(pkeys),
+                          c["parent"], c["first_child"], c["next_sib"],
+                          _contiguous(rows, dtype=_I64), self.n_rows)
 
     def _detach(self, row: int) -> None:
         par = int(self.cols["parent"][row])
@@ -646,3 +651,17 @@ class PageTable:
     def nbytes(self) -> int:
         """Bytes of the columns and the index as allocated (resident use may be lower)."""
         return sum(a.nbytes for a in self.cols.values()) + self._index.nbytes
+
+
+def _column_property(name: str) -> property:
+    return property(lambda self: self.cols[name], doc=f"The {name} column (cols[{name!r}]).")
+
+
+# Columns read as attributes (table.version, table.slot, ...), as properties: a __getattr__ on
+# the class, even one never reached, makes every attribute read of a PageTable go through
+# CPython's slot_tp_getattr_hook and keeps 3.11's specialising interpreter from caching it
+# (~90 reads a replayed request, ~8% of its instructions: round 4 of the replay's CPU).
+for _name in _columns(8):
+    setattr(PageTable, _name, _column_property(_name))
+del _name
+

@@ -15,38 +15,56 @@ from kvtier.errors import BadRequest
 
 
 class SlotStack:
+    """The free slots as a stack that grows downwards: _free[_low:] are free, the top at
+    _low. A pop of n is one slice copy in order and a push of n one slice assignment, with
+    the same order as a stack whose top is at the end read backwards (what was freed last
+    comes out first, a batch in the order it was freed): no reversed views, which were two
+    of a replayed request's ~17 numpy views (round 4 of the replay's CPU)."""
+
     name: str
     n_slots: int
 
     def _init_slots(self, name: str, n_slots: int) -> None:
         self.name = name
         self.n_slots = n_slots
-        self._free = np.arange(n_slots - 1, -1, -1, dtype=np.int64)
-        self._top = n_slots
+        self._free = np.arange(n_slots, dtype=np.int64)
+        self._low = 0
 
     @property
     def free_count(self) -> int:
-        return self._top
+        return self.n_slots - self._low
 
     @property
     def used_count(self) -> int:
-        return self.n_slots - self._top
+        return self._low
 
     def alloc(self, n: int) -> np.ndarray | None:
         """n free slots, or None when fewer are free (an expected shortage: the caller evicts)."""
-        if n > self._top:
+        low = self._low
+        if n > self.n_slots - low:
             return None
-        out = self._free[self._top - n: self._top][::-1].copy()
-        self._top -= n
-        return out
+        self._low = low + n
+        return self._free[low: low + n].copy()
 
     def free(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int64)
-        n = slots.size
-        if self._top + n > self.n_slots:
+        n = slots.size if isinstance(slots, np.ndarray) else len(slots)
+        low = self._low
+        if n > low:
             raise RuntimeError(f"pool {self.name}: more slots freed than allocated (double free)")
-        self._free[self._top: self._top + n] = slots[::-1]
-        self._top += n
+        self._free[low - n: low] = slots
+        self._low = low - n
+
+    def stack(self) -> tuple[np.ndarray, int]:
+        """The free stack and its top (_free, _low), for a C helper that pushes slots itself
+        (kvtier.coherence._fast.evict_slots); it then calls pushed."""
+        return self._free, self._low
+
+    def pushed(self, low: int) -> None:
+        """A C helper pushed slots onto the stack: its top is now low (at most the old one)."""
+        if not 0 <= low <= self._low:
+            raise RuntimeError(f"pool {self.name}: the free stack's top moved from "
+                               f"{self._low} to {low}")
+        self._low = low
 
     def check_slots(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots)

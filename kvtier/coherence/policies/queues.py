@@ -58,8 +58,13 @@ _NO_REPLACED = np.empty((0, 3), dtype=np.int64)
  ST_SMALL_TARGET, ST_FREQ_MAX, ST_LEAF_FIRST, ST_COMPACT_AT, ST_SIZE) = range(13)
 
 
+# numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
+(_I64, _U64, _contiguous, _empty, _ndarray) = (
+    np.int64, np.uint64, np.ascontiguousarray, np.empty, np.ndarray)
+
+
 def _i64(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return _contiguous(a, dtype=_I64)
 
 
 def _positions(table: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -160,11 +165,13 @@ class LruQueue(_SlotPolicy):
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
         last = self.table.cols["last_access"]
         if _queues is not None:
-            rows, slots = _i64(rows), _i64(slots)
-            stamps = np.empty(slots.size, dtype=np.int64)
+            rows = _contiguous(rows, dtype=_I64)     # _i64, without its frame
+            slots = _contiguous(slots, dtype=_I64)
+            stamps = _empty(slots.size, dtype=_I64)
             e = _queues.lru_insert(self._per, self._where, self._st, rows, slots, last, stamps)
             if e >= 0:                        # the batch's accesses are of one epoch
-                self._bucket(e).append((slots, stamps))
+                chunks = self._buckets.get(e)     # (_bucket, without its frame when it exists)
+                (self._bucket(e) if chunks is None else chunks).append((slots, stamps))
             elif slots.size:
                 self._add(slots, stamps, last[rows])
             return
@@ -205,15 +212,17 @@ class LruQueue(_SlotPolicy):
     def victims(self, n: int) -> np.ndarray:
         # No more victims than slots: an admin evict of "everything" asks for 2^30, and the
         # output and scratch arrays are sized by n.
-        n = min(n, int(self.st.slot_row.shape[0]))
+        cap = self.st.slot_row.shape[0]
+        if n > cap:                # (builtin min: a tuple and an iteration, ~0.1 us)
+            n = cap
         if _queues is None:
             return self._victims_numpy(n)
-        out = np.empty(n, dtype=np.int64)
+        out = _empty(n, dtype=_I64)
         if self._scratch.shape[0] < 2 * n + 32:
-            self._scratch = np.empty((2 * n + 32, 3), dtype=np.int64)
+            self._scratch = _empty((2 * n + 32, 3), dtype=_I64)
         scratch, size = self._scratch, self._scratch.shape[0]
         last_col, slot_row = self.table.cols["last_access"], self.st.slot_row
-        pinned: list[np.ndarray] = []
+        pinned: list[_ndarray] = []
         k = 0
         while k < n:
             if self._cur is None or self._pos >= self._cur.shape[0]:
@@ -222,16 +231,16 @@ class LruQueue(_SlotPolicy):
                     break
             self._pos, took, moved, held = _queues.lru_take(
                 self._per, self._where, self._st, self._cur, self._pos, n - k, slot_row,
-                last_col, self.st.leases, out[k:], scratch)
+                last_col, self.st.leases, out if k == 0 else out[k:], scratch)
             k += took
             if moved:                          # accessed since the sort: to their new bucket
                 m = scratch[:moved].copy()
-                self._add(m[:, 0], m[:, 1], m[:, 2].astype(np.uint64))
+                self._add(m[:, 0], m[:, 1], m[:, 2].astype(_U64))
             if held:                           # written from the end, last first
                 pinned.append(scratch[size - held:][::-1].copy())
         for p in pinned:                       # leased now; they come round again
             self._add(p[:, 0], p[:, 1], last_col[slot_row[p[:, 0]]])
-        return out[:k]
+        return out if k == n else out[:k]      # (a slice is a numpy view: ~1k instructions)
 
     def _victims_numpy(self, n: int) -> np.ndarray:
         out: list[np.ndarray] = []
@@ -298,6 +307,10 @@ class S3Fifo(_SlotPolicy):
         self._base = self._per[:, 1]
         self._cnt = self._per[:, 2]
         self._replaced: np.ndarray = _NO_REPLACED
+        # The ghost's arrays for the C calls, as one tuple made here (Ghost never replaces
+        # them): on_insert and on_remove pass them without a frame and a tuple each.
+        g = self.ghost
+        self._ghost_args: tuple[np.ndarray, ...] = (g._fp, g._seq, g._alive, g._st)
 
     ghost_hits = property(lambda self: int(self._st[ST_GHOST_HITS]))
 
@@ -316,43 +329,42 @@ class S3Fifo(_SlotPolicy):
     def _c_args(self) -> tuple[np.ndarray, ...]:
         return (self._per, self._where, self._st, self._rings[0]._buf, self._rings[1]._buf)
 
-    def _ghost_args(self) -> tuple[np.ndarray, ...]:
-        g = self.ghost
-        return g._fp, g._seq, g._alive, g._st
-
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
         if _queues is None:
             return self._on_insert_numpy(rows, slots)
         for ring in self._rings:
             ring.reserve(rows.size)
         cols = self.table.cols
-        _queues.s3_insert(*self._c_args(), *self._ghost_args(), cols["key"],
-                          self.table.key_width, cols["freq"], _i64(rows), _i64(slots),
-                          self._replaced)
+        _queues.s3_insert(*self._c_args(), *self._ghost_args, cols["key"],
+                          self.table.key_width, cols["freq"], _contiguous(rows, dtype=_I64),
+                          _contiguous(slots, dtype=_I64), self._replaced)
         self._replaced = _NO_REPLACED
 
     def on_remove(self, slots: np.ndarray) -> None:
         if _queues is None:
             return self._on_remove_numpy(slots)
-        out = np.empty((slots.size, 3), dtype=np.int64)
-        k = _queues.s3_remove(self._per, self._where, self._st, *self._ghost_args(),
-                              self.st.slot_row, self.table.cols["key"], self.table.key_width,
-                              _i64(slots), out)
+        out = _empty((slots.size, 3), dtype=_I64)
+        k = _queues.s3_remove(self._per, self._where, self._st,
+                              *self._ghost_args, self.st.slot_row,
+                              self.table.cols["key"], self.table.key_width,
+                              _contiguous(slots, dtype=_I64), out)
         if k >= 0:
             self._replaced = out[:k]
 
     def victims(self, n: int) -> np.ndarray:
         # No more victims than slots: an admin evict of "everything" asks for 2^30, and the
         # output and scratch arrays are sized by n.
-        n = min(n, int(self.st.slot_row.shape[0]))
+        cap = self.st.slot_row.shape[0]
+        if n > cap:                # (builtin min: a tuple and an iteration, ~0.1 us)
+            n = cap
         if _queues is None:
             return self._victims_numpy(n)
         # Probation's entries may all move to main in this call; nothing else adds entries.
         self._rings[self.MAIN].reserve(len(self._rings[self.SMALL]))
-        out = np.empty(n, dtype=np.int64)
+        out = _empty(n, dtype=_I64)
         k = _queues.s3_victims(*self._c_args(), self.st.slot_row, self.table.cols["freq"],
                                self.st.leases, n, out)
-        return out[:k]
+        return out if k == n else out[:k]
 
     def give_back(self, slots: np.ndarray) -> None:
         if _queues is None:

@@ -43,7 +43,7 @@ class Ring:
                   lambda self, v: self._st.__setitem__(1, v))
 
     def __len__(self) -> int:
-        return int(self._st[1])
+        return self._st.item(1)
 
     @property
     def capacity(self) -> int:
@@ -54,7 +54,7 @@ class Ring:
 
     def reserve(self, extra: int) -> None:
         """Room for extra more entries without growing."""
-        n = int(self._st[1])
+        n = self._st.item(1)          # a Python int in one call (S3Fifo asks on every put)
         if n + extra <= self._buf.shape[0]:
             return
         cap = self._buf.shape[0]
