@@ -316,3 +316,18 @@ def test_rows_off_4k_boundaries_are_left_to_the_python_read(tmp_path: Path):
                            np.zeros(2, np.uint64))
     log.unpin(held)
     log.close()
+
+
+def test_a_window_wider_than_the_batch_is_clamped_not_allocated(tmp_path: Path):
+    # Batch.run's window sized its event array (window x 32 bytes): a huge one failed the
+    # read with ENOMEM (and destroyed the log's context), or wrapped size_t to a tiny array
+    # the kernel then wrote events past. At most the batch's requests can be in flight.
+    log, data, segs, offs, sums = _log_with(tmp_path, 4)
+    pool = _pool(4)
+    held = _held(log, segs)
+    batch = reads.record_batch(log, pool, np.arange(4), segs, offs, sums, held)
+    log._aio_reads.run_native(lambda ctx, depth: batch.run(ctx, 1 << 58, reads.checksums._fn))
+    assert reads.verdicts(log, batch).all()
+    assert all((pool[r] == d).all() for r, d in enumerate(data))
+    log.unpin(held)
+    log.close()

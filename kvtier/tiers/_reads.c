@@ -93,6 +93,8 @@ static int cmp_cb(const void *a, const void *b)
 static int batch_read(Batch *b, aio_context_t ctx, long window, xxh3_fn h)
 {
     Py_ssize_t n = b->nreq;
+    if (window > n)
+        window = n ? (long)n : 1;        /* no more can be in flight (and ev stays small) */
     for (Py_ssize_t i = 0; i < b->n; i++)
         b->res[i] = -EINVAL;             /* not read: refused by the bounds check */
     struct iocb **ptrs = malloc((size_t)(n ? n : 1) * sizeof *ptrs);
