@@ -331,3 +331,21 @@ def test_a_window_wider_than_the_batch_is_clamped_not_allocated(tmp_path: Path):
     assert all((pool[r] == d).all() for r, d in enumerate(data))
     log.unpin(held)
     log.close()
+
+
+def test_an_offset_whose_byte_offset_overflows_is_a_bad_record_not_a_wrapped_read(
+        tmp_path: Path):
+    # offs are in 4 KiB units: 2**52 + k units is 2**64 + 4096 k bytes, which int64 arithmetic
+    # wrapped onto record k's offset, so the batch read (and verified) a record its row does
+    # not name. It lies past any segment: refused, as an offset past what was written.
+    log, data, segs, offs, sums = _log_with(tmp_path, 4)
+    bad = offs.astype(np.int64)                 # (the log's own offsets are uint32)
+    bad[1] += 1 << 52
+    pool = _pool(4)                                 # (a Batch does not hold its destination)
+    held = _held(log, segs)
+    batch = reads.record_batch(log, pool, np.arange(4), segs, bad, sums, held)
+    assert batch.requests == 3
+    reads.run_batch(log, batch)
+    assert reads.verdicts(log, batch).tolist() == [True, False, True, True]
+    log.unpin(held)
+    log.close()

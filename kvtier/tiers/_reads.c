@@ -239,10 +239,12 @@ static PyObject *Batch_new(PyTypeObject *type, PyObject *args, PyObject *kw)
                 break;
             }
         }
-        if (s == NULL || s[1] < 0)
+        if (s == NULL || s[1] < 0 || s[2] < 0)
             continue;                     /* its segment is gone: a bad record */
+        if (of[i] < 0 || of[i] > (INT64_MAX - nbytes) / ALIGN)
+            continue;                     /* past any file (its byte offset would overflow) */
         int64_t off = of[i] * ALIGN, start = s[2], size = s[3];
-        if (of[i] < 0 || off < start || (off - start) % nbytes || off + nbytes > size)
+        if (off < start || (off - start) % nbytes || off + nbytes > size)
             continue;                     /* outside what was written */
         struct iocb *cb = &b->cbs[m++];
         cb->aio_data = (uint64_t)i;
