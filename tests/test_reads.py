@@ -349,3 +349,31 @@ def test_an_offset_whose_byte_offset_overflows_is_a_bad_record_not_a_wrapped_rea
     assert reads.verdicts(log, batch).tolist() == [True, False, True, True]
     log.unpin(held)
     log.close()
+
+
+def test_a_get_whose_reader_threads_close_before_its_read_is_reaped_ends_not_hangs(
+        tmp_path: Path):
+    # Reader.close runs the queued reads to their end but drops what was never reaped, so a
+    # get awaiting one (a runner closed or moved to another loop with a read in flight) waited
+    # for a future nothing would ever complete, cancellations included (_to_its_end).
+    from tests.conftest import keys
+
+    eng, data = _engine(tmp_path)
+    try:
+        async def closed_under_it(runner):
+            task = asyncio.ensure_future(runner.drive(eng.get_steps("m", keys(range(8)), 0)))
+            while runner.c_reads == 0:
+                await asyncio.sleep(0)
+            runner.close()                          # before the loop could reap the read
+            for _ in range(1000):                   # (wait_for could not end it: see above)
+                if task.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert task.done(), "the get still waits for a read the closed reader dropped"
+            with pytest.raises(OSError, match="closed"):
+                await task
+
+        _drive(eng, scenario=closed_under_it)
+        _nothing_installed_nor_held(eng, data)
+    finally:
+        eng.close(flush=False)
