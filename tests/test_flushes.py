@@ -225,3 +225,26 @@ def test_a_handle_waited_past_its_timeout_says_so(tmp_path: Path):
     disk.gate.set()
     assert handle.wait(10) == 4
     eng.close(flush=False)
+
+
+def test_a_flush_thread_that_failed_to_start_is_started_by_the_next_begin(tmp_path: Path,
+                                                                         monkeypatch):
+    # begin() kept the Thread object before its start(): once start() failed (no thread to
+    # be had), every later begin queued its flush for a thread that never ran, and its
+    # handle never completed (the put never acknowledged, close() raised on the join).
+    eng = engine(tmp_path)
+    real = threading.Thread.start
+    fails = [RuntimeError("can't start new thread")]
+
+    def start(self):
+        if fails:
+            raise fails.pop()
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="start new thread"):
+        begin_put(eng, range(4), 1)
+    assert host_leases(eng, key(0)) == 0          # the failed commit_begin unpinned
+    _, handle = begin_put(eng, range(4, 8), 2)
+    assert handle.wait(10) == 4
+    eng.close(flush=False)

@@ -316,3 +316,64 @@ def test_rows_off_4k_boundaries_are_left_to_the_python_read(tmp_path: Path):
                            np.zeros(2, np.uint64))
     log.unpin(held)
     log.close()
+
+
+def test_a_window_wider_than_the_batch_is_clamped_not_allocated(tmp_path: Path):
+    # Batch.run's window sized its event array (window x 32 bytes): a huge one failed the
+    # read with ENOMEM (and destroyed the log's context), or wrapped size_t to a tiny array
+    # the kernel then wrote events past. At most the batch's requests can be in flight.
+    log, data, segs, offs, sums = _log_with(tmp_path, 4)
+    pool = _pool(4)
+    held = _held(log, segs)
+    batch = reads.record_batch(log, pool, np.arange(4), segs, offs, sums, held)
+    log._aio_reads.run_native(lambda ctx, depth: batch.run(ctx, 1 << 58, reads.checksums._fn))
+    assert reads.verdicts(log, batch).all()
+    assert all((pool[r] == d).all() for r, d in enumerate(data))
+    log.unpin(held)
+    log.close()
+
+
+def test_an_offset_whose_byte_offset_overflows_is_a_bad_record_not_a_wrapped_read(
+        tmp_path: Path):
+    # offs are in 4 KiB units: 2**52 + k units is 2**64 + 4096 k bytes, which int64 arithmetic
+    # wrapped onto record k's offset, so the batch read (and verified) a record its row does
+    # not name. It lies past any segment: refused, as an offset past what was written.
+    log, data, segs, offs, sums = _log_with(tmp_path, 4)
+    bad = offs.astype(np.int64)                 # (the log's own offsets are uint32)
+    bad[1] += 1 << 52
+    pool = _pool(4)                                 # (a Batch does not hold its destination)
+    held = _held(log, segs)
+    batch = reads.record_batch(log, pool, np.arange(4), segs, bad, sums, held)
+    assert batch.requests == 3
+    reads.run_batch(log, batch)
+    assert reads.verdicts(log, batch).tolist() == [True, False, True, True]
+    log.unpin(held)
+    log.close()
+
+
+def test_a_get_whose_reader_threads_close_before_its_read_is_reaped_ends_not_hangs(
+        tmp_path: Path):
+    # Reader.close runs the queued reads to their end but drops what was never reaped, so a
+    # get awaiting one (a runner closed or moved to another loop with a read in flight) waited
+    # for a future nothing would ever complete, cancellations included (_to_its_end).
+    from tests.conftest import keys
+
+    eng, data = _engine(tmp_path)
+    try:
+        async def closed_under_it(runner):
+            task = asyncio.ensure_future(runner.drive(eng.get_steps("m", keys(range(8)), 0)))
+            while runner.c_reads == 0:
+                await asyncio.sleep(0)
+            runner.close()                          # before the loop could reap the read
+            for _ in range(1000):                   # (wait_for could not end it: see above)
+                if task.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert task.done(), "the get still waits for a read the closed reader dropped"
+            with pytest.raises(OSError, match="closed"):
+                await task
+
+        _drive(eng, scenario=closed_under_it)
+        _nothing_installed_nor_held(eng, data)
+    finally:
+        eng.close(flush=False)

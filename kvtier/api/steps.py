@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import os
 import threading
 from typing import Any, Callable
@@ -75,16 +76,19 @@ class ReadThreads:
                  depth: int = READ_DEPTH) -> None:
         self.loop = loop
         self._reader = reads.native.Reader(threads, depth, reads.checksums._fn)
+        self._waiting: set[asyncio.Future] = set()      # submitted, not reaped yet
         loop.add_reader(self._reader.fd, self._reap)
 
     def submit(self, batch: Any) -> asyncio.Future:
         """A future of the batch's read: None, or the OSError that ended it."""
         fut = self.loop.create_future()
         self._reader.submit(batch, fut)
+        self._waiting.add(fut)
         return fut
 
     def _reap(self) -> None:
         for fut, err in self._reader.reap():
+            self._waiting.discard(fut)
             if fut.cancelled():
                 continue
             if err:
@@ -93,10 +97,20 @@ class ReadThreads:
                 fut.set_result(None)
 
     def close(self) -> None:
-        """Stop watching and stop the threads (after the reads queued: the GIL released)."""
+        """Stop watching and stop the threads (after the reads queued: the GIL released).
+        The reads never reaped end with an OSError: they are over (nothing is in flight once
+        the threads stop), but their outcome went with the reader, and their gets would
+        otherwise wait for them for ever."""
         if not self.loop.is_closed():
             self.loop.remove_reader(self._reader.fd)
         self._reader.close()
+        waiting, self._waiting = self._waiting, set()
+        if self.loop.is_closed():
+            return                          # (no callback of its futures can run any more)
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(OSError(errno.ECANCELED, "NVMe read: the reader threads "
+                                          "were closed before its end was reaped"))
 
 
 class StepRunner:

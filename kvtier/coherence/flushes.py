@@ -200,9 +200,10 @@ class Flushes:
             if self._closing:
                 raise StorageError("the NVMe store is closing; no flush can begin")
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run_begun, daemon=True,
-                                                name="kvtier-flush")
-                self._thread.start()
+                thread = threading.Thread(target=self._run_begun, daemon=True,
+                                          name="kvtier-flush")
+                thread.start()              # kept once running: a failed start is retried
+                self._thread = thread
             self._begun.append((ns, None if rows is None else np.asarray(rows, np.int64),
                                 strict, on_done, h))
             self._begun_cv.notify()

@@ -93,6 +93,8 @@ static int cmp_cb(const void *a, const void *b)
 static int batch_read(Batch *b, aio_context_t ctx, long window, xxh3_fn h)
 {
     Py_ssize_t n = b->nreq;
+    if (window > n)
+        window = n ? (long)n : 1;        /* no more can be in flight (and ev stays small) */
     for (Py_ssize_t i = 0; i < b->n; i++)
         b->res[i] = -EINVAL;             /* not read: refused by the bounds check */
     struct iocb **ptrs = malloc((size_t)(n ? n : 1) * sizeof *ptrs);
@@ -237,10 +239,12 @@ static PyObject *Batch_new(PyTypeObject *type, PyObject *args, PyObject *kw)
                 break;
             }
         }
-        if (s == NULL || s[1] < 0)
+        if (s == NULL || s[1] < 0 || s[2] < 0)
             continue;                     /* its segment is gone: a bad record */
+        if (of[i] < 0 || of[i] > (INT64_MAX - nbytes) / ALIGN)
+            continue;                     /* past any file (its byte offset would overflow) */
         int64_t off = of[i] * ALIGN, start = s[2], size = s[3];
-        if (of[i] < 0 || off < start || (off - start) % nbytes || off + nbytes > size)
+        if (off < start || (off - start) % nbytes || off + nbytes > size)
             continue;                     /* outside what was written */
         struct iocb *cb = &b->cbs[m++];
         cb->aio_data = (uint64_t)i;
