@@ -178,6 +178,29 @@ def test_blocks_recomputed_after_a_failed_load_are_stored_again(service, link):
     assert plan.store_parents == h[1:4]
 
 
+def test_a_request_sharing_a_loaded_block_lists_it_among_the_reads_of_its_stores(service, link):
+    name = IDENT.namespace("vllm", 0)
+    h, hb = _hashes(5, b"sh"), _hashes(4, b"shb")
+    with Client(service.socket) as c:
+        c.namespace(name, block_bytes=64, key_width=32).put(h[:4], np.zeros((4, 64), np.uint8))
+    p = _planner(link(service.socket), [name])
+    ids_a = [20, 21, 22, 23, 24]
+    assert p.lookup("a", h, 5 * BS + 1, 0) == (4 * BS, False)
+    p.allocated("a", ids_a, 4 * BS)
+    # "b" has the same first two blocks: the engine's prefix cache hands it a's blocks 20
+    # and 21 in the same step, before a's load has filled them.
+    hashes_b = h[:2] + hb[2:4]
+    ids_b = [20, 21, 30, 31]
+    assert p.lookup("b", hashes_b, 4 * BS + 1, 2 * BS) == (0, False)
+    p.scheduled("a", ids_a, 4 * BS, 5 * BS)
+    p.scheduled("b", ids_b, 2 * BS, 4 * BS + 1)
+    plan = p.take_plan()
+    assert plan.store_req_ids == ["a", "b", "b"] and plan.store_block_ids == [24, 30, 31]
+    assert plan.store_reads == {"a": ids_a[:4], "b": [20, 21]}
+    p.scheduled("b", ids_b + [32], 4 * BS + 1, 5 * BS)  # a step without loads: no reads
+    assert p.take_plan().store_reads == {}
+
+
 def test_a_hit_partly_on_nvme_is_staged_and_loaded_in_the_background(service, link):
     name = IDENT.namespace("vllm", 0)
     h, h2 = _hashes(5, b"bg"), _hashes(5, b"bg2")
@@ -258,6 +281,25 @@ def test_save_drops_the_stores_of_a_request_whose_load_failed_and_stores_a_block
     assert found.all()
     for i, row in ((0, 1), (1, 2)):
         assert bytes(got[i]) == b"".join(layer[row].tobytes() for layer in layers)
+
+
+def test_save_drops_the_stores_of_a_request_that_read_a_block_whose_load_failed(service, link):
+    name = IDENT.namespace("vllm", 0)
+    layers, pages = _pages(5)
+    w = Mover(link(service.socket, "worker0"), name, 32, pages, pages.block_bytes, {})
+    w.open()
+    h = _hashes(3, b"rd")
+    # Block 1 was "a"'s load and failed; "b" computed h[1] over it (a shared prefix block),
+    # "c" read block 2, which loaded.
+    plan = TransferPlan(store_keys=[h[0], h[1], h[2]],
+                        store_parents=[bytes(32), bytes(32), bytes(32)],
+                        store_block_ids=[4, 5, 6], store_req_ids=["a", "b", "c"],
+                        store_reads={"a": [1], "b": [1, 2], "c": [2]})
+    w.save(plan, failed_reqs={"a"}, failed_blocks={1})
+    assert w.link.stats.counts["stored_blocks"] == 1
+    with Client(service.socket) as c:
+        found, _ = c.namespace(name).get(b"".join(h))
+    assert found.tolist() == [False, False, True]
 
 
 def test_background_loads_report_each_request_once_with_its_failed_blocks(service, link):

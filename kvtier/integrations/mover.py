@@ -87,11 +87,16 @@ class Mover:
                      "the engine recomputes them", missing.size, len(rows))
         return {rows[i] for i in missing.tolist()}
 
-    def save(self, plan: TransferPlan, failed_reqs: set[str] | frozenset[str] = frozenset()
-             ) -> None:
+    def save(self, plan: TransferPlan, failed_reqs: set[str] | frozenset[str] = frozenset(),
+             failed_blocks: set[int] | frozenset[int] = frozenset()) -> None:
         """Store the plan's blocks, except those of failed_reqs (requests whose load failed in
-        this step: their new blocks were computed over blocks that never arrived); a block
-        that two requests filled is stored once."""
+        this step: their new blocks were computed over blocks that never arrived) and of the
+        requests whose stores were computed over one of failed_blocks (this step's failed
+        loads, shared with them: plan.store_reads); a block that two requests filled is
+        stored once."""
+        if failed_blocks and plan.store_reads:
+            failed_reqs = set(failed_reqs) | {r for r, reads in plan.store_reads.items()
+                                              if not failed_blocks.isdisjoint(reads)}
         seen: set[bytes] = set()
         keep = [i for i, (k, r) in enumerate(zip(plan.store_keys, plan.store_req_ids))
                 if r not in failed_reqs and not (k in seen or seen.add(k))]

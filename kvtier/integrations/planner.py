@@ -55,6 +55,11 @@ class TransferPlan:
     store_parents: list[bytes] = field(default_factory=list)
     store_block_ids: list[int] = field(default_factory=list)
     store_req_ids: list[str] = field(default_factory=list)
+    # For each request that stores in a step with loads before the forward: the block ids
+    # this step loads (its own, or another request's that it shares through the engine's
+    # prefix cache) among the blocks its stores were computed over. If one of them fails,
+    # its stores are garbage too.
+    store_reads: dict[str, list[int]] = field(default_factory=dict)
 
     def empty(self) -> bool:
         return not self.loads and not self.store_keys
@@ -86,6 +91,7 @@ class Planner:
         self._reqs: dict[str, _Req] = {}
         self._loading: set[str] = set()     # requests whose background load is in flight
         self._plan = TransferPlan()
+        self._loaded_now: set[int] = set()  # block ids the plan loads before the forward
 
     def lookup(self, req_id: str, hashes: Sequence[bytes], num_tokens: int,
                num_computed: int) -> tuple[int, bool]:
@@ -137,6 +143,8 @@ class Planner:
             self.link.stats.add("background_loads")
             req.loading = list(block_ids[req.first:last])
             self._loading.add(req_id)
+        else:
+            self._loaded_now.update(block_ids[req.first:last])
         req.stored = max(req.stored, last)
 
     def loads_done(self, finished: Set[str], failed_block_ids: Set[int]) -> None:
@@ -158,7 +166,11 @@ class Planner:
                   computed_after: int) -> None:
         """The step computes the request's tokens [computed_before, computed_after): store the
         blocks that become full (their hashes exist once the tokens are in the request), and
-        those computed again after a failed load (computed_before fell back below them)."""
+        those computed again after a failed load (computed_before fell back below them).
+        Where this step loads blocks before the forward, also the ones among the blocks the
+        stores were computed over (TransferPlan.store_reads): a request sharing a block whose
+        load fails (the engine's prefix cache hands it the loading request's block in the
+        same step) computed its new blocks over garbage, and the worker drops its stores."""
         req = self._reqs.get(req_id)
         if req is None:
             return
@@ -173,6 +185,10 @@ class Planner:
         p.store_parents.extend(req.hashes[lo:full - 1])
         p.store_block_ids.extend(block_ids[lo:full])
         p.store_req_ids.extend([req_id] * (full - lo))
+        if self._loaded_now:
+            reads = [b for b in block_ids[:lo] if b in self._loaded_now]
+            if reads:
+                p.store_reads.setdefault(req_id, []).extend(reads)
         req.stored = full
 
     def finished(self, req_id: str) -> None:
@@ -183,4 +199,5 @@ class Planner:
         """This step's plan (a block two requests both fill is deduplicated by the worker,
         which first drops the stores of requests whose load failed)."""
         plan, self._plan = self._plan, TransferPlan()
+        self._loaded_now = set()
         return plan

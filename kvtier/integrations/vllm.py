@@ -140,6 +140,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.background: BackgroundLoads | None = None
         self._failed: set[int] = set()
         self._failed_reqs: set[str] = set()      # this step's requests with a failed load
+        self._failed_now: set[int] = set()       # this step's failed loads before the forward
         self._idle_step = False                   # this step runs no forward
         if role == KVConnectorRole.SCHEDULER:
             self.link = Link(self.settings, "scheduler", self.stats)
@@ -209,6 +210,7 @@ class KvtierConnector(KVConnectorBase_V1):
             now = [spec for spec in meta.plan.loads if not spec.background]
             failed = self.mover.load(now)
             self._failed |= failed
+            self._failed_now = failed
             self._failed_reqs = {spec.req_id for spec in now if failed & set(spec.block_ids)}
             self.background.submit([spec for spec in meta.plan.loads if spec.background])
 
@@ -224,8 +226,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.mover is None or not isinstance(meta, KvtierMetadata):
             return
         with self._timed():
-            self.mover.save(meta.plan, self._failed_reqs)
-        self._failed_reqs = set()
+            self.mover.save(meta.plan, self._failed_reqs, self._failed_now)
+        self._failed_reqs, self._failed_now = set(), set()
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
