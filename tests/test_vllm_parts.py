@@ -30,7 +30,7 @@ from kvtier.integrations.connector import (
     key_width,
     weights_digest,
 )
-from kvtier.integrations.mover import BackgroundLoads, Mover
+from kvtier.integrations.mover import BackgroundLoads, Mover, union_failures
 from kvtier.integrations.planner import LoadSpec, Planner, TransferPlan
 
 BS = 32
@@ -297,6 +297,25 @@ def test_save_drops_the_stores_of_a_request_that_read_a_block_whose_load_failed(
                         store_reads={"a": [1], "b": [1, 2], "c": [2]})
     w.save(plan, failed_reqs={"a"}, failed_blocks={1})
     assert w.link.stats.counts["stored_blocks"] == 1
+    with Client(service.socket) as c:
+        found, _ = c.namespace(name).get(b"".join(h))
+    assert found.tolist() == [False, False, True]
+
+
+def test_each_rank_drops_the_stores_that_a_failed_load_on_another_rank_spoiled(service, link):
+    name = IDENT.namespace("vllm", 0)
+    layers, pages = _pages(6)
+    w = Mover(link(service.socket, "worker0"), name, 32, pages, pages.block_bytes, {})
+    w.open()
+    h = _hashes(3, b"tp")
+    plan = TransferPlan(store_keys=h, store_parents=[bytes(32)] * 3, store_block_ids=[4, 5, 6],
+                        store_req_ids=["a", "b", "c"],
+                        store_reads={"a": [1], "b": [1], "c": [2]})
+    # Rank 0 loaded everything; rank 1's load of "a"'s block 1 failed. Rank 0's new KV of
+    # "a" and "b" was computed over rank 1's garbage (the layers' all-reduce).
+    failed_reqs, failed_blocks = union_failures([(set(), set()), ({"a"}, {1})])
+    assert (failed_reqs, failed_blocks) == ({"a"}, {1})
+    w.save(plan, failed_reqs, failed_blocks)
     with Client(service.socket) as c:
         found, _ = c.namespace(name).get(b"".join(h))
     assert found.tolist() == [False, False, True]

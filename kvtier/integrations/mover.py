@@ -15,6 +15,9 @@ them. The stores a request planned in a step where its load failed are dropped: 
 computed over the blocks that did not arrive (the engine recomputes and stores them again). A
 store that fails is dropped and counted: a later lookup simply misses.
 
+Under tensor parallelism a rank's new blocks depend on every rank's KV, so each rank drops
+the stores that any rank's failed load spoiled (``union_failures`` of what every rank saw).
+
 Background loads (``BackgroundLoads``, vLLM's asynchronous loads of a hit that is partly on
 NVMe) run on a thread of their own, through a Mover on its own connection, one batch per
 engine step, into blocks the engine does not touch until the request is reported done.
@@ -106,6 +109,17 @@ class Mover:
         parents = b"".join(plan.store_parents[i] for i in keep)
         if self._move("put", keys, [plan.store_block_ids[i] for i in keep], parents) is not None:
             self.link.stats.add("stored_blocks", len(keep))
+
+
+def union_failures(per_rank: list[tuple[set[str], set[int]]]) -> tuple[set[str], set[int]]:
+    """Every rank's (failed requests, failed block ids) of a step as one pair: what each
+    rank's save must drop under tensor parallelism (kvtier.integrations.vllm gathers them)."""
+    reqs: set[str] = set()
+    blocks: set[int] = set()
+    for r, b in per_rank:
+        reqs |= r
+        blocks |= b
+    return reqs, blocks
 
 
 class BackgroundLoads:

@@ -47,7 +47,7 @@ from kvtier.integrations.connector import (
     layout_record,
     weights_digest,
 )
-from kvtier.integrations.mover import BackgroundLoads, Mover
+from kvtier.integrations.mover import BackgroundLoads, Mover, union_failures
 from kvtier.integrations.planner import Planner, TransferPlan
 
 if TYPE_CHECKING:
@@ -226,8 +226,28 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.mover is None or not isinstance(meta, KvtierMetadata):
             return
         with self._timed():
-            self.mover.save(meta.plan, self._failed_reqs, self._failed_now)
+            failed_reqs, failed_now = self._failed_reqs, self._failed_now
+            plan = meta.plan
+            if (self.identity.tp_size > 1 and plan.store_keys
+                    and any(not spec.background for spec in plan.loads)):
+                failed_reqs, failed_now = self._every_rank_failures(failed_reqs, failed_now)
+            self.mover.save(plan, failed_reqs, failed_now)
         self._failed_reqs, self._failed_now = set(), set()
+
+    def _every_rank_failures(self, failed_reqs: set[str], failed_now: set[int]
+                             ) -> tuple[set[str], set[int]]:
+        """This step's failed loads on every tensor-parallel rank. A rank's new KV depends
+        on every rank's (each layer's all-reduce mixes all heads), so a load that failed on
+        one rank spoils the blocks every rank computed over it; vLLM unions the ranks' load
+        errors only after the step, when the stores are done. One all_gather on the TP
+        group's CPU group, only in steps that both load before the forward and store (the
+        plan, hence that condition, is the same on every rank)."""
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+        tp = get_tp_group()
+        every: list[Any] = [None] * tp.world_size
+        dist.all_gather_object(every, (failed_reqs, failed_now), group=tp.cpu_group)
+        return union_failures(every)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
