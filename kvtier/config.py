@@ -9,6 +9,7 @@ than a silently ignored key. Precedence, lowest first: defaults, TOML file, envi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -62,6 +63,10 @@ def _float(value: Any, name: str) -> float:
         out = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if not math.isfinite(out):
+        # nan passes every range check below (and ends as a ValueError in settimeout);
+        # inf overflows socket timeouts (OverflowError) and never ends a wait.
+        raise ConfigError(f"{name}: expected a finite number, got {value!r}")
     if out < 0:
         raise ConfigError(f"{name}: must not be negative, got {value!r}")
     return out
@@ -368,7 +373,16 @@ def make_settings(values: dict[str, Any]) -> Settings:
                           f"({out['max_frame']}): one whole frame has to fit")
     if out["io_threads"] < 1:
         raise ConfigError("io_threads: must be at least 1")
-    return Settings(**out)
+    settings = Settings(**out)
+    path = os.fsencode(settings.socket_path)
+    if len(path) > _SUN_PATH_MAX:
+        raise ConfigError(f"socket: {settings.socket_path} is {len(path)} bytes, and a Unix "
+                          f"socket path holds at most {_SUN_PATH_MAX}; choose a shorter socket "
+                          "(or data_dir, which holds the default socket)")
+    return settings
+
+
+_SUN_PATH_MAX = 107            # sockaddr_un.sun_path is 108 bytes on Linux, with the NUL
 
 
 def load(config_file: str | None = None, env: dict[str, str] | None = None,

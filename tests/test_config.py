@@ -69,6 +69,22 @@ def test_binary_garbage_and_missing_config_file(tmp_path: Path):
         load(str(tmp_path / "missing.toml"), env={})
 
 
+@pytest.mark.parametrize("name", ["lease_timeout", "flush_interval", "compact_threshold",
+                                  "redis_timeout", "busy_poll_us"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("nan")])
+def test_a_number_that_is_not_finite_names_the_setting(name, value):
+    with pytest.raises(ConfigError, match=f"{name}: expected a finite number"):
+        load(env={}, overrides={name: value})
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_refused(tmp_path: Path):
+    with pytest.raises(ConfigError, match="at most 107"):
+        load(env={}, overrides={"socket": str(tmp_path / ("s" * 120))})
+    with pytest.raises(ConfigError, match="data_dir"):      # the default socket is inside it
+        load(env={}, overrides={"data_dir": "/tmp/" + "d" * 100})
+    assert load(env={}, overrides={"socket": "/tmp/" + "s" * 102}).socket
+
+
 def test_garbage_in_the_environment():
     with pytest.raises(ConfigError, match="reserve_timeout"):
         load(env={"KVTIER_RESERVE_TIMEOUT": "soon"})

@@ -54,6 +54,9 @@ def _settings(socket: Path | str, **extra) -> ConnectorSettings:
     ({"timeout_s": "soon"}, "timeout_s: expected a number"),
     ({"timeout_s": 0}, "timeout_s: must be greater than 0"),
     ({"retry_s": -1}, "retry_s: must not be negative"),
+    ({"timeout_s": "nan"}, "timeout_s: expected a finite number"),     # settimeout: ValueError
+    ({"timeout_s": float("inf")}, "timeout_s: expected a finite number"),
+    ({"retry_s": "inf"}, "retry_s: expected a finite number"),         # never retried
     ({"socket": 5}, "socket: expected a string"),
     ({"namespace_prefix": "a/b"}, "namespace_prefix"),
     ({"namespace_prefix": ""}, "namespace_prefix"),
