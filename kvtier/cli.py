@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from kvtier.config import SETTINGS, Settings, load, markdown_table
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 
 log = logging.getLogger("kvtier")
 
@@ -73,10 +73,23 @@ async def _serve(settings: Settings) -> int:
         from kvtier.api.metrics import Metrics
         metrics = Metrics()
     server = Server(engine, settings, on_op=metrics.observe if metrics else None)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException as exc:
+        # Not server.stop(): the socket path may be another service's (it refused to start
+        # over a live one), and stop() removes it.
+        await loop.run_in_executor(None, engine.close)
+        if isinstance(exc, OSError):
+            raise ConfigError(f"cannot listen on {server.path}: {exc.strerror or exc}; "
+                              "choose another --socket path") from None
+        raise
     if settings.admin:
-        admin = AdminServer(engine, server, settings, metrics)
-        await admin.start()
+        try:
+            admin = AdminServer(engine, server, settings, metrics)
+            await admin.start()
+        except BaseException:
+            await server.stop()        # closes the engine and removes this service's socket
+            raise
     print(f"kvtier: socket {server.path}", flush=True)
     print(f"kvtier: admin {admin.url if admin else 'disabled'}", flush=True)
     if hbm_note:

@@ -37,6 +37,44 @@ def test_serve_refuses_a_data_dir_that_is_a_file(tmp_path: Path):
     assert out.returncode == 2 and "data_dir" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_serve_with_its_admin_port_taken_says_so_and_removes_its_socket(tmp_path: Path):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _kvtier("serve", "--data-dir", str(tmp_path / "d"), "--admin", f"127.0.0.1:{port}")
+    assert out.returncode == 2, out.stderr
+    assert "admin API could not listen" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "d" / "run" / "kvtier.sock").exists()
+
+
+def test_serve_where_no_socket_can_be_made_is_a_one_line_error(tmp_path: Path):
+    out = _kvtier("serve", "--data-dir", str(tmp_path / "d"), "--admin", "",
+                  "--socket", "/proc/kvtier-test.sock")
+    assert out.returncode == 2, out.stderr
+    assert "/proc/kvtier-test.sock" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("spoil", ["directory", "binary", "spaces"])
+def test_serve_with_a_spoiled_admin_token_file_names_it(tmp_path: Path, spoil):
+    d = tmp_path / "d"
+    d.mkdir()
+    token = d / "admin.token"
+    if spoil == "directory":
+        token.mkdir()
+    else:
+        token.write_bytes(b"\xff\xfe\x01token" if spoil == "binary" else b"two words\n")
+    import socket
+    with socket.socket() as free:                  # a port nobody listens on (admin: no 0)
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    out = _kvtier("serve", "--data-dir", str(d), "--admin", f"127.0.0.1:{port}")
+    assert out.returncode == 2, out.stderr
+    assert "admin.token" in out.stderr and "Traceback" not in out.stderr
+    assert not (d / "run" / "kvtier.sock").exists()
+
+
 def test_stats_without_a_service_is_a_clear_error(tmp_path: Path, capsys):
     assert main(["stats", "--socket", str(tmp_path / "none.sock")]) == 2
     assert "is `kvtier serve` running?" in capsys.readouterr().err

@@ -60,8 +60,17 @@ def admin_token(settings: Settings) -> str:
         return settings.admin_token
     path = Path(settings.data_dir) / "admin.token"
     if path.exists() and not path.is_symlink():
-        token = path.read_text().strip()
+        try:
+            token = path.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not text"
+            raise ConfigError(f"cannot read the admin token {path}: {why}; remove it (a new "
+                              "one is written) or set admin_token") from None
         if token:
+            if not token.isprintable() or any(c.isspace() for c in token):
+                raise ConfigError(f"the admin token in {path} holds spaces or control "
+                                  "characters (no Authorization header can carry it); remove "
+                                  "the file (a new one is written) or set admin_token")
             return token
     token = secrets.token_urlsafe(24)
     try:
@@ -256,12 +265,19 @@ class AdminServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    async def _serve(self) -> None:
+        try:
+            await self._uv.serve()
+        except SystemExit:
+            # uvicorn reports a bind failure by sys.exit() from inside serve(); let through,
+            # it would end the event loop with a traceback before start() could say why.
+            pass
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._uv.serve()))
+        self._tasks.append(loop.create_task(self._serve()))
         while not self._uv.started:
             if self._tasks[0].done():
-                # uvicorn reports a bind failure by sys.exit() from inside serve().
                 raise ConfigError(f"admin API could not listen on {self.url} (address in use?); "
                                   "choose another with --admin HOST:PORT")
             await asyncio.sleep(0.02)
