@@ -75,6 +75,12 @@ def test_serve_with_a_spoiled_admin_token_file_names_it(tmp_path: Path, spoil):
     assert not (d / "run" / "kvtier.sock").exists()
 
 
+@pytest.mark.parametrize("url", ["garbage", "http://[::1"])
+def test_stats_with_a_malformed_url_is_a_clear_error(url, capsys):
+    assert main(["stats", "--url", url]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
 def test_stats_without_a_service_is_a_clear_error(tmp_path: Path, capsys):
     assert main(["stats", "--socket", str(tmp_path / "none.sock")]) == 2
     assert "is `kvtier serve` running?" in capsys.readouterr().err

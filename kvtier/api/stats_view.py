@@ -14,10 +14,11 @@ from kvtier.errors import ServiceUnavailable
 def fetch_stats(socket_path: str | None = None, url: str | None = None,
                 token: str | None = None) -> dict[str, Any]:
     if url:
-        req = urllib.request.Request(url.rstrip("/") + "/v1/stats")
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
         try:
+            # (Request itself raises ValueError for a URL without a scheme or a broken one.)
+            req = urllib.request.Request(url.rstrip("/") + "/v1/stats")
+            if token:
+                req.add_header("Authorization", f"Bearer {token}")
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return json.loads(resp.read())
         except (urllib.error.URLError, OSError, ValueError) as exc:
