@@ -30,7 +30,7 @@ from kvtier.integrations.connector import (
     key_width,
     weights_digest,
 )
-from kvtier.integrations.mover import BackgroundLoads, Mover, union_failures
+from kvtier.integrations.mover import BackgroundLoads, Mover, SpoiledStores, union_failures
 from kvtier.integrations.planner import LoadSpec, Planner, TransferPlan
 
 BS = 32
@@ -181,7 +181,7 @@ def test_blocks_recomputed_after_a_failed_load_are_stored_again(service, link):
     assert plan.store_parents == h[1:4]
 
 
-def test_a_request_sharing_a_loaded_block_lists_it_among_the_reads_of_its_stores(service, link):
+def test_a_request_sharing_a_block_loaded_in_its_step_lists_it_among_its_reads(service, link):
     name = IDENT.namespace("vllm", 0)
     h, hb = _hashes(5, b"sh"), _hashes(4, b"shb")
     with Client(service.socket) as c:
@@ -195,13 +195,19 @@ def test_a_request_sharing_a_loaded_block_lists_it_among_the_reads_of_its_stores
     hashes_b = h[:2] + hb[2:4]
     ids_b = [20, 21, 30, 31]
     assert p.lookup("b", hashes_b, 4 * BS + 1, 2 * BS) == (0, False)
+    p.allocated("b", ids_b, 0)
+    assert p.lookup("c", hashes_b[:2], 2 * BS + 1, 2 * BS) == (0, False)
+    p.allocated("c", ids_b[:2] + [40], 0)          # shares them too, stores nothing yet
     p.scheduled("a", ids_a, 4 * BS, 5 * BS)
     p.scheduled("b", ids_b, 2 * BS, 4 * BS + 1)
+    p.scheduled("c", ids_b[:2] + [40], 2 * BS, 2 * BS + 1)
+    p.lookup("r", h[:2], 2 * BS + 1, 2 * BS)         # admitted in an earlier step, running:
+    p.scheduled("r", [20, 21], 2 * BS, 2 * BS + 1)  # not scanned (it cannot hold 20 or 21)
     plan = p.take_plan()
     assert plan.store_req_ids == ["a", "b", "b"] and plan.store_block_ids == [24, 30, 31]
-    assert plan.store_reads == {"a": ids_a[:4], "b": [20, 21]}
+    assert plan.reads == {"a": ids_a[:4], "b": [20, 21], "c": [20, 21]}
     p.scheduled("b", ids_b + [32], 4 * BS + 1, 5 * BS)  # a step without loads: no reads
-    assert p.take_plan().store_reads == {}
+    assert p.take_plan().reads == {}
 
 
 def test_a_hit_partly_on_nvme_is_staged_and_loaded_in_the_background(service, link):
@@ -297,12 +303,26 @@ def test_save_drops_the_stores_of_a_request_that_read_a_block_whose_load_failed(
     plan = TransferPlan(store_keys=[h[0], h[1], h[2]],
                         store_parents=[bytes(32), bytes(32), bytes(32)],
                         store_block_ids=[4, 5, 6], store_req_ids=["a", "b", "c"],
-                        store_reads={"a": [1], "b": [1, 2], "c": [2]})
+                        reads={"a": [1], "b": [1, 2], "c": [2]})
+    assert Mover.spoiled(plan, {"a"}, {1}) == {"a", "b"}
     w.save(plan, failed_reqs={"a"}, failed_blocks={1})
     assert w.link.stats.counts["stored_blocks"] == 1
     with Client(service.socket) as c:
         found, _ = c.namespace(name).get(b"".join(h))
     assert found.tolist() == [False, False, True]
+
+
+def test_under_async_scheduling_the_next_steps_stores_of_a_spoiled_request_are_dropped():
+    # "a"'s load failed in step 1; "d" read its block and stored nothing in that step.
+    one = TransferPlan(reads={"a": [1], "d": [1]})
+    later = TransferPlan()
+    lag = SpoiledStores(async_scheduling=True)
+    assert lag.step(one, {"a"}, {1}) == {"a", "d"}
+    assert lag.step(later, set(), set()) == {"a", "d"}   # planned before the engine knew
+    assert lag.step(later, set(), set()) == set()        # planned from the rolled-back counts
+    sync = SpoiledStores(async_scheduling=False)
+    assert sync.step(one, {"a"}, {1}) == {"a", "d"}
+    assert sync.step(later, set(), set()) == set()       # step 2 is the recompute: kept
 
 
 def test_each_rank_drops_the_stores_that_a_failed_load_on_another_rank_spoiled(service, link):
@@ -313,7 +333,7 @@ def test_each_rank_drops_the_stores_that_a_failed_load_on_another_rank_spoiled(s
     h = _hashes(3, b"tp")
     plan = TransferPlan(store_keys=h, store_parents=[bytes(32)] * 3, store_block_ids=[4, 5, 6],
                         store_req_ids=["a", "b", "c"],
-                        store_reads={"a": [1], "b": [1], "c": [2]})
+                        reads={"a": [1], "b": [1], "c": [2]})
     # Rank 0 loaded everything; rank 1's load of "a"'s block 1 failed. Rank 0's new KV of
     # "a" and "b" was computed over rank 1's garbage (the layers' all-reduce).
     failed_reqs, failed_blocks = union_failures([(set(), set()), ({"a"}, {1})])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any
+from typing import AbstractSet as Set, Any
 
 import numpy as np
 
@@ -90,16 +90,24 @@ class Mover:
                      "the engine recomputes them", missing.size, len(rows))
         return {rows[i] for i in missing.tolist()}
 
-    def save(self, plan: TransferPlan, failed_reqs: set[str] | frozenset[str] = frozenset(),
-             failed_blocks: set[int] | frozenset[int] = frozenset()) -> None:
-        """Store the plan's blocks, except those of failed_reqs (requests whose load failed in
-        this step: their new blocks were computed over blocks that never arrived) and of the
-        requests whose stores were computed over one of failed_blocks (this step's failed
-        loads, shared with them: plan.store_reads); a block that two requests filled is
-        stored once."""
-        if failed_blocks and plan.store_reads:
-            failed_reqs = set(failed_reqs) | {r for r, reads in plan.store_reads.items()
-                                              if not failed_blocks.isdisjoint(reads)}
+    @staticmethod
+    def spoiled(plan: TransferPlan, failed_reqs: Set[str], failed_blocks: Set[int]
+                ) -> set[str]:
+        """The requests whose computation in this step went over a block that did not
+        arrive: failed_reqs (their own load failed) and those that read one of failed_blocks
+        (plan.reads: blocks shared with them in this step)."""
+        out = set(failed_reqs)
+        if failed_blocks:
+            out.update(r for r, reads in plan.reads.items()
+                       if not failed_blocks.isdisjoint(reads))
+        return out
+
+    def save(self, plan: TransferPlan, failed_reqs: Set[str] = frozenset(),
+             failed_blocks: Set[int] = frozenset()) -> None:
+        """Store the plan's blocks, except those of the spoiled requests (``spoiled``: their
+        new blocks were computed over blocks that never arrived); a block that two requests
+        filled is stored once."""
+        failed_reqs = self.spoiled(plan, failed_reqs, failed_blocks)
         seen: set[bytes] = set()
         keep = [i for i, (k, r) in enumerate(zip(plan.store_keys, plan.store_req_ids))
                 if r not in failed_reqs and not (k in seen or seen.add(k))]
@@ -109,6 +117,25 @@ class Mover:
         parents = b"".join(plan.store_parents[i] for i in keep)
         if self._move("put", keys, [plan.store_block_ids[i] for i in keep], parents) is not None:
             self.link.stats.add("stored_blocks", len(keep))
+
+
+class SpoiledStores:
+    """Which requests' stores a step drops. async_scheduling: the engine plans step N+1
+    before it learns of step N's failed loads (vLLM's async scheduling), so what N+1 computes
+    for N's spoiled requests, further over the same garbage, is dropped too; N+2 is planned
+    from the rolled-back counts and stores the recomputed blocks again. Without it N+1 is
+    that recompute, and is kept."""
+
+    def __init__(self, async_scheduling: bool) -> None:
+        self.async_scheduling = async_scheduling
+        self._before: set[str] = set()
+
+    def step(self, plan: TransferPlan, failed_reqs: Set[str], failed_blocks: Set[int]
+             ) -> set[str]:
+        spoiled = Mover.spoiled(plan, failed_reqs, failed_blocks)
+        out = spoiled | self._before
+        self._before = spoiled if self.async_scheduling else set()
+        return out
 
 
 def union_failures(per_rank: list[tuple[set[str], set[int]]]) -> tuple[set[str], set[int]]:

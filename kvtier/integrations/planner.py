@@ -55,11 +55,11 @@ class TransferPlan:
     store_parents: list[bytes] = field(default_factory=list)
     store_block_ids: list[int] = field(default_factory=list)
     store_req_ids: list[str] = field(default_factory=list)
-    # For each request that stores in a step with loads before the forward: the block ids
-    # this step loads (its own, or another request's that it shares through the engine's
-    # prefix cache) among the blocks its stores were computed over. If one of them fails,
-    # its stores are garbage too.
-    store_reads: dict[str, list[int]] = field(default_factory=dict)
+    # For each request admitted in a step with loads before the forward: the block ids this
+    # step loads (its own, or another request's that the engine's prefix cache shares with
+    # it) among the blocks before its computed tokens. If one of them fails, whatever the
+    # request computes over it is garbage: its stores are dropped.
+    reads: dict[str, list[int]] = field(default_factory=dict)
 
     def empty(self) -> bool:
         return not self.loads and not self.store_keys
@@ -92,6 +92,7 @@ class Planner:
         self._loading: set[str] = set()     # requests whose background load is in flight
         self._plan = TransferPlan()
         self._loaded_now: set[int] = set()  # block ids the plan loads before the forward
+        self._admitted: set[str] = set()    # requests allocated in this step
 
     def lookup(self, req_id: str, hashes: Sequence[bytes], num_tokens: int,
                num_computed: int) -> tuple[int, bool]:
@@ -130,6 +131,7 @@ class Planner:
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
         """The engine allocated block_ids for the request; load num_external tokens into them."""
+        self._admitted.add(req_id)
         req = self._reqs.get(req_id)
         if req is None or num_external <= 0:
             return
@@ -167,14 +169,19 @@ class Planner:
         """The step computes the request's tokens [computed_before, computed_after): store the
         blocks that become full (their hashes exist once the tokens are in the request), and
         those computed again after a failed load (computed_before fell back below them).
-        Where this step loads blocks before the forward, also the ones among the blocks the
-        stores were computed over (TransferPlan.store_reads): a request sharing a block whose
-        load fails (the engine's prefix cache hands it the loading request's block in the
-        same step) computed its new blocks over garbage, and the worker drops its stores."""
+        Where this step loads blocks before the forward, a request admitted in it also lists
+        the loaded ones among its blocks (TransferPlan.reads): one sharing a block whose load
+        fails (the engine's prefix cache hands it the loading request's block in the same
+        step) computes over garbage, and the worker drops its stores. Only requests admitted
+        in this step can hold a block allocated in it, so running ones are not scanned."""
         req = self._reqs.get(req_id)
         if req is None:
             return
         bs = self.block_size
+        if self._loaded_now and req_id in self._admitted:
+            reads = [b for b in block_ids[:computed_before // bs] if b in self._loaded_now]
+            if reads:
+                self._plan.reads[req_id] = reads
         full = min(computed_after // bs, len(req.hashes), len(block_ids))
         lo = min(req.stored, computed_before // bs)
         if full <= lo:
@@ -185,10 +192,6 @@ class Planner:
         p.store_parents.extend(req.hashes[lo:full - 1])
         p.store_block_ids.extend(block_ids[lo:full])
         p.store_req_ids.extend([req_id] * (full - lo))
-        if self._loaded_now:
-            reads = [b for b in block_ids[:lo] if b in self._loaded_now]
-            if reads:
-                p.store_reads.setdefault(req_id, []).extend(reads)
         req.stored = full
 
     def finished(self, req_id: str) -> None:
@@ -199,5 +202,5 @@ class Planner:
         """This step's plan (a block two requests both fill is deduplicated by the worker,
         which first drops the stores of requests whose load failed)."""
         plan, self._plan = self._plan, TransferPlan()
-        self._loaded_now = set()
+        self._loaded_now, self._admitted = set(), set()
         return plan

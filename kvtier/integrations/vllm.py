@@ -47,7 +47,7 @@ from kvtier.integrations.connector import (
     layout_record,
     weights_digest,
 )
-from kvtier.integrations.mover import BackgroundLoads, Mover, union_failures
+from kvtier.integrations.mover import BackgroundLoads, Mover, SpoiledStores, union_failures
 from kvtier.integrations.planner import Planner, TransferPlan
 
 if TYPE_CHECKING:
@@ -141,6 +141,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self._failed_reqs: set[str] = set()      # this step's requests with a failed load
         self._failed_now: set[int] = set()       # this step's failed loads before the forward
+        self.spoiled = SpoiledStores(bool(getattr(vllm_config.scheduler_config,
+                                                  "async_scheduling", False)))
         self._idle_step = False                   # this step runs no forward
         if role == KVConnectorRole.SCHEDULER:
             self.link = Link(self.settings, "scheduler", self.stats)
@@ -228,10 +230,9 @@ class KvtierConnector(KVConnectorBase_V1):
         with self._timed():
             failed_reqs, failed_now = self._failed_reqs, self._failed_now
             plan = meta.plan
-            if (self.identity.tp_size > 1 and plan.store_keys
-                    and any(not spec.background for spec in plan.loads)):
+            if self.identity.tp_size > 1 and any(not spec.background for spec in plan.loads):
                 failed_reqs, failed_now = self._every_rank_failures(failed_reqs, failed_now)
-            self.mover.save(plan, failed_reqs, failed_now)
+            self.mover.save(plan, self.spoiled.step(plan, failed_reqs, failed_now))
         self._failed_reqs, self._failed_now = set(), set()
 
     def _every_rank_failures(self, failed_reqs: set[str], failed_now: set[int]
@@ -240,8 +241,8 @@ class KvtierConnector(KVConnectorBase_V1):
         on every rank's (each layer's all-reduce mixes all heads), so a load that failed on
         one rank spoils the blocks every rank computed over it; vLLM unions the ranks' load
         errors only after the step, when the stores are done. One all_gather on the TP
-        group's CPU group, only in steps that both load before the forward and store (the
-        plan, hence that condition, is the same on every rank)."""
+        group's CPU group, only in steps that load before the forward (the plan, hence that
+        condition, is the same on every rank)."""
         import torch.distributed as dist
         from vllm.distributed.parallel_state import get_tp_group
         tp = get_tp_group()
