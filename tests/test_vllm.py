@@ -320,7 +320,7 @@ def _config(**changes: Any) -> Any:
     from types import SimpleNamespace as NS
     cfg = NS(kv_transfer_config=NS(kv_load_failure_policy="recompute"),
              model_config=NS(use_mla=False), parallel_config=NS(pipeline_parallel_size=1),
-             speculative_config=None)
+             speculative_config=None, cache_config=NS(block_size=BLOCK))
     for path, value in changes.items():
         obj, _, attr = path.rpartition(".")
         setattr(getattr(cfg, obj) if obj else cfg, attr, value)
@@ -332,6 +332,8 @@ def _config(**changes: Any) -> Any:
     ({"parallel_config.pipeline_parallel_size": 2}, "pipeline parallelism"),
     ({"speculative_config": object()}, "speculative decoding"),
     ({"kv_transfer_config.kv_load_failure_policy": "fail"}, "recompute"),
+    ({"parallel_config.decode_context_parallel_size": 2}, "context parallelism"),
+    ({"parallel_config.prefill_context_parallel_size": 2}, "context parallelism"),
 ])
 def test_unsupported_engine_setups_are_refused_with_what_to_change(change, message):
     from types import SimpleNamespace as NS
@@ -342,6 +344,9 @@ def test_unsupported_engine_setups_are_refused_with_what_to_change(change, messa
         check_supported(_config(**change), NS(kv_cache_groups=[1]))
     with pytest.raises(ConfigError, match="hybrid"):
         check_supported(_config(), NS(kv_cache_groups=[1, 2]))
+    check_supported(_config(), NS(kv_cache_groups=[1], hash_block_size=BLOCK))
+    with pytest.raises(ConfigError, match="prefix_match_unit"):
+        check_supported(_config(), NS(kv_cache_groups=[1], hash_block_size=BLOCK // 2))
     assert _block_dim((100, 2, 32, 64), 100) == 0 and _block_dim((2, 100, 32, 2, 8), 100) == 1
     with pytest.raises(ConfigError, match="block dimension"):
         _block_dim((4, 8, 100), 100)

@@ -101,6 +101,20 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig |
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
         raise ConfigError("KvtierConnector supports models with one KV cache group (full "
                           "attention in every layer), not hybrid models")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        # vLLM then hashes blocks of block_size * cp tokens, split over the ranks by token:
+        # the hit would be counted in the wrong blocks, and loads planned into blocks that
+        # were never allocated.
+        if getattr(vllm_config.parallel_config, name, 1) > 1:
+            raise ConfigError(f"KvtierConnector does not support context parallelism ({name}="
+                              f"{getattr(vllm_config.parallel_config, name)}); use tensor "
+                              "parallelism")
+    block_size = vllm_config.cache_config.block_size
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block_size not in (None, block_size):
+        raise ConfigError(f"vLLM hashes prefix blocks of {hash_block_size} tokens here, but "
+                          f"a KV cache block holds {block_size}: kvtier keys each block by "
+                          "its hash and needs the two equal (leave prefix_match_unit unset)")
 
 
 def _block_dim(shape: tuple[int, ...], num_blocks: int) -> int:
