@@ -49,6 +49,19 @@ def test_serve_with_its_admin_port_taken_says_so_and_removes_its_socket(tmp_path
     assert not (tmp_path / "d" / "run" / "kvtier.sock").exists()
 
 
+def test_a_second_serve_on_the_same_data_dir_is_refused_and_the_first_keeps_serving(
+        service, tmp_path: Path):
+    from kvtier.api.client import Client
+    out = _kvtier("serve", "--data-dir", str(service.data_dir), "--admin", "",
+                  "--socket", str(tmp_path / "second.sock"))
+    assert out.returncode == 2, out.stderr
+    assert "another kvtier serve" in out.stderr and "Traceback" not in out.stderr
+    assert f"pid {service.proc.pid}" in out.stderr
+    assert not (tmp_path / "second.sock").exists()
+    with Client(service.socket) as c:
+        assert "tiers" in c.stats()
+
+
 def test_serve_where_no_socket_can_be_made_is_a_one_line_error(tmp_path: Path):
     out = _kvtier("serve", "--data-dir", str(tmp_path / "d"), "--admin", "",
                   "--socket", "/proc/kvtier-test.sock")
