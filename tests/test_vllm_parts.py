@@ -98,7 +98,27 @@ def test_namespace_names_everything_the_bytes_depend_on(tmp_path):
         (d / "model.safetensors").write_bytes(byte * 4096)
         (d / "config.json").write_text("{}")
     assert weights_digest(str(a)) != weights_digest(str(b)) and weights_digest(str(a))
-    assert weights_digest("org/hub-model") == ""
+    assert weights_digest("org/hub-model", cache_dir=str(tmp_path / "hub")) == ""
+
+
+def test_a_hub_models_weights_are_read_from_the_snapshot_the_engine_downloaded(tmp_path):
+    # The Hugging Face cache's layout: refs/main names the snapshot (a commit) main is at.
+    repo = tmp_path / "hub" / "models--org--tiny"
+    for commit, byte in (("a" * 40, b"\1"), ("b" * 40, b"\2")):
+        snap = repo / "snapshots" / commit
+        snap.mkdir(parents=True)
+        (snap / "model.safetensors").write_bytes(byte * 4096)
+        (snap / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    cache = str(tmp_path / "hub")
+    old = weights_digest("org/tiny", cache_dir=cache)
+    assert old == weights_digest(str(repo / "snapshots" / ("a" * 40)))
+    assert weights_digest("org/tiny", "b" * 40, cache) not in ("", old)
+    (repo / "refs" / "main").write_text("b" * 40)        # main moved upstream: new weights
+    assert weights_digest("org/tiny", cache_dir=cache) not in ("", old)
+    assert replace(IDENT, weights=old).namespace("vllm", 0) != replace(
+        IDENT, weights=weights_digest("org/tiny", cache_dir=cache)).namespace("vllm", 0)
 
 
 @pytest.fixture

@@ -133,14 +133,21 @@ def key_width(hash_algo: str, env: dict[str, str] | None = None) -> int:
     return width
 
 
-def weights_digest(model: str) -> str:
-    """A digest of a local model directory's weights: each weights file's name, size and
-    first MiB (safetensors: its header, which lists every tensor, and the first data). Two
-    checkpoints that differ only deep inside a file are not told apart: name the revision
-    (or namespace_prefix) for those. "" for a hub name that is not a local directory."""
+def weights_digest(model: str, revision: str = "", cache_dir: str | None = None) -> str:
+    """A digest of a model's weights: each weights file's name, size and first MiB
+    (safetensors: its header, which lists every tensor, and the first data), from the local
+    directory model names, or for a hub name from the snapshot of it that the engine
+    downloaded (revision, else the cached main; cache_dir: vLLM's download_dir). Without
+    it a hub name whose weights changed upstream (a new commit on main, same config) would
+    share the old weights' namespace, and their KV. Two checkpoints that differ only deep
+    inside a file are not told apart: name the revision (or namespace_prefix) for those.
+    "" where no local copy is found (another model source)."""
     path = Path(model)
     if not path.is_dir():
-        return ""
+        found = _hub_snapshot(model, revision, cache_dir)
+        if found is None:
+            return ""
+        path = found
     h = hashlib.sha256()
     for f in sorted(path.iterdir()):
         if f.suffix in (".safetensors", ".bin", ".pt", ".gguf") and f.is_file():
@@ -149,6 +156,20 @@ def weights_digest(model: str) -> str:
             with f.open("rb") as fh:
                 h.update(fh.read(_WEIGHT_SAMPLE))
     return h.hexdigest()
+
+
+def _hub_snapshot(model: str, revision: str, cache_dir: str | None) -> Path | None:
+    """The local snapshot directory of hub model ``model`` (named by its commit), or None:
+    not a hub name, not in the cache, or no huggingface_hub (vLLM always has it)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(model, revision=revision or None, cache_dir=cache_dir,
+                                      local_files_only=True))
+    except (OSError, ValueError):     # LocalEntryNotFoundError; HFValidationError: no repo id
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,9 @@ def identity_of(vllm_config: "VllmConfig") -> EngineIdentity:
     return EngineIdentity(
         model=str(mc.model), revision=str(mc.revision or ""),
         model_config=json.dumps(mc.hf_config.to_dict(), sort_keys=True, default=str),
-        weights=weights_digest(str(mc.model)), dtype=str(mc.dtype),
+        weights=weights_digest(str(mc.model), str(mc.revision or ""),
+                               getattr(vllm_config.load_config, "download_dir", None)),
+        dtype=str(mc.dtype),
         kv_cache_dtype=str(cache.cache_dtype), block_size=int(cache.block_size),
         hash_algo=str(cache.prefix_caching_hash_algo),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size))
