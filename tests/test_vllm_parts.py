@@ -312,24 +312,29 @@ def test_save_drops_the_stores_of_a_request_whose_load_failed_and_stores_a_block
         assert bytes(got[i]) == b"".join(layer[row].tobytes() for layer in layers)
 
 
-def test_save_drops_the_stores_of_a_request_that_read_a_block_whose_load_failed(service, link):
+def _found_after_save(service, link, seed: int, salt: bytes, reads: dict[str, list[int]],
+                      failed_reqs: set[str], failed_blocks: set[int]) -> list[bool]:
+    """Save h[0], h[1], h[2] of requests a, b, c (rows 4, 5, 6) with those reads and this
+    step's failures; which of the three kvtier holds after."""
     name = IDENT.namespace("vllm", 0)
-    layers, pages = _pages(5)
+    _layers, pages = _pages(seed)
     w = Mover(link(service.socket, "worker0"), name, 32, pages, pages.block_bytes, {})
     w.open()
-    h = _hashes(3, b"rd")
-    # Block 1 was "a"'s load and failed; "b" computed h[1] over it (a shared prefix block),
-    # "c" read block 2, which loaded.
-    plan = TransferPlan(store_keys=[h[0], h[1], h[2]],
-                        store_parents=[bytes(32), bytes(32), bytes(32)],
+    h = _hashes(3, salt)
+    w.save(TransferPlan(store_keys=h, store_parents=[bytes(32)] * 3,
                         store_block_ids=[4, 5, 6], store_req_ids=["a", "b", "c"],
-                        reads={"a": [1], "b": [1, 2], "c": [2]})
-    assert Mover.spoiled(plan, {"a"}, {1}) == {"a", "b"}
-    w.save(plan, failed_reqs={"a"}, failed_blocks={1})
-    assert w.link.stats.counts["stored_blocks"] == 1
+                        reads=reads), failed_reqs, failed_blocks)
     with Client(service.socket) as c:
         found, _ = c.namespace(name).get(b"".join(h))
-    assert found.tolist() == [False, False, True]
+    return found.tolist()
+
+
+def test_save_drops_the_stores_of_a_request_that_read_a_block_whose_load_failed(service, link):
+    # Block 1 was "a"'s load and failed; "b" computed h[1] over it (a shared prefix block),
+    # "c" read block 2, which loaded.
+    reads = {"a": [1], "b": [1, 2], "c": [2]}
+    assert Mover.spoiled(TransferPlan(reads=reads), {"a"}, {1}) == {"a", "b"}
+    assert _found_after_save(service, link, 5, b"rd", reads, {"a"}, {1}) == [False, False, True]
 
 
 def test_under_async_scheduling_the_next_steps_stores_of_a_spoiled_request_are_dropped():
@@ -346,22 +351,13 @@ def test_under_async_scheduling_the_next_steps_stores_of_a_spoiled_request_are_d
 
 
 def test_each_rank_drops_the_stores_that_a_failed_load_on_another_rank_spoiled(service, link):
-    name = IDENT.namespace("vllm", 0)
-    layers, pages = _pages(6)
-    w = Mover(link(service.socket, "worker0"), name, 32, pages, pages.block_bytes, {})
-    w.open()
-    h = _hashes(3, b"tp")
-    plan = TransferPlan(store_keys=h, store_parents=[bytes(32)] * 3, store_block_ids=[4, 5, 6],
-                        store_req_ids=["a", "b", "c"],
-                        reads={"a": [1], "b": [1], "c": [2]})
     # Rank 0 loaded everything; rank 1's load of "a"'s block 1 failed. Rank 0's new KV of
     # "a" and "b" was computed over rank 1's garbage (the layers' all-reduce).
     failed_reqs, failed_blocks = union_failures([(set(), set()), ({"a"}, {1})])
     assert (failed_reqs, failed_blocks) == ({"a"}, {1})
-    w.save(plan, failed_reqs, failed_blocks)
-    with Client(service.socket) as c:
-        found, _ = c.namespace(name).get(b"".join(h))
-    assert found.tolist() == [False, False, True]
+    reads = {"a": [1], "b": [1], "c": [2]}
+    assert _found_after_save(service, link, 6, b"tp", reads, failed_reqs,
+                             failed_blocks) == [False, False, True]
 
 
 def test_background_loads_report_each_request_once_with_its_failed_blocks(service, link):
