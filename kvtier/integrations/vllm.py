@@ -19,9 +19,10 @@ WAITING_FOR_REMOTE_KVS and schedules the rest of the batch; ``get_finished`` rep
 done, its failed blocks in ``get_block_ids_with_load_errors`` in the same step). Stores of the
 blocks that became full run in wait_for_save, after the forward, synchronously. What is
 refused at start-up, with a message that
-says what to change: hybrid (several KV cache groups) and MLA models, pipeline parallelism,
-speculative decoding, kv_load_failure_policy other than "recompute", block hashes that are not
-stable across processes, garbage in kv_connector_extra_config.
+says what to change: hybrid (several KV cache groups) and MLA models, pipeline and context
+parallelism, speculative decoding, kv_load_failure_policy other than "recompute", block hashes
+that are not stable across processes or not one per KV block, garbage in
+kv_connector_extra_config.
 """
 
 from __future__ import annotations
