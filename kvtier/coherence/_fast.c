@@ -88,6 +88,7 @@
 #include <string.h>
 
 #include "cviews.h"
+#include "install.h"
 
 static PyObject *lease_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -383,24 +384,13 @@ static PyObject *install_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
     }
     uint64_t top = 0;
+    InstallCols c = {version, leases, size, sums, state, last, prev, freq, slot, nsl, copy_ver,
+                     nt, slot_row};
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t r = rows[i];
-        if (created[i])
-            version[r] = floor_;
-        uint64_t ver = (version[r] > base ? version[r] : base) + 1;
-        version[r] = ver;
+        uint64_t ver = install_one(&c, rows[i], created[i], slots[i], given[i], next, tier,
+                                   floor_, base, clock + (uint64_t)i + 1, (uint32_t)bb);
         if (ver > top)
             top = ver;
-        leases[r] = 0;
-        size[r] = (uint32_t)bb;
-        sums[r] = given[i];
-        state[r] = next[state[r]];
-        prev[r] = last[r];
-        last[r] = clock + (uint64_t)i + 1;
-        freq[r] += 1;
-        slot[r * nsl + tier] = (int32_t)slots[i];
-        copy_ver[r * nt + tier] = ver;
-        slot_row[slots[i]] = r;
     }
     views_release(&v);
     return PyLong_FromUnsignedLongLong(top);
