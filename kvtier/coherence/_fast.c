@@ -185,6 +185,14 @@ static inline int unpin_one(uint32_t *pool, uint8_t *retired, int64_t s)
     return 0;
 }
 
+/* A reader less on row r when it still holds the version the lease read (and has readers). */
+static inline void unlease_row(const uint64_t *version, uint16_t *leases, Py_ssize_t n_rows,
+                               int64_t r, uint64_t ver)
+{
+    if (r >= 0 && r < n_rows && version[r] == ver && leases[r] > 0)
+        leases[r] -= 1;
+}
+
 static PyObject *unlease_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 9) {
@@ -213,9 +221,7 @@ static PyObject *unlease_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
     for (Py_ssize_t i = 0; i < n; i++) {
         if (unpin_one(pool, retired, slots[i]))
             gone[k++] = slots[i];
-        int64_t r = rows[i];
-        if (r >= 0 && r < n_rows && version[r] == vers[i] && leases[r] > 0)
-            leases[r] -= 1;
+        unlease_row(version, leases, n_rows, rows[i], vers[i]);
     }
     views_release(&v);
     return PyLong_FromSsize_t(k);
@@ -257,8 +263,7 @@ static PyObject *unlease_one(PyObject *self, PyObject *const *args, Py_ssize_t n
         goto fail;
     }
     int gone = unpin_one(pool, retired, slot);
-    if (row >= 0 && row < n_rows && version[row] == ver && leases[row] > 0)
-        leases[row] -= 1;
+    unlease_row(version, leases, n_rows, row, ver);
     views_release(&v);
     return PyBool_FromLong(gone);
 fail:
