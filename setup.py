@@ -13,7 +13,8 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("kvtier.pagetable._native", ["kvtier/pagetable/_native.c"],
-              depends=["kvtier/pagetable/keyhash.h", "kvtier/coherence/cviews.h"],
+              depends=["kvtier/pagetable/keyhash.h", "kvtier/coherence/cviews.h",
+                       "kvtier/coherence/install.h"],
               extra_compile_args=["-O3", "-std=c11"], optional=True),
     # The eviction policies' queues and ghost (kvtier/coherence/policies/queues.py, rings.py).
     Extension("kvtier.coherence.policies._queues", ["kvtier/coherence/policies/_queues.c"],
@@ -25,7 +26,7 @@ setup(ext_modules=[
               depends=["kvtier/coherence/cviews.h"],
               extra_compile_args=["-O2", "-std=c11", "-Wall"], optional=True),
     Extension("kvtier.coherence._fast", ["kvtier/coherence/_fast.c"],
-              depends=["kvtier/coherence/cviews.h"],
+              depends=["kvtier/coherence/cviews.h", "kvtier/coherence/install.h"],
               extra_compile_args=["-O2", "-std=c11"], optional=True),
     # Batch XXH3 through the system's libxxhash, GIL released (kvtier/checksums.py).
     Extension("kvtier._xxh", ["kvtier/_xxh.c"], extra_compile_args=["-O2", "-std=gnu11"],

@@ -72,6 +72,10 @@ def _load() -> int | None:
 
 
 _fn = _load()
+# The address of libxxhash's XXH3_64bits, checked against python-xxhash (None without it): for
+# C code that hashes blocks itself (kvtier.pagetable._native.put_rows), the same function
+# block_checksums calls, so the same checksums.
+XXH3_ADDRESS: int | None = _fn
 try:
     from kvtier import _xxh
 except ImportError:                   # not built: every batch goes through python-xxhash

@@ -315,7 +315,8 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
         keys, parents, starts = _keys(trace)
         out = []
         log = eng.namespace("trace").log
-        try_get, lookup_prefix = eng.try_get, eng.lookup_prefix
+        try_get, lookup_prefix, lease_one = eng.try_get, eng.lookup_prefix, eng.lease_one
+        ns, lock = eng.namespace("trace"), eng.lock
         nvme_max = 0
         cpu0 = time.process_time()
         bounds = starts.tolist()           # Python ints: no numpy scalar per request
@@ -326,12 +327,20 @@ def replay_engine(trace: Trace, policy: str, tiers: Tiers, block_bytes: int = 1,
             out.append(n)
             if n:
                 # As the service answers a host get of resident blocks (api/resident.py: on
-                # its loop, through try_get, not the general get's steps); anything else, and
-                # every HBM get, goes the general way.
-                res = try_get("trace", req[:n]) if top is Tier.HOST else None
-                if res is None:
-                    res = eng.get("trace", req[:n], tier=top)
-                eng.release(res.lease_id)
+                # its loop; one key through lease_one, no GetResult: _get_one_resident, the
+                # replay's commonest get; more through try_get, not the general get's
+                # steps); anything else, and every HBM get, goes the general way.
+                lid = None
+                if n == 1 and top is Tier.HOST:
+                    with lock:
+                        hit = lease_one(ns, req[:1], 0)
+                    lid = None if hit is None else hit[0]
+                if lid is None:
+                    res = try_get("trace", req[:n]) if top is Tier.HOST else None
+                    if res is None:
+                        res = eng.get("trace", req[:n], tier=top)
+                    lid = res.lease_id
+                eng.release(lid)
             # Store the misses in order, each chained to the block before it; a run longer
             # than the tier goes in tier-sized pieces (the tail is what stays, as in LRU).
             for lo in range(a + n, b, cap):

@@ -98,6 +98,50 @@ def test_unlease_frees_a_retired_slot_once_and_never_goes_below_zero():
     assert k == 0 and c["pool"][3] == 0 and c["leases"][2] == 0     # a second end: no wrap
 
 
+def test_unlease_one_does_what_unlease_rows_does_for_one_slot():
+    """Every case of a one-slot release (retired or not, the row rewritten, past n_rows, a
+    second end) through both entry points from the same columns: the same columns after."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        a = columns()
+        a["pool"][:] = rng.integers(0, 3, SLOTS)
+        a["retired"][:] = rng.random(SLOTS) < 0.5
+        a["leases"][:] = rng.integers(0, 3, CAP)
+        b = {k: v.copy() for k, v in a.items()}
+        slot, row = int(rng.integers(0, SLOTS)), int(rng.integers(-1, CAP))
+        ver, n_rows = int(rng.integers(9, 16)), int(rng.integers(0, CAP + 1))
+        gone = np.empty(1, np.int64)
+        k = _fast.unlease_rows(a["pool"], a["retired"], a["version"], a["leases"], n_rows,
+                               np.array([slot], np.int64), np.array([row], np.int64),
+                               np.array([ver], np.uint64), gone)
+        one = _fast.unlease_one(b["pool"], b["retired"], b["version"], b["leases"], n_rows,
+                                slot, row, ver)
+        assert one is (k == 1)
+        assert snapshot(a) == snapshot(b)
+
+
+@pytest.mark.parametrize("bad", ["slot_past", "slot_negative", "version_negative", "dtype",
+                                 "nargs"])
+def test_unlease_one_refuses_bad_input_writing_nothing(bad):
+    c = columns()
+    assert lease(c, [0])
+    args = [c["pool"], c["retired"], c["version"], c["leases"], 5, 5, 0, 10]
+    if bad == "slot_past":
+        args[5] = SLOTS
+    elif bad == "slot_negative":
+        args[5] = -1
+    elif bad == "version_negative":
+        args[7] = -1
+    elif bad == "dtype":
+        args[0] = c["pool"].astype(np.uint16)
+    else:
+        args = args[:7]
+    before = snapshot(c)
+    with pytest.raises((TypeError, ValueError, OverflowError)):
+        _fast.unlease_one(*args)
+    assert snapshot(c) == before
+
+
 @pytest.mark.parametrize("bad", ["dtype", "short_column", "short_out", "fortran", "tier"])
 def test_bad_arrays_are_typed_errors_that_write_nothing(bad):
     c = columns()

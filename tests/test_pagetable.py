@@ -328,3 +328,168 @@ def test_c_link_keys_links_what_lookup_and_link_rows_link_and_refuses_bad_input(
     for n_rows in (-1, a.capacity + 1):
         with pytest.raises(ValueError):
             table._native.lookup(a._index, c["key"], 16, pkeys, out, n_rows)
+
+
+def _put_args(t: PageTable, karr, pkeys, slot_row, pool, data, slots, clock: int = 100,
+              base: int = 7 << 32) -> list:
+    from kvtier.checksums import XXH3_ADDRESS
+    from kvtier.coherence.engine import _COMMIT_NEXT
+    return [t._index, t._put_cols, 16, karr, pkeys, t._free, t._nfree, t.n_rows, slot_row,
+            pool, data, slots, XXH3_ADDRESS, _COMMIT_NEXT, 1, t.version_floor, base, clock, 3,
+            np.empty(karr.size, np.uint64), np.empty(karr.size, np.int64)]
+
+
+def _reference_put(t: PageTable, karr, pkeys, slot_row, pool, data, slots, clock: int,
+                   base: int) -> np.ndarray:
+    """put_rows's effects the slow way: numpy's write, block_checksums, insert_counted, the
+    install in numpy (engine.install without the C helper), link_keys."""
+    from kvtier.checksums import block_checksums
+    from kvtier.coherence.engine import _COMMIT_NEXT
+    pool[slots] = data
+    sums = block_checksums(pool, slots)
+    rows, created, made = t.insert_counted(karr)
+    assert made == karr.size
+    c = t.cols
+    c["version"][rows[created]] = t.version_floor
+    c["version"][rows] = np.maximum(c["version"][rows], np.uint64(base)) + np.uint64(1)
+    c["leases"][rows] = 0
+    c["size"][rows] = 3
+    c["checksum"][rows] = sums
+    c["state"][rows] = _COMMIT_NEXT[c["state"][rows]]
+    c["prev_access"][rows] = c["last_access"][rows]
+    c["last_access"][rows] = np.arange(clock + 1, clock + rows.size + 1, dtype=np.uint64)
+    c["freq"][rows] += 1
+    c["slot"][rows, 1] = slots
+    c["copy_ver"][rows, 1] = c["version"][rows]
+    slot_row[slots] = rows
+    t.link_keys(rows, pkeys)
+    return c["version"][rows]
+
+
+def test_c_put_rows_leaves_what_insert_install_and_link_leave():
+    # PageTable.put_new (one _native.put_rows call: the replay's put of new keys) against the
+    # reference steps on a twin table: batches of fresh keys whose parents are keys of the
+    # batch, older keys, absent keys or none, with removals between them (free rows reused,
+    # tombstones probed past) and growth (fresh rows reset, an index rebuilt). Every column,
+    # the index, the free stack, the pools and slot_row must agree after every batch.
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    from kvtier.checksums import XXH3_ADDRESS
+    from kvtier.coherence.engine import _COMMIT_NEXT
+    if XXH3_ADDRESS is None:
+        pytest.skip("libxxhash is not installed here")
+    rng = np.random.default_rng(11)
+    a, b = PageTable(16, initial_rows=16), PageTable(16, initial_rows=16)
+    nslots = 4096
+    pools = [np.zeros((nslots, 3), np.uint8) for _ in range(2)]
+    slot_rows = [np.full(nslots, -1, np.int64) for _ in range(2)]
+    next_id, live, free_slots, clock, taken = 1, [], list(range(nslots)), 0, 0
+    for step in range(150):
+        n = int(rng.integers(1, 40))
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        choice = rng.integers(0, 4, n)
+        pids = [ids[i - 1] if c == 0 and i else (int(rng.choice(live)) if c == 1 and live
+                                                else (10**9 + i if c == 2 else 0))
+                for i, c in enumerate(choice)]
+        karr, pkeys = a.keys_array(keys(ids)), a.keys_array(keys(pids))
+        slots = np.array([free_slots.pop() for _ in range(n)], np.int64)
+        data = rng.integers(0, 256, (n, 3), dtype=np.uint8)
+        base = (7 << 32) + int(rng.integers(0, 3))
+        got = a.put_new(karr, pkeys, slot_rows[0], pools[0], data, slots, XXH3_ADDRESS,
+                        _COMMIT_NEXT, 1, base, clock, 3)
+        assert got is not None
+        ref = _reference_put(b, karr, pkeys, slot_rows[1], pools[1], data, slots, clock, base)
+        clock += n
+        taken += 1
+        assert got[1].tolist() == ref.tolist() and got[2] == int(ref.max())
+        assert np.array_equal(got[0], b.lookup(karr))
+        live += ids
+        if step % 3 == 2:                       # evict some: free rows, tombstones, slots back
+            gone = [int(x) for x in rng.choice(live, len(live) // 3, replace=False)]
+            for t, sr in ((a, slot_rows[0]), (b, slot_rows[1])):
+                rows = t.lookup(keys(gone))
+                sl = t.cols["slot"][rows, 1].astype(np.int64)
+                sr[sl] = -1
+                t.remove(rows)
+            free_slots += sl.tolist()
+            live = [x for x in live if x not in set(gone)]
+        assert (a.n_rows, a.live, a._nfree, a.version_floor) == \
+            (b.n_rows, b.live, b._nfree, b.version_floor)
+        assert np.array_equal(a._index, b._index)
+        assert np.array_equal(a._free[:a._nfree], b._free[:b._nfree])
+        for name in a.cols:
+            assert np.array_equal(a.cols[name][:a.n_rows], b.cols[name][:b.n_rows]), name
+        assert np.array_equal(pools[0], pools[1]) and np.array_equal(*slot_rows)
+    assert a.capacity > 16 and taken == 150
+
+
+def test_c_put_rows_declines_a_key_with_a_row_and_strided_data_writing_nothing():
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    from kvtier.checksums import XXH3_ADDRESS
+    if XXH3_ADDRESS is None:
+        pytest.skip("libxxhash is not installed here")
+    t = PageTable(16)
+    t.insert(keys([5]))
+    t._reset_rows(slice(t.n_rows, t.capacity))     # put_new's part: the rows it may take
+    pool, slot_row = np.zeros((8, 3), np.uint8), np.full(8, -1, np.int64)
+    before = {k: v.copy() for k, v in t.cols.items()}
+    index = t._index.copy()
+    data = np.ones((2, 3), np.uint8)
+    for ks, d in (([4, 5], data), ([6, 5], data), ([6, 6], data),        # a row; a repeat
+                  ([6, 7], np.ones((2, 6), np.uint8)[:, ::2])):          # strided data
+        args = _put_args(t, t.keys_array(keys(ks)), t.keys_array(keys([0, 0])), slot_row,
+                         pool, d, np.array([1, 2], np.int64))
+        assert table._native.put_rows(*args) is None
+    assert np.array_equal(t._index, index) and not pool.any() and (slot_row == -1).all()
+    for name, col in before.items():
+        assert np.array_equal(t.cols[name], col), name
+
+
+@pytest.mark.parametrize("bad", ["nargs", "tuple", "slot_past", "slot_negative", "dtype",
+                                 "n_rows", "free_row", "fn", "tier", "width", "data_rows",
+                                 "state"])
+def test_c_put_rows_refuses_bad_input_writing_nothing(bad):
+    if table._native is None:
+        pytest.skip("kvtier.pagetable._native was not built here")
+    from kvtier.checksums import XXH3_ADDRESS
+    if XXH3_ADDRESS is None:
+        pytest.skip("libxxhash is not installed here")
+    t = PageTable(16)
+    rows, _ = t.insert(keys([1, 2, 3]))
+    t.remove(rows[:2])
+    pool, slot_row = np.zeros((8, 3), np.uint8), np.full(8, -1, np.int64)
+    args = _put_args(t, t.keys_array(keys([10, 11])), t.keys_array(keys([10, 0])), slot_row,
+                     pool, np.ones((2, 3), np.uint8), np.array([1, 2], np.int64))
+    if bad == "nargs":
+        args = args[:20]
+    elif bad == "tuple":
+        args[1] = args[1][:13]
+    elif bad == "slot_past":
+        args[11] = np.array([1, 8], np.int64)
+    elif bad == "slot_negative":
+        args[11] = np.array([-1, 2], np.int64)
+    elif bad == "dtype":
+        args[11] = np.array([1, 2], np.int32)
+    elif bad == "n_rows":
+        args[7] = t.capacity + 1
+    elif bad == "free_row":
+        t._free[t._nfree - 1] = t.n_rows + 5
+    elif bad == "fn":
+        args[12] = 0
+    elif bad == "tier":
+        args[14] = 99
+    elif bad == "width":
+        args[2] = 8
+    elif bad == "data_rows":
+        args[10] = np.ones((3, 3), np.uint8)
+    else:
+        t.cols["state"][t._free[t._nfree - 1]] = 250        # a state with no COMMIT move
+    before = {k: v.copy() for k, v in t.cols.items()}
+    index = t._index.copy()
+    with pytest.raises((TypeError, ValueError)):
+        table._native.put_rows(*args)
+    assert np.array_equal(t._index, index) and not pool.any() and (slot_row == -1).all()
+    for name, col in before.items():
+        assert np.array_equal(t.cols[name], col), name

@@ -10,7 +10,7 @@
 #include <string.h>
 
 typedef struct {
-    Py_buffer b[24];
+    Py_buffer b[32];
     int n;
 } Views;
 

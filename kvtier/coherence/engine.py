@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvtier.checksums import XXH3_ADDRESS as _XXH3
 from kvtier.coherence import admission, reserve
 from kvtier.coherence.namespace import (EngineCounters, Lease, Namespace,
                                         Reservation, SlotState, add_one)
@@ -58,7 +59,7 @@ from kvtier.config import Settings
 from kvtier.errors import (BadRequest, CapacityError, NamespaceError,
                            StorageError)
 from kvtier.pagetable.store import Catalog, NamespaceRecord, check_writable
-from kvtier.pagetable.table import PageTable
+from kvtier.pagetable.table import PageTable, tier_masks
 from kvtier.tiers.host import SlotPool
 from kvtier.tiers.nvme import Backend, make_backend
 from kvtier.types import SERVE_ORDER, Tier
@@ -75,10 +76,12 @@ MAX_KEY_WIDTH = 64
 EPOCH_BITS = 32             # versions of one run: below (epoch + 1) << EPOCH_BITS
 _LOCAL_TIERS = tuple(t for t in SERVE_ORDER if t is not Tier.REMOTE)
 _MEMORY_TIERS = (Tier.HBM, Tier.HOST)
+_PREFIX_MASKS = tier_masks(_LOCAL_TIERS, _MEMORY_TIERS)     # lookup_prefix's, made once
 _COMMIT_NEXT = transition_array(Event.COMMIT)    # looked up once: an Enum hashes in Python
 # The put path's tiers as module names: Python 3.11's EnumType defines __getattr__, so every
 # Tier.HOST read on the class goes through a slot hook (~0.2 us against a global's ~0.02).
 _HOST, _HBM = Tier.HOST, Tier.HBM
+_HOST_NUM = int(Tier.HOST)
 
 
 # numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
@@ -311,7 +314,8 @@ class Engine:
             if over > short:
                 short = over
         if short > 0:
-            self.reap()
+            if self.leases or self.reservations:     # reap's own test, without its frame
+                self.reap()
             self._evict(ns, tier, short)
             if tier is _HOST and len(self.namespaces) > 1:   # only others hold host bytes
                 self._evict_other_namespaces(ns, n)
@@ -471,6 +475,32 @@ class Engine:
         (st.policy or self._tier_policy(ns, tier)).on_insert(rows, slots)
         return top
 
+    def install_new(self, ns: Namespace, karr: np.ndarray, parents: np.ndarray,
+                    slots: np.ndarray, data: np.ndarray) -> np.ndarray | None:
+        """A host put's write, checksums and install when none of its keys has a row, in one
+        C call (PageTable.put_new): the same columns, pool bytes, clock, epoch and policy
+        notice as the pool's write, checksums_of and install with these parents; the new
+        versions. None, with nothing written, otherwise (or without libxxhash or the C
+        helper): the caller takes that way."""
+        if _XXH3 is None:
+            return None
+        st = ns.slots[_HOST]
+        try:
+            got = ns.table.put_new(karr, parents, st.slot_row, st.pool.array, data, slots,
+                                   _XXH3, _COMMIT_NEXT, _HOST_NUM, self.epoch << EPOCH_BITS,
+                                   self.clock, ns.block_bytes)
+        except BaseException:
+            self.slots_freed(ns, _HOST, slots)   # put_rows checks everything before it writes
+            raise
+        if got is None:
+            return None
+        rows, versions, top = got
+        self.clock += rows.size
+        (st.policy or self._tier_policy(ns, _HOST)).on_insert(rows, slots)
+        if top >= self.version_ceiling:
+            self._next_epoch(top)
+        return versions
+
     def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
                   versions: np.ndarray) -> None:
         cols = ns.table.cols
@@ -501,7 +531,8 @@ class Engine:
         with self.lock:
             ns = self.namespace(namespace)
             karr = ns.table.keys_array(keys)
-            n, below = ns.table.current_prefix(karr, _LOCAL_TIERS, _MEMORY_TIERS)
+            n, below = ns.table.current_prefix(karr, _LOCAL_TIERS, _MEMORY_TIERS,
+                                               _PREFIX_MASKS)
             if self.remote is not None and n < karr.size:
                 there = self.remote.exists_many(ns.name, [bytes(k) for k in karr[n:]])
                 gap = np.flatnonzero(~there)

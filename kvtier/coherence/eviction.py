@@ -108,7 +108,7 @@ class Eviction:
         if n <= 0:
             return 0
         st = ns.slots[tier]
-        policy = self.tier_policy(ns, tier)
+        policy = st.policy or self.tier_policy(ns, tier)    # (tier_policy's frame when made)
         cols = ns.table.cols
         lowers = []                     # (a list comprehension is a frame of its own in 3.11)
         for t in _LOWER[tier]:
@@ -118,8 +118,9 @@ class Eviction:
         if not lowers and _fast is not None:
             # The lowest tier (a replay's host tier without NVMe): every victim goes as it is,
             # nothing is written down or set aside.
+            victims = policy.victims
             while done < n:
-                slots = policy.victims(n - done)
+                slots = victims(n - done)
                 if slots.size == 0:
                     break
                 done += self._evict_lowest(ns, tier, st, slots, policy)
@@ -204,7 +205,8 @@ class Eviction:
         with the C helper: the policy's on_remove, then _fast.evict_slots (the victims' rows,
         drop_rows, the freed slots pushed onto the pool's stack: no row gather, scratch
         arrays or slices between the calls), the budget, the counters, the removal."""
-        cols = ns.table.cols
+        table = ns.table
+        cols = table.cols
         policy.on_remove(slots)
         n = slots.size
         if self._scratch.size < 2 * n:
@@ -222,8 +224,8 @@ class Eviction:
         if d < 0:                      # a row without a LOST move: forget_empty raises
             self.forget_empty(ns, scratch[:n])
         elif d > 0:
-            ns.table.remove(scratch[n:n + d])
-        return int(n)
+            table.remove(scratch[n:n + d])
+        return n
 
     @staticmethod
     def _covered(cols: dict[str, np.ndarray], rows: np.ndarray, tier: Tier,

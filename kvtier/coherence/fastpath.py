@@ -77,10 +77,11 @@ class FastPath:
         self.ledger = ledger
         self._new_id = ledger.new_id         # bound once: one lookup less per lease
 
-    def lease_one(self, ns: Namespace, key: bytes, owner: int,
+    def lease_one(self, ns: Namespace, key: bytes | np.ndarray, owner: int,
                   tier: Tier = Tier.HOST) -> tuple[int, int, int, int] | None:
         """get_one for a socket reply: (lease id, slot, version, checksum) as Python ints, no
         GetResult; None (nothing changed) when the key is not found or not current in tier.
+        key: one packed key (bytes, or a one-key array of the namespace's keys: the replay's).
         The checks and the touch are lease_rows' (one C call for a dozen numpy scalar
         operations); without the module, get_one's."""
         if _fast is None:
@@ -101,12 +102,12 @@ class FastPath:
             return None
         ledger.clock += 1
         self.count_hits(ns, 1, tier)
-        slot, version = int(o_slot[0]), int(o_ver[0])
         lid = self._new_id()
-        self.leases[lid] = Lease(lid, ns, tier, np.array([slot], dtype=np.int64), rows,
-                                 np.array([version], dtype=np.uint64), owner,
+        # The lease's own arrays from the scratch outputs: a cast and a copy (np.array of a
+        # list is a Python-level conversion, ~twice either).
+        self.leases[lid] = Lease(lid, ns, tier, o_slot.astype(_I64), rows, o_ver.copy(), owner,
                                  time.monotonic() + self.settings.lease_timeout)
-        return lid, slot, version, int(o_sum[0])
+        return lid, o_slot.item(), o_ver.item(), o_sum.item()
 
     def get_one(self, ns: Namespace, karr: np.ndarray, owner: int,
                  tier: Tier) -> GetResult | None:

@@ -69,6 +69,8 @@ class PutOwner(Protocol):
     def install(self, ns: Namespace, karr: np.ndarray, tier: Tier, slots: np.ndarray,
                 sums: np.ndarray, parents: np.ndarray | None,
                 host_slots: np.ndarray | None) -> np.ndarray: ...
+    def install_new(self, ns: Namespace, karr: np.ndarray, parents: np.ndarray,
+                    slots: np.ndarray, data: np.ndarray) -> np.ndarray | None: ...
 
 
 class Puts:
@@ -359,6 +361,14 @@ class Puts:
             slots = self.owner.alloc(ns, _HOST, n)     # int64, as the pools hand them out
         except CapacityError:
             return None
+        if parr is not None:
+            # Keys none of which has a row (the replay's puts of its misses): the write,
+            # checksums and install below in one C call (round 5 of the replay's CPU).
+            versions = self.owner.install_new(ns, karr, parr, slots, data)
+            if versions is not None:
+                self.counters.puts += n
+                self.counters.tiers[_HOST].bytes_written += n * ns.block_bytes
+                return versions
         pool = ns.slots[_HOST].pool
         try:
             pool.write(slots, data)

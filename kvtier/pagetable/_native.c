@@ -42,6 +42,11 @@
  *   key_flags(keys, width) -> bits: 1 an all-zero key, 2 two keys of one hash.
  *   insert_keys(index, keycol, width, keys, free, nfree, n_rows, out_rows, out_created)
  *       -> (n_rows', nfree', created): table.py's insert in one pass (see the function).
+ *   put_rows(index, columns, width, keys, parent_keys, free, nfree, n_rows, slot_row, pool,
+ *            data, slots, xxh3, commit_next, tier, floor, base, clock, block_size,
+ *            out_versions, out_rows) -> (n_rows', nfree', top) or None
+ *       A host put of new keys in one call: insert, the pool's write and hash, the install,
+ *       the chain (see the function).
  * These replace per-block Python loops and ~10 numpy calls each per batch (issue 18:
  * the replay spent most of its time there). None keeps a reference to its arguments;
  * hash_keys and lookup release the GIL over batches of 256 or more.
@@ -54,6 +59,7 @@
 
 #include "keyhash.h"
 #include "../coherence/cviews.h"     /* get_kept_buffer: the columns' views kept between calls */
+#include "../coherence/install.h"    /* put_rows's install, install_rows's code */
 
 #define EMPTY (-1)
 #define NOGIL_BATCH 256
@@ -900,6 +906,234 @@ static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(flags);
 }
 
+/* put_rows(index, columns, width, keys, parent_keys, free, nfree, n_rows, slot_row, pool,
+ *          data, slots, xxh3, commit_next, tier, floor, base, clock, block_size,
+ *          out_versions, out_rows) -> (n_rows', nfree', top) or None
+ *     A host put of keys none of which has a row, in one call (issue 18: the replay's put
+ *     was ~16 Python frames and ~10 C calls around work of a few microseconds): each key
+ *     takes the next row insert_keys would give it (the free stack's top, else n_rows), its
+ *     data row is copied into its slot of the pool and hashed there (xxh3: the address of
+ *     libxxhash's XXH3_64bits, as kvtier.checksums loads it), the row is installed as
+ *     kvtier.coherence._fast.install_rows installs it (install.h, the same code), and then
+ *     each row is linked under its parent key's row (link_keys; parents may be keys of this
+ *     batch). columns: the table's (key, version, leases, size, checksum, state,
+ *     last_access, prev_access, freq, slot, copy_ver, parent, first_child, next_sib), as
+ *     PageTable keeps them in _put_cols. The rows past n_rows it may take are reset by the
+ *     caller first, and the index has room (at most half full after the batch).
+ *     None, with nothing written, when some key has a row already, two keys share a hash,
+ *     data overlaps the pool, or keys, parent keys or data are not C-contiguous: the caller
+ *     takes the general path. Every argument, row,
+ *     slot and state move is checked before anything is written (ValueError, TypeError);
+ *     RuntimeError when the index and the table disagree. */
+#define PUT_COLS 14
+typedef uint64_t (*xxh3_fn)(const void *, size_t);
+
+static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 21 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != PUT_COLS) {
+        PyErr_SetString(PyExc_TypeError, "put_rows takes 21 arguments, the columns a tuple of "
+                        "14 arrays");
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[2]);
+    if (width <= 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "put_rows: width must be positive");
+        return NULL;
+    }
+    static const Py_ssize_t col_item[PUT_COLS] = {0, 8, 2, 4, 8, 1, 8, 8, 4, 4, 8, 4, 4, 4};
+    static const char *col_name[PUT_COLS] = {"key", "version", "leases", "size", "checksum",
+        "state", "last_access", "prev_access", "freq", "slot", "copy_ver", "parent",
+        "first_child", "next_sib"};
+    Views v = {.n = 0};
+    void *col[PUT_COLS];
+    Py_ssize_t clen[PUT_COLS], nsl = 1, nt = 1, isz, n, pn, nfl, nsr, p, pw, dn, dw, ns_, nnext;
+    Py_ssize_t nov, nor;
+    int32_t *index = view(&v, args[0], 4, 1, &isz, NULL, "index");
+    if (index == NULL)
+        goto fail;
+    for (int c = 0; c < PUT_COLS; c++) {
+        Py_ssize_t *cols = c == 9 ? &nsl : c == 10 ? &nt : NULL;
+        col[c] = view(&v, PyTuple_GET_ITEM(args[1], c), col_item[c] ? col_item[c] : width, 1,
+                      &clen[c], cols, col_name[c]);
+        if (col[c] == NULL)
+            goto fail;
+    }
+    /* The caller's keys, parent keys and data may be strided views: the general path
+     * copies those, so a buffer they refuse means None, not an error. */
+    const uint8_t *keys = view(&v, args[3], width, 0, &n, NULL, "keys");
+    const uint8_t *pkeys = keys ? view(&v, args[4], width, 0, &pn, NULL, "parent_keys") : NULL;
+    const uint8_t *data = pkeys ? view(&v, args[10], 1, 0, &dn, &dw, "data") : NULL;
+    if (data == NULL && (PyErr_ExceptionMatches(PyExc_ValueError)
+                         || PyErr_ExceptionMatches(PyExc_BufferError))) {
+        PyErr_Clear();
+        views_release(&v);
+        Py_RETURN_NONE;
+    }
+    const int64_t *freel = data ? view(&v, args[5], 8, 0, &nfl, NULL, "free") : NULL;
+    int64_t *slot_row = freel ? view(&v, args[8], 8, 1, &nsr, NULL, "slot_row") : NULL;
+    uint8_t *pool = slot_row ? view(&v, args[9], 1, 1, &p, &pw, "pool") : NULL;
+    const int64_t *slots = pool ? view(&v, args[11], 8, 0, &ns_, NULL, "slots") : NULL;
+    const uint8_t *next = slots ? view(&v, args[13], 1, 0, &nnext, NULL, "commit_next") : NULL;
+    uint64_t *outv = next ? view(&v, args[19], 8, 1, &nov, NULL, "out_versions") : NULL;
+    int64_t *outr = outv ? view(&v, args[20], 8, 1, &nor, NULL, "out_rows") : NULL;
+    if (outr == NULL)
+        goto fail;
+    Py_ssize_t nfree, n_rows, tier;
+    if (as_index(args[6], &nfree, "nfree") < 0 || as_index(args[7], &n_rows, "n_rows") < 0
+            || as_index(args[14], &tier, "tier") < 0)
+        goto fail;
+    void *fnp = PyLong_AsVoidPtr(args[12]);
+    unsigned long long floor_ = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(args[15]);
+    unsigned long long base = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(args[16]);
+    unsigned long long clock = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(args[17]);
+    unsigned long long bb = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(args[18]);
+    if (PyErr_Occurred())
+        goto fail;
+    Py_ssize_t cap = clen[0];
+    const char *bad = NULL;
+    for (int c = 1; c < PUT_COLS && !bad; c++)
+        if (clen[c] != cap)
+            bad = "columns of different lengths";
+    if (bad)
+        ;
+    else if (fnp == NULL || bb > UINT32_MAX)
+        bad = "a null hash function or a block size past 32 bits";
+    else if (isz == 0 || (isz & (isz - 1)))
+        bad = "an index of power-of-two size";
+    else if (pn != n || dn != n || ns_ != n || nov < n || nor < n || (n && dw != pw))
+        bad = "one parent key, data row, slot and output per key, data rows of the pool's width";
+    else if (tier >= nsl || tier >= nt || nfree > nfl || n_rows > cap)
+        bad = "a tier inside the columns, nfree inside the free stack, n_rows inside the columns";
+    for (Py_ssize_t i = 0; i < n && !bad; i++)
+        if (slots[i] < 0 || slots[i] >= p || slots[i] >= nsr)
+            bad = "a slot out of range";
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
+        goto fail;
+    }
+    /* The rows the keys take, in order, checked: a free row inside the table, a fresh one
+     * inside the columns, and each state with a COMMIT move. */
+    int64_t *rows = outr;
+    Py_ssize_t nf = nfree, nr = n_rows;
+    uint8_t *state = col[5];
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        int64_t r;
+        if (nf > 0) {
+            r = freel[--nf];
+            if (r < 0 || r >= n_rows)
+                bad = "a free row outside the table";
+        } else if ((r = nr++) >= cap) {
+            bad = "no room made for the batch's fresh rows";
+        }
+        if (!bad && (state[r] >= nnext || next[state[r]] == 255))
+            bad = "a row whose state has no COMMIT move";
+        rows[i] = r;
+    }
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
+        goto fail;
+    }
+    /* Every key absent (else None), none repeated (a small set of hashes), data outside the
+     * pool; the hashes kept for the insert. */
+    Py_ssize_t scap = 16;
+    while (scap < 2 * n)
+        scap *= 2;
+    uint64_t *h = PyMem_Malloc((size_t)(n + 2 * scap + 1) * sizeof(uint64_t));
+    if (h == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    uint64_t *set = h + n, *used = set + scap;
+    memset(used, 0, (size_t)scap * sizeof(uint64_t));
+    uint64_t mask = (uint64_t)isz - 1;
+    const uint8_t *keycol = col[0];
+    int handled = 1, corrupt = 0;
+    for (Py_ssize_t i = 0; i < n && handled && !corrupt; i++) {
+        const uint8_t *key = keys + i * width;
+        h[i] = hash_one(key, width);
+        int64_t found = probe_key(index, mask, keycol, n_rows, key, width);
+        if (found == CORRUPT)
+            corrupt = 1;
+        else if (found >= 0)
+            handled = 0;
+        uint64_t at = h[i] & (uint64_t)(scap - 1);
+        while (used[at] && set[at] != h[i])
+            at = (at + 1) & (uint64_t)(scap - 1);
+        if (used[at])
+            handled = 0;
+        used[at] = 1;
+        set[at] = h[i];
+    }
+    if (handled && n > 0) {
+        uintptr_t a0 = (uintptr_t)pool, a1 = a0 + (uintptr_t)(p * pw);
+        uintptr_t d0 = (uintptr_t)data, d1 = d0 + (uintptr_t)(n * pw);
+        if (d0 < a1 && a0 < d1)
+            handled = 0;
+    }
+    if (corrupt || !handled) {
+        PyMem_Free(h);
+        views_release(&v);
+        if (corrupt) {
+            PyErr_SetString(PyExc_RuntimeError, "put_rows: the index names a row past the key "
+                            "column");
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    /* The writes: keys and index, the pool's rows and their hashes, the install. */
+    xxh3_fn fn = (xxh3_fn)fnp;
+    InstallCols ic = {col[1], col[2], col[3], col[4], col[5], col[6], col[7], col[8], col[9],
+                      nsl, col[10], nt, slot_row};
+    uint64_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t pos = h[i] & mask;
+        uint64_t probes = 0;
+        while (index[pos] >= 0 && probes++ <= mask)
+            pos = (pos + 1) & mask;
+        if (index[pos] >= 0) {
+            corrupt = 1;                          /* a full index: the caller made no room */
+            break;
+        }
+        int64_t r = rows[i];
+        memcpy((uint8_t *)keycol + r * width, keys + i * width, (size_t)width);
+        index[pos] = (int32_t)r;
+        uint8_t *dst = pool + slots[i] * pw;
+        memcpy(dst, data + i * pw, (size_t)pw);
+        uint64_t ver = install_one(&ic, r, 1, slots[i], fn(dst, (size_t)pw), next, tier,
+                                   floor_, base, clock + (uint64_t)i + 1, (uint32_t)bb);
+        outv[i] = ver;
+        if (ver > top)
+            top = ver;
+    }
+    int linked = 0;
+    if (!corrupt) {
+        /* The chain: each parent key's row (this batch's rows are in the index now). */
+        int64_t *parents = (int64_t *)h;          /* the hashes are spent */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t f = probe_key(index, mask, keycol, nr, pkeys + i * width, width);
+            if (f == CORRUPT)
+                corrupt = 2;
+            parents[i] = f < 0 ? -1 : f;
+        }
+        linked = !corrupt && link_each(col[11], col[12], col[13], rows, parents, n) == 0;
+    }
+    PyMem_Free(h);
+    views_release(&v);
+    if (corrupt) {
+        PyErr_SetString(PyExc_RuntimeError, corrupt == 1
+                        ? "put_rows: the index is full (no room was made)"
+                        : "put_rows: the index names a parent row past the key column");
+        return NULL;
+    }
+    if (!linked)
+        return NULL;                              /* link_each's MemoryError */
+    return Py_BuildValue("nnK", nr, nf, (unsigned long long)top);
+fail:
+    views_release(&v);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"hash_keys", (PyCFunction)(void (*)(void))hash_keys, METH_FASTCALL,
      "hash_keys(keys, width, out): table.py's key hash of each key into out (uint64)."},
@@ -923,6 +1157,8 @@ static PyMethodDef methods[] = {
      "key_flags(keys, width) -> bits: 1 an all-zero key, 2 a repeated hash."},
     {"insert_keys", (PyCFunction)(void (*)(void))insert_keys, METH_FASTCALL,
      "insert_keys(index, keycol, width, keys, free, nfree, n_rows, rows, created)."},
+    {"put_rows", (PyCFunction)(void (*)(void))put_rows, METH_FASTCALL,
+     "put_rows(...) -> (n_rows, nfree, top) or None: a host put of new keys (see _native.c)."},
     {"current_prefix", (PyCFunction)(void (*)(void))current_prefix, METH_FASTCALL,
      "current_prefix(index, keycol, width, keys, version, copy_ver, local, mem) -> (n, below)."},
     {NULL, NULL, 0, NULL},
