@@ -20,6 +20,23 @@
  *       repeat. Everything is checked before anything is written: a row at or past n_rows,
  *       or a ready slot outside the pool, raises ValueError (a broken table, never input).
  *
+ *   read_installable(version u64[c], copy_ver u64[c, t], key V[c], n_rows, tier,
+ *                    ok bool[m], rows i64[m], keys V[m], versions u64[m]) -> bool
+ *       Whether an NVMe read's install is the usual one (round 5: the install step's checks
+ *       were ~15 numpy calls, ~80 us of its ~230 on the dev VM): every record read and
+ *       verified (ok), its row still inside the table, holding its key (key's items, the
+ *       namespace's key width, compared bytewise) at the version read (> 0), and no copy in
+ *       tier current already (nothing to share with another get's install). Writes nothing:
+ *       when it says False the caller takes the general path (finish_read, install_read),
+ *       which drops the bad records and shares or frees the rest; when True that path would
+ *       install every copy read, which is all the caller then does.
+ *   lease_current(version u64[c], key V[c], leases u16[c], rows i64[m], versions u64[m],
+ *                 keys V[m], out_rows i64[m]) -> k
+ *       A get's lease on its rows: out_rows[:k] = the rows[i] still at versions[i] and
+ *       holding keys[i] (a row rewritten or reused since is not counted), in batch order,
+ *       and leases[row] += 1 for each. A row past the columns, or a count that could pass
+ *       65,535, raises ValueError before anything is written.
+ *
  * No reference to any argument is kept. The GIL is held (under the engine lock; microseconds).
  */
 #define PY_SSIZE_T_CLEAN
@@ -28,6 +45,22 @@
 #include <stdlib.h>
 
 #include "cviews.h"
+
+/* The item size of a 1-D key array (a page table's V<key width> column), without a view:
+ * view() checks the size it is told. 0 on error. */
+static int key_width_of(PyObject *obj, Py_ssize_t *width, const char *name)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_ND) < 0)
+        return 0;
+    *width = b.itemsize;
+    int fine = b.ndim == 1 && b.itemsize >= 1 && b.itemsize <= 64;
+    PyBuffer_Release(&b);
+    if (!fine)
+        PyErr_Format(PyExc_TypeError, "%s: expected a 1-D array of keys (1 to 64 bytes each)",
+                     name);
+    return fine;
+}
 
 static int cmp_i64(const void *a, const void *b)
 {
@@ -133,9 +166,120 @@ done:
     return result;
 }
 
+static PyObject *read_installable(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "read_installable takes 9 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[3], nt, n_rows, tier, m[4], kw;
+    PyObject *result = NULL;
+    if (!key_width_of(args[2], &kw, "key") || !key_width_of(args[7], &m[3], "keys"))
+        return NULL;
+    if (m[3] != kw) {
+        PyErr_SetString(PyExc_ValueError, "read_installable: keys of another width");
+        return NULL;
+    }
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &cap[1], &nt, "copy_ver") : NULL;
+    uint8_t *key = copy_ver ? view(&v, args[2], kw, 0, &cap[2], NULL, "key") : NULL;
+    uint8_t *ok = key ? view(&v, args[5], 1, 0, &m[0], NULL, "ok") : NULL;
+    int64_t *rows = ok ? view(&v, args[6], 8, 0, &m[1], NULL, "rows") : NULL;
+    uint8_t *keys = rows ? view(&v, args[7], kw, 0, &m[2], NULL, "keys") : NULL;
+    uint64_t *vers = keys ? view(&v, args[8], 8, 0, &m[3], NULL, "versions") : NULL;
+    if (vers == NULL || as_index(args[3], &n_rows, "n_rows") < 0
+            || as_index(args[4], &tier, "tier") < 0)
+        goto done;
+    if (cap[0] < n_rows || cap[1] < n_rows || cap[2] < n_rows || tier >= nt) {
+        PyErr_SetString(PyExc_ValueError, "read_installable: a column is shorter than n_rows, "
+                        "or tier is past them");
+        goto done;
+    }
+    if (m[0] != m[1] || m[2] != m[1] || m[3] != m[1]) {
+        PyErr_SetString(PyExc_ValueError, "read_installable: ok, rows, keys and versions "
+                        "differ in length");
+        goto done;
+    }
+    int usual = 1;
+    for (Py_ssize_t i = 0; i < m[1] && usual; i++) {
+        int64_t r = rows[i];
+        usual = ok[i] && r >= 0 && r < n_rows && version[r] && version[r] == vers[i]
+                && copy_ver[r * nt + tier] != version[r]
+                && memcmp(key + r * kw, keys + i * kw, (size_t)kw) == 0;
+    }
+    result = PyBool_FromLong(usual);
+done:
+    views_release(&v);
+    return result;
+}
+
+static PyObject *lease_current(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "lease_current takes 7 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[3], m[4], kw, kw2;
+    PyObject *result = NULL;
+    if (!key_width_of(args[1], &kw, "key") || !key_width_of(args[5], &kw2, "keys"))
+        return NULL;
+    if (kw2 != kw) {
+        PyErr_SetString(PyExc_ValueError, "lease_current: keys of another width");
+        return NULL;
+    }
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint8_t *key = version ? view(&v, args[1], kw, 0, &cap[1], NULL, "key") : NULL;
+    uint16_t *leases = key ? view(&v, args[2], 2, 1, &cap[2], NULL, "leases") : NULL;
+    int64_t *rows = leases ? view(&v, args[3], 8, 0, &m[0], NULL, "rows") : NULL;
+    uint64_t *vers = rows ? view(&v, args[4], 8, 0, &m[1], NULL, "versions") : NULL;
+    uint8_t *keys = vers ? view(&v, args[5], kw, 0, &m[2], NULL, "keys") : NULL;
+    int64_t *out = keys ? view(&v, args[6], 8, 1, &m[3], NULL, "out_rows") : NULL;
+    if (out == NULL)
+        goto done;
+    Py_ssize_t n = m[0], c = cap[0] < cap[1] ? cap[0] : cap[1];
+    if (c > cap[2])
+        c = cap[2];
+    if (m[1] != n || m[2] != n || m[3] < n) {
+        PyErr_SetString(PyExc_ValueError, "lease_current: rows, versions, keys and out_rows "
+                        "differ in length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || rows[i] >= c) {
+            PyErr_SetString(PyExc_ValueError, "lease_current: a row past the columns");
+            goto done;
+        }
+        if (leases[rows[i]] > UINT16_MAX - n) {
+            PyErr_SetString(PyExc_ValueError, "lease_current: a row's lease count would pass "
+                            "65,535 (leases are not being released)");
+            goto done;
+        }
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (version[r] == vers[i] && memcmp(key + r * kw, keys + i * kw, (size_t)kw) == 0) {
+            leases[r] += 1;
+            out[k++] = r;
+        }
+    }
+    result = PyLong_FromSsize_t(k);
+done:
+    views_release(&v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_rows", (PyCFunction)(void (*)(void))split_rows, METH_FASTCALL,
      "split_rows(...): a get's batch split into found, ready (pinned) and to bring up."},
+    {"read_installable", (PyCFunction)(void (*)(void))read_installable, METH_FASTCALL,
+     "read_installable(...): whether every record of an NVMe read installs as it is."},
+    {"lease_current", (PyCFunction)(void (*)(void))lease_current, METH_FASTCALL,
+     "lease_current(...): a get's lease on the rows still at the versions served."},
     {NULL, NULL, 0, NULL},
 };
 
