@@ -199,11 +199,15 @@ def _state_after_interleaved_gets(tmp: Path, seed: int, hbm: bool) -> list:
 @pytest.mark.parametrize("seed", [5, 6])
 def test_the_c_install_leaves_the_state_the_numpy_install_leaves(tmp_path: Path, hbm: bool,
                                                                  seed: int, monkeypatch):
-    # coherence/_gets.c read_installable (the usual install told in one call) and
-    # lease_current (the lease's rows), against install_read and the numpy lease.
+    # coherence/_gets.c read_installable (the usual install told in one call), lease_current
+    # (the lease's rows) and plan_columns (the read plan's gathers), against install_read,
+    # the numpy lease and plan_read's numpy gathers.
+    from kvtier.coherence import persist
+
     with_c = _state_after_interleaved_gets(tmp_path / "c", seed, hbm)
     monkeypatch.setattr(gets, "_read_installable", None)
     monkeypatch.setattr(gets, "_lease_current", None)
+    monkeypatch.setattr(persist, "_plan_columns", None)
     assert _state_after_interleaved_gets(tmp_path / "numpy", seed, hbm) == with_c
 
 
@@ -267,3 +271,47 @@ def test_read_installable_and_lease_current_refuse_bad_input():
     stale[1] = 1                                   # row 1 moved on to version 2: not leased
     assert gets._lease_current(version, key, leases, rows, stale, key[rows].copy(), out) == 1
     assert out[0] == 0 and leases.tolist() == [1, 0, 0, 0]
+
+
+def test_plan_read_in_c_plans_what_the_numpy_gathers_plan(tmp_path: Path, monkeypatch):
+    # Random rows of a table spread over several segments (repeats included): the same
+    # ReadPlan columns, dtypes and segment pins either way.
+    from kvtier.coherence import persist
+
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
+                                "nvme_capacity": "16MiB", "segment_bytes": "1MiB"}))
+    big = 256                                      # 4 KiB blocks: 1 MiB segments hold ~250
+    try:
+        eng.create_namespace("m", BB)
+        for lo in range(0, 3 * big, big):
+            eng.put("m", keys(range(lo, lo + big)), blocks(big, BB, lo))
+            eng.flush()
+        ns = eng.namespace("m")
+        rng = np.random.default_rng(2)
+        dst = np.arange(12, dtype=np.int64)
+        spread = 0
+        for _ in range(20):
+            rows = ns.table.lookup(keys(int(i) for i in rng.integers(0, 3 * big, 12)))
+            plans = []
+            for c in (persist._plan_columns, None):
+                monkeypatch.setattr(persist, "_plan_columns", c)
+                plans.append(eng.nvme.plan_read(ns, rows, dst))
+            a, b = plans
+            for name in ("rows", "keys", "versions", "sums", "segs", "offs", "dst"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert x.dtype == y.dtype and (x == y).all(), name
+            assert [s.seg_id for s in a.pins] == [s.seg_id for s in b.pins]
+            spread += len(a.pins) > 1
+            ns.log.unpin(a.pins)
+            ns.log.unpin(b.pins)
+        assert spread                              # plans of more than one segment
+        bad = np.array([0, ns.table.cols["slot"].shape[0]], dtype=np.int64)
+        outs = [np.empty(2, dtype=d) for d in (np.int32, ns.table.cols["key"].dtype,
+                                               np.uint64, np.uint64, np.uint32, np.int64)]
+        cols = ns.table.cols
+        with pytest.raises(ValueError, match="outside the columns"):
+            from kvtier.coherence._gets import plan_columns
+            plan_columns(cols["slot"], cols["key"], cols["copy_ver"], cols["nvme_checksum"],
+                         cols["nvme_off"], bad, int(Tier.NVME), *outs)
+    finally:
+        eng.close(flush=False)

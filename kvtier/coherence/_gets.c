@@ -37,6 +37,14 @@
  *       and leases[row] += 1 for each. A row past the columns, or a count that could pass
  *       65,535, raises ValueError before anything is written.
  *
+ *   plan_columns(slot i32[c, s], key V[c], copy_ver u64[c, t], nvme_checksum u64[c],
+ *                nvme_off u32[c], rows i64[m], nvme_tier, out_segs i32[m], out_keys V[m],
+ *                out_versions u64[m], out_sums u64[m], out_offs u32[m], out_ids i64[m]) -> k
+ *       A ReadPlan's columns of rows (coherence.persist.plan_read: the record's segment, key,
+ *       NVMe version, checksum and offset per row, six numpy gathers and copies before) and
+ *       out_ids[:k] the distinct segment ids, ascending (np.unique's, for the log's pin). A
+ *       row outside the columns or a nvme_tier past them raises ValueError before any write.
+ *
  * No reference to any argument is kept. The GIL is held (under the engine lock; microseconds).
  */
 #define PY_SSIZE_T_CLEAN
@@ -273,6 +281,87 @@ done:
     return result;
 }
 
+static int cmp_i32(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static PyObject *plan_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "plan_columns takes 13 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[5], ns, nt, m[7], kw, kw2, tier;
+    PyObject *result = NULL;
+    int32_t *sorted = NULL;
+    if (!key_width_of(args[1], &kw, "key") || !key_width_of(args[8], &kw2, "out_keys"))
+        return NULL;
+    if (kw2 != kw) {
+        PyErr_SetString(PyExc_ValueError, "plan_columns: keys of another width");
+        return NULL;
+    }
+    int32_t *slot = view(&v, args[0], 4, 0, &cap[0], &ns, "slot");
+    uint8_t *key = slot ? view(&v, args[1], kw, 0, &cap[1], NULL, "key") : NULL;
+    uint64_t *copy_ver = key ? view(&v, args[2], 8, 0, &cap[2], &nt, "copy_ver") : NULL;
+    uint64_t *csum = copy_ver ? view(&v, args[3], 8, 0, &cap[3], NULL, "nvme_checksum") : NULL;
+    uint32_t *off = csum ? view(&v, args[4], 4, 0, &cap[4], NULL, "nvme_off") : NULL;
+    int64_t *rows = off ? view(&v, args[5], 8, 0, &m[0], NULL, "rows") : NULL;
+    int32_t *o_seg = rows ? view(&v, args[7], 4, 1, &m[1], NULL, "out_segs") : NULL;
+    uint8_t *o_key = o_seg ? view(&v, args[8], kw, 1, &m[2], NULL, "out_keys") : NULL;
+    uint64_t *o_ver = o_key ? view(&v, args[9], 8, 1, &m[3], NULL, "out_versions") : NULL;
+    uint64_t *o_sum = o_ver ? view(&v, args[10], 8, 1, &m[4], NULL, "out_sums") : NULL;
+    uint32_t *o_off = o_sum ? view(&v, args[11], 4, 1, &m[5], NULL, "out_offs") : NULL;
+    int64_t *o_ids = o_off ? view(&v, args[12], 8, 1, &m[6], NULL, "out_ids") : NULL;
+    if (o_ids == NULL || as_index(args[6], &tier, "nvme_tier") < 0)
+        goto done;
+    Py_ssize_t n = m[0], c = cap[0];
+    for (int i = 1; i < 5; i++)
+        if (cap[i] < c)
+            c = cap[i];
+    for (int i = 1; i < 7; i++)
+        if (m[i] != n) {
+            PyErr_SetString(PyExc_ValueError, "plan_columns: an output differs from rows in "
+                            "length");
+            goto done;
+        }
+    if (tier >= ns || tier >= nt) {
+        PyErr_SetString(PyExc_ValueError, "plan_columns: nvme_tier past the columns");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= c) {
+            PyErr_SetString(PyExc_ValueError, "plan_columns: a row outside the columns");
+            goto done;
+        }
+    sorted = malloc((size_t)(n ? n : 1) * sizeof *sorted);
+    if (sorted == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        o_seg[i] = sorted[i] = slot[r * ns + tier];
+        memcpy(o_key + i * kw, key + r * kw, (size_t)kw);
+        o_ver[i] = copy_ver[r * nt + tier];
+        o_sum[i] = csum[r];
+        o_off[i] = off[r];
+    }
+    qsort(sorted, (size_t)n, sizeof *sorted, cmp_i32);
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (k == 0 || sorted[i] != o_ids[k - 1])
+            o_ids[k++] = sorted[i];
+    result = PyLong_FromSsize_t(k);
+done:
+    free(sorted);
+    views_release(&v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_rows", (PyCFunction)(void (*)(void))split_rows, METH_FASTCALL,
      "split_rows(...): a get's batch split into found, ready (pinned) and to bring up."},
@@ -280,6 +369,8 @@ static PyMethodDef methods[] = {
      "read_installable(...): whether every record of an NVMe read installs as it is."},
     {"lease_current", (PyCFunction)(void (*)(void))lease_current, METH_FASTCALL,
      "lease_current(...): a get's lease on the rows still at the versions served."},
+    {"plan_columns", (PyCFunction)(void (*)(void))plan_columns, METH_FASTCALL,
+     "plan_columns(...): an NVMe read plan's columns and its distinct segments."},
     {NULL, NULL, 0, NULL},
 };
 
