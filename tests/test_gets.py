@@ -20,16 +20,34 @@ BB = 4096
 pytestmark = pytest.mark.skipif(gets._split is None, reason="kvtier.coherence._gets not built")
 
 
-def _state_after_gets(tmp: Path, seed: int, hbm: bool) -> list:
-    """Random puts, evictions into NVMe and gets (repeated keys, missing keys, resident and
-    NVMe blocks mixed): after every get its result, the page table, the slot arrays and the
-    counters."""
+def _small_engine(tmp: Path, hbm: bool) -> Engine:
+    """Namespace m of BB-byte blocks, a host tier of 16 slots (an HBM stand-in of 8 above
+    it), write-back onto 1 MiB segments."""
     eng = Engine(make_settings({"data_dir": str(tmp), "host_capacity": "64KiB",
                                 "hbm_capacity": "32KiB" if hbm else "0",
                                 "nvme_capacity": "4MiB", "segment_bytes": "1MiB",
                                 "write_policy": "write_back"}),
                  hbm_pool_factory=hbm_standin if hbm else None)
     eng.create_namespace("m", BB)
+    return eng
+
+
+def _snapshot(eng: Engine, seen: list) -> None:
+    """The page table, the slot arrays and the per-tier counters of m, onto seen."""
+    ns = eng.namespace("m")
+    t = ns.table
+    seen.append({name: col[: t.n_rows].tolist() for name, col in t.cols.items()
+                 if name != "key"})
+    for st in ns.slots.values():
+        seen.append((st.slot_row.tolist(), st.leases.tolist(), st.pool.free_count))
+    seen.append({k.label: v.as_dict() for k, v in eng.counters.tiers.items()})
+
+
+def _state_after_gets(tmp: Path, seed: int, hbm: bool) -> list:
+    """Random puts, evictions into NVMe and gets (repeated keys, missing keys, resident and
+    NVMe blocks mixed): after every get its result, the page table, the slot arrays and the
+    counters."""
+    eng = _small_engine(tmp, hbm)
     rng = np.random.default_rng(seed)
     seen: list = []
     for step in range(150):
@@ -48,13 +66,7 @@ def _state_after_gets(tmp: Path, seed: int, hbm: bool) -> list:
             seen.append([res.found.tolist(), res.slots.tolist(), res.versions.tolist(),
                          res.checksums.tolist()])
             eng.release(res.lease_id)
-        ns = eng.namespace("m")
-        t = ns.table
-        seen.append({name: col[: t.n_rows].tolist() for name, col in t.cols.items()
-                     if name != "key"})
-        for st in ns.slots.values():
-            seen.append((st.slot_row.tolist(), st.leases.tolist(), st.pool.free_count))
-        seen.append({k.label: v.as_dict() for k, v in eng.counters.tiers.items()})
+        _snapshot(eng, seen)
     eng.close(flush=False)
     return seen
 
@@ -118,12 +130,7 @@ def _state_after_interleaved_gets(tmp: Path, seed: int, hbm: bool) -> list:
     the leases and the counters."""
     from kvtier.coherence.gets import advance
 
-    eng = Engine(make_settings({"data_dir": str(tmp), "host_capacity": "64KiB",
-                                "hbm_capacity": "32KiB" if hbm else "0",
-                                "nvme_capacity": "4MiB", "segment_bytes": "1MiB",
-                                "write_policy": "write_back"}),
-                 hbm_pool_factory=hbm_standin if hbm else None)
-    eng.create_namespace("m", BB)
+    eng = _small_engine(tmp, hbm)
     rng = np.random.default_rng(seed)
     seen: list = []
     for step in range(200):
@@ -183,13 +190,7 @@ def _state_after_interleaved_gets(tmp: Path, seed: int, hbm: bool) -> list:
                 later.append(out.lease_id)
             for lid in later:
                 eng.release(lid)
-        ns = eng.namespace("m")
-        t = ns.table
-        seen.append({name: col[: t.n_rows].tolist() for name, col in t.cols.items()
-                     if name != "key"})
-        for st in ns.slots.values():
-            seen.append((st.slot_row.tolist(), st.leases.tolist(), st.pool.free_count))
-        seen.append({k.label: v.as_dict() for k, v in eng.counters.tiers.items()})
+        _snapshot(eng, seen)
         seen.append(eng.counters.checksum_failures)
     eng.close(flush=False)
     return seen
