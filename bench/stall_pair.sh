@@ -11,6 +11,8 @@
 # time). SITE: a folder put first on PYTHONPATH (the device's wheels). STALL_ARGS / STEPS_ARGS:
 # extra arguments (a smoke run: STALL_ARGS="--readers 1 --cold-blocks 256 --batch 16
 # --host-capacity 8MiB --samples 50" STEPS_ARGS="--cold-blocks 512 --host-capacity 8MiB --gets 20").
+# TRACES: the trees traced ("base branch" by default; "branch" or "" for fewer); TRACE_AT=end
+# runs them after the steps, so that a short budget spends itself on the paired runs first.
 set -u
 BASE=$(cd "$1" && pwd); OUT=$2; BUDGET=${3:-230}; ROUNDS=${4:-2}
 HERE=$PWD
@@ -29,14 +31,20 @@ run() {                         # run NAME TREE LIMIT_S SCRIPT ARGS...
 (cd "$HERE" && PYTHONPATH="${SITE:+$SITE:}$HERE" python3 -c "
 from kvtier.tiers import reads; from kvtier import checksums
 print('branch: C read available', reads.available(), 'libxxhash', checksums._fn is not None)") >> "$LOG" 2>&1
-run trace-base "$BASE" 60 bench/stall_trace.py --samples 1500 --json ${STALL_ARGS:-}
-run trace-branch "$HERE" 60 bench/stall_trace.py --samples 1500 --json ${STALL_ARGS:-}
+traces() {
+    for t in ${TRACES-base branch}; do
+        if [ "$t" = base ]; then tree=$BASE; else tree=$HERE; fi
+        run "trace-$t" "$tree" 60 bench/stall_trace.py --samples 1500 --json ${STALL_ARGS:-}
+    done
+}
+[ "${TRACE_AT:-start}" = end ] || traces
 for r in $(seq 1 "$ROUNDS"); do
     run "stall-base-r$r" "$BASE" 50 bench/stall.py --json ${STALL_ARGS:-}
     run "stall-branch-r$r" "$HERE" 50 bench/stall.py --json ${STALL_ARGS:-}
 done
 run steps-base "$BASE" 30 bench/stall_steps.py --json ${STEPS_ARGS:-}
 run steps-branch "$HERE" 30 bench/stall_steps.py --json ${STEPS_ARGS:-}
+[ "${TRACE_AT:-start}" = end ] && traces
 python3 - "$OUT" <<'PY' >> "$LOG" 2>&1
 import json, os, sys
 out = sys.argv[1]

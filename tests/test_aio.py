@@ -186,3 +186,72 @@ def test_flat_requests_land_where_their_addresses_say(tmp_path: Path):
     finally:
         aio.close()
         os.close(fd)
+
+
+def _destroyed_by_a_failed_reap(ctx: int, depth: int) -> None:
+    """A run_native call whose reap failed: it destroyed its context and raised (_reads.c)."""
+    aio_mod._syscall(aio_mod._DESTROY, aio_mod.ctypes.c_ulong(ctx))
+    raise OSError(5, "io_getevents: Input/output error")
+
+
+def test_a_set_whose_only_context_failed_its_reap_makes_a_fresh_one_for_the_next_run(
+        tmp_path: Path):
+    # rev5's review: the set closed itself when its only context failed a reap, and every NVMe
+    # get of the process then failed with EBADF until a restart.
+    s = aio_mod.AioSet(depth=8, width=1)
+    seen: list[int] = []
+    with pytest.raises(OSError, match="io_getevents"):
+        s.run_native(_destroyed_by_a_failed_reap)
+    assert s.alive and s._made == 0
+    s.run_native(lambda ctx, depth: seen.append(ctx))
+    assert seen and seen[0] != 0 and s._made == 1
+    fd = _direct_file(tmp_path)
+    try:
+        buf = mmap.mmap(-1, REC)
+        buf[:] = b"k" * REC
+        assert s.run(IOCB_CMD_PWRITEV, [(fd, [memoryview(buf)], 0)]).tolist() == [REC]
+        back = mmap.mmap(-1, REC)
+        assert s.run(IOCB_CMD_PREADV, [(fd, [memoryview(back)], 0)]).tolist() == [REC]
+        assert back[:] == buf[:]
+    finally:
+        os.close(fd)
+        s.close()
+    assert not s.alive
+    with pytest.raises(OSError, match="closed"):
+        s.run_native(lambda ctx, depth: None)
+
+
+def test_a_set_that_cannot_make_a_fresh_context_fails_each_call_loudly_then_recovers(
+        monkeypatch):
+    import errno
+    import threading
+
+    s = aio_mod.AioSet(depth=8, width=2)
+    with pytest.raises(OSError):
+        s.run_native(_destroyed_by_a_failed_reap)
+
+    def refused(depth: int) -> None:
+        raise OSError(errno.EAGAIN, "io_setup: Resource temporarily unavailable")
+
+    with monkeypatch.context() as m:
+        m.setattr(aio_mod, "Aio", refused)
+        errs: list = []
+
+        def call() -> None:
+            try:
+                s.run_native(lambda ctx, depth: None)
+            except OSError as exc:
+                errs.append(exc)
+
+        for _ in range(2):              # per call, never a wait for a context nobody holds
+            t = threading.Thread(target=call)
+            t.start()
+            t.join(5)
+            assert not t.is_alive(), "waited for a context that no one will give back"
+        assert len(errs) == 2 and all(e.errno == errno.EAGAIN for e in errs)
+        assert "fs.aio-max-nr" in str(errs[0])
+    assert s.alive and s.width == 2
+    seen: list[int] = []
+    s.run_native(lambda ctx, depth: seen.append(ctx))
+    assert seen[0] != 0
+    s.close()

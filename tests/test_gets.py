@@ -11,7 +11,7 @@ import pytest
 from kvtier.coherence import gets
 from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
-from kvtier.errors import BadRequest
+from kvtier.errors import BadRequest, CapacityError
 from kvtier.types import Tier
 from tests.conftest import blocks, hbm_standin, keys
 
@@ -20,16 +20,34 @@ BB = 4096
 pytestmark = pytest.mark.skipif(gets._split is None, reason="kvtier.coherence._gets not built")
 
 
-def _state_after_gets(tmp: Path, seed: int, hbm: bool) -> list:
-    """Random puts, evictions into NVMe and gets (repeated keys, missing keys, resident and
-    NVMe blocks mixed): after every get its result, the page table, the slot arrays and the
-    counters."""
+def _small_engine(tmp: Path, hbm: bool) -> Engine:
+    """Namespace m of BB-byte blocks, a host tier of 16 slots (an HBM stand-in of 8 above
+    it), write-back onto 1 MiB segments."""
     eng = Engine(make_settings({"data_dir": str(tmp), "host_capacity": "64KiB",
                                 "hbm_capacity": "32KiB" if hbm else "0",
                                 "nvme_capacity": "4MiB", "segment_bytes": "1MiB",
                                 "write_policy": "write_back"}),
                  hbm_pool_factory=hbm_standin if hbm else None)
     eng.create_namespace("m", BB)
+    return eng
+
+
+def _snapshot(eng: Engine, seen: list) -> None:
+    """The page table, the slot arrays and the per-tier counters of m, onto seen."""
+    ns = eng.namespace("m")
+    t = ns.table
+    seen.append({name: col[: t.n_rows].tolist() for name, col in t.cols.items()
+                 if name != "key"})
+    for st in ns.slots.values():
+        seen.append((st.slot_row.tolist(), st.leases.tolist(), st.pool.free_count))
+    seen.append({k.label: v.as_dict() for k, v in eng.counters.tiers.items()})
+
+
+def _state_after_gets(tmp: Path, seed: int, hbm: bool) -> list:
+    """Random puts, evictions into NVMe and gets (repeated keys, missing keys, resident and
+    NVMe blocks mixed): after every get its result, the page table, the slot arrays and the
+    counters."""
+    eng = _small_engine(tmp, hbm)
     rng = np.random.default_rng(seed)
     seen: list = []
     for step in range(150):
@@ -48,13 +66,7 @@ def _state_after_gets(tmp: Path, seed: int, hbm: bool) -> list:
             seen.append([res.found.tolist(), res.slots.tolist(), res.versions.tolist(),
                          res.checksums.tolist()])
             eng.release(res.lease_id)
-        ns = eng.namespace("m")
-        t = ns.table
-        seen.append({name: col[: t.n_rows].tolist() for name, col in t.cols.items()
-                     if name != "key"})
-        for st in ns.slots.values():
-            seen.append((st.slot_row.tolist(), st.leases.tolist(), st.pool.free_count))
-        seen.append({k.label: v.as_dict() for k, v in eng.counters.tiers.items()})
+        _snapshot(eng, seen)
     eng.close(flush=False)
     return seen
 
@@ -106,3 +118,201 @@ def test_split_rows_refuses_a_broken_table_before_it_pins(tmp_path: Path):
         [0, 1, 2, 3, -1, 1], dtype=np.int64), n, int(Tier.HOST),
         *[np.empty(6, dtype=o.dtype) for o in outs])
     assert (k, hits, repeats) == (2, 2, True) and pool.tolist() == [1, 0, 1, 0]
+
+
+def _state_after_interleaved_gets(tmp: Path, seed: int, hbm: bool) -> list:
+    """Random puts, flushes, evictions and gets whose NVMe reads are interleaved with what
+    can happen between a read and its install on the server's loop: a put rewrites some of
+    the keys (the row moves on: not installed; its new copy in the host tier, or flushed and
+    evicted to NVMe again), another get installs the same blocks (a
+    copy current already: shared), a record fails its verdict (dropped), or nothing (the
+    usual install). After every step: the get's result, the page table, the slot arrays,
+    the leases and the counters."""
+    from kvtier.coherence.gets import advance
+
+    eng = _small_engine(tmp, hbm)
+    rng = np.random.default_rng(seed)
+    seen: list = []
+    for step in range(200):
+        op = int(rng.integers(0, 10))
+        ids = [int(i) for i in rng.integers(0, 40, int(rng.integers(1, 10)))]
+        if op < 3:
+            ids = list(dict.fromkeys(ids))
+            try:
+                eng.put("m", keys(ids), blocks(len(ids), BB, step))
+            except CapacityError:
+                seen.append("put full")
+        elif op < 4:
+            eng.flush()
+            seen.append(eng.evict(Tier.HOST, int(rng.integers(1, 12))))
+        else:
+            steps = eng.get_steps("m", keys(ids), 0, room_first=bool(rng.integers(0, 2)))
+            s, out = advance(steps, None, None)
+            later: list = []
+            try:
+                while s is not None:
+                    try:
+                        if s.locked:
+                            with eng.lock:
+                                value = s.fn()
+                        else:
+                            value = s.fn()
+                    except CapacityError as exc:
+                        s, out = advance(steps, None, exc)
+                        continue
+                    s, out = advance(steps, value, None)
+                    if s is not None and getattr(s.fn, "func", None) == eng.gets._finish_get:
+                        p = s.fn.args[0]
+                        what = int(rng.integers(0, 5))
+                        some = ids[: int(rng.integers(1, len(ids) + 1))]
+                        try:
+                            if what == 0:
+                                some = list(dict.fromkeys(some))
+                                eng.put("m", keys(some), blocks(len(some), BB, 1000 + step))
+                            elif what == 1:
+                                later.append(eng.get("m", keys(some)).lease_id)
+                            elif what == 3:             # rewritten, and its new copy gone
+                                some = list(dict.fromkeys(some))       # down to NVMe again
+                                eng.put("m", keys(some), blocks(len(some), BB, 2000 + step))
+                                eng.flush()
+                                eng.evict(Tier.HOST, 12)
+                        except CapacityError:
+                            seen.append("full")
+                        if what == 2 and p.plan is not None and p.plan.ok is not None:
+                            ok = np.array(p.plan.ok, dtype=bool)
+                            ok[int(rng.integers(0, ok.size))] = False
+                            p.plan.ok = ok
+            except CapacityError:
+                seen.append("get full")
+            else:
+                seen.append([out.found.tolist(), out.slots.tolist(), out.versions.tolist(),
+                             out.checksums.tolist()])
+                later.append(out.lease_id)
+            for lid in later:
+                eng.release(lid)
+        _snapshot(eng, seen)
+        seen.append(eng.counters.checksum_failures)
+    eng.close(flush=False)
+    return seen
+
+
+@pytest.mark.parametrize("hbm", [False, True], ids=["host", "hbm-above"])
+@pytest.mark.parametrize("seed", [5, 6])
+def test_the_c_install_leaves_the_state_the_numpy_install_leaves(tmp_path: Path, hbm: bool,
+                                                                 seed: int, monkeypatch):
+    # coherence/_gets.c read_installable (the usual install told in one call), lease_current
+    # (the lease's rows) and plan_columns (the read plan's gathers), against install_read,
+    # the numpy lease and plan_read's numpy gathers.
+    from kvtier.coherence import persist
+
+    with_c = _state_after_interleaved_gets(tmp_path / "c", seed, hbm)
+    monkeypatch.setattr(gets, "_read_installable", None)
+    monkeypatch.setattr(gets, "_lease_current", None)
+    monkeypatch.setattr(persist, "_plan_columns", None)
+    assert _state_after_interleaved_gets(tmp_path / "numpy", seed, hbm) == with_c
+
+
+def test_the_interleavings_reach_every_install_path(tmp_path: Path, monkeypatch):
+    # The comparison above means something only if its workload takes both answers of
+    # read_installable, and the general path's share, free and drop branches.
+    told: list[bool] = []
+    real = gets._read_installable
+
+    def spy(*a):
+        told.append(real(*a))
+        return told[-1]
+
+    monkeypatch.setattr(gets, "_read_installable", spy)
+    calls = {"share": 0, "miss": 0}
+    from kvtier.coherence import transfers
+    orig = transfers.Transfers.install_read
+
+    def install_read(self, plan, tier, pos, rows, slots, found):
+        before = int((~found).sum()), int(self.counters.tiers[tier].misses)
+        orig(self, plan, tier, pos, rows, slots, found)
+        calls["miss"] += int(self.counters.tiers[tier].misses) > before[1]
+        calls["share"] += 1
+
+    monkeypatch.setattr(transfers.Transfers, "install_read", install_read)
+    _state_after_interleaved_gets(tmp_path, 5, False)
+    assert True in told and False in told
+    assert calls["share"] > 0 and calls["miss"] > 0
+
+
+def test_read_installable_and_lease_current_refuse_bad_input():
+    n = 4
+    version = np.array([1, 2, 3, 0], dtype=np.uint64)
+    copy_ver = np.zeros((n, 4), dtype=np.uint64)
+    key = np.arange(n * 16, dtype=np.uint8).view("V16")
+    ok = np.ones(2, dtype=bool)
+    rows = np.array([0, 1], dtype=np.int64)
+    assert gets._read_installable(version, copy_ver, key, n, int(Tier.HOST), ok, rows,
+                                  key[rows].copy(), version[rows].copy())
+    with pytest.raises(ValueError, match="shorter than n_rows"):
+        gets._read_installable(version, copy_ver, key, n + 1, int(Tier.HOST), ok, rows,
+                               key[rows].copy(), version[rows].copy())
+    with pytest.raises(ValueError, match="another width"):
+        gets._read_installable(version, copy_ver, key, n, int(Tier.HOST), ok, rows,
+                               np.zeros(2, dtype="V8"), version[rows].copy())
+    with pytest.raises(ValueError, match="differ in length"):
+        gets._read_installable(version, copy_ver, key, n, int(Tier.HOST), ok[:1], rows,
+                               key[rows].copy(), version[rows].copy())
+    leases = np.zeros(n, dtype=np.uint16)
+    out = np.empty(3, dtype=np.int64)
+    with pytest.raises(ValueError, match="past the columns"):
+        gets._lease_current(version, key, leases, np.array([0, 9, 1], dtype=np.int64),
+                            np.ones(3, dtype=np.uint64), key[[0, 0, 1]].copy(), out)
+    assert not leases.any()                        # checked before any count was written
+    leases[1] = 65535
+    with pytest.raises(ValueError, match="65,535"):
+        gets._lease_current(version, key, leases, rows, version[rows].copy(),
+                            key[rows].copy(), out)
+    leases[1] = 0
+    stale = version[rows].copy()
+    stale[1] = 1                                   # row 1 moved on to version 2: not leased
+    assert gets._lease_current(version, key, leases, rows, stale, key[rows].copy(), out) == 1
+    assert out[0] == 0 and leases.tolist() == [1, 0, 0, 0]
+
+
+def test_plan_read_in_c_plans_what_the_numpy_gathers_plan(tmp_path: Path, monkeypatch):
+    # Random rows of a table spread over several segments (repeats included): the same
+    # ReadPlan columns, dtypes and segment pins either way.
+    from kvtier.coherence import persist
+
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
+                                "nvme_capacity": "16MiB", "segment_bytes": "1MiB"}))
+    big = 256                                      # 4 KiB blocks: 1 MiB segments hold ~250
+    try:
+        eng.create_namespace("m", BB)
+        for lo in range(0, 3 * big, big):
+            eng.put("m", keys(range(lo, lo + big)), blocks(big, BB, lo))
+            eng.flush()
+        ns = eng.namespace("m")
+        rng = np.random.default_rng(2)
+        dst = np.arange(12, dtype=np.int64)
+        spread = 0
+        for _ in range(20):
+            rows = ns.table.lookup(keys(int(i) for i in rng.integers(0, 3 * big, 12)))
+            plans = []
+            for c in (persist._plan_columns, None):
+                monkeypatch.setattr(persist, "_plan_columns", c)
+                plans.append(eng.nvme.plan_read(ns, rows, dst))
+            a, b = plans
+            for name in ("rows", "keys", "versions", "sums", "segs", "offs", "dst"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert x.dtype == y.dtype and (x == y).all(), name
+            assert [s.seg_id for s in a.pins] == [s.seg_id for s in b.pins]
+            spread += len(a.pins) > 1
+            ns.log.unpin(a.pins)
+            ns.log.unpin(b.pins)
+        assert spread                              # plans of more than one segment
+        bad = np.array([0, ns.table.cols["slot"].shape[0]], dtype=np.int64)
+        outs = [np.empty(2, dtype=d) for d in (np.int32, ns.table.cols["key"].dtype,
+                                               np.uint64, np.uint64, np.uint32, np.int64)]
+        cols = ns.table.cols
+        with pytest.raises(ValueError, match="outside the columns"):
+            from kvtier.coherence._gets import plan_columns
+            plan_columns(cols["slot"], cols["key"], cols["copy_ver"], cols["nvme_checksum"],
+                         cols["nvme_off"], bad, int(Tier.NVME), *outs)
+    finally:
+        eng.close(flush=False)

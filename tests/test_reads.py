@@ -377,3 +377,61 @@ def test_a_get_whose_reader_threads_close_before_its_read_is_reaped_ends_not_han
         _nothing_installed_nor_held(eng, data)
     finally:
         eng.close(flush=False)
+
+
+def test_a_batch_run_again_that_fails_has_no_verdicts_not_the_last_runs(tmp_path: Path):
+    # rev5's review: a re-run that failed left `ran` set, and ok() answered with the earlier
+    # read's verdicts. Once on the calling thread, once on a Reader's thread.
+    log, data, segs, offs, sums = _log_with(tmp_path, 4)
+    held = _held(log, segs)
+    pool = _pool(4)                                # (the batch holds its address only)
+    batch = reads.record_batch(log, pool, np.arange(4), segs, offs, sums, held)
+    reads.run_batch(log, batch)
+    assert reads.verdicts(log, batch).all()
+    reads.native._fail_next_read(errno.EIO)
+    with pytest.raises(OSError):
+        reads.run_batch(log, batch)
+    with pytest.raises(RuntimeError, match="not been read"):
+        batch.ok()
+    reads.run_batch(log, batch)                    # read again: its own verdicts
+    assert reads.verdicts(log, batch).all()
+    r = reads.native.Reader(1, 8, reads.checksums._fn)
+    try:
+        reads.native._fail_next_read(errno.EIO)
+        r.submit(batch, "t")
+        poll = select.poll()
+        poll.register(r.fd, select.POLLIN)
+        got: list = []
+        while not got:
+            assert poll.poll(10_000), "no completion signalled"
+            got += r.reap()
+        assert got == [("t", errno.EIO)]
+        with pytest.raises(RuntimeError, match="not been read"):
+            batch.ok()
+        assert (pool == data).all()                # (its bytes landed before the failure)
+    finally:
+        r.close()
+        reads.native._fail_next_read(0)
+    log.unpin(held)
+    log.close()
+
+
+def test_nvme_gets_after_a_failed_reap_read_on_a_fresh_context(tmp_path: Path):
+    # rev5's review: the only AIO context failing a reap closed the log's set, and every later
+    # NVMe get failed with EBADF until a restart. Now the failed get raises and installs
+    # nothing, and the next one reads on a fresh context.
+    from tests.conftest import keys
+
+    eng, data = _engine(tmp_path)
+    try:
+        aset = eng.namespace("m").log._aio_reads
+        assert aset._made == 1                     # the case that closed the set
+        reads.native._fail_next_read(errno.EIO)
+        with pytest.raises(OSError):
+            eng.get("m", keys(range(8)))
+        assert aset.alive and aset._made == 0
+        _nothing_installed_nor_held(eng, data)     # (its eng.read reads on a fresh context)
+        assert aset._made == 1
+    finally:
+        reads.native._fail_next_read(0)
+        eng.close(flush=False)

@@ -20,6 +20,31 @@
  *       repeat. Everything is checked before anything is written: a row at or past n_rows,
  *       or a ready slot outside the pool, raises ValueError (a broken table, never input).
  *
+ *   read_installable(version u64[c], copy_ver u64[c, t], key V[c], n_rows, tier,
+ *                    ok bool[m], rows i64[m], keys V[m], versions u64[m]) -> bool
+ *       Whether an NVMe read's install is the usual one (round 5: the install step's checks
+ *       were ~15 numpy calls, ~80 us of its ~230 on the dev VM): every record read and
+ *       verified (ok), its row still inside the table, holding its key (key's items, the
+ *       namespace's key width, compared bytewise) at the version read (> 0), and no copy in
+ *       tier current already (nothing to share with another get's install). Writes nothing:
+ *       when it says False the caller takes the general path (finish_read, install_read),
+ *       which drops the bad records and shares or frees the rest; when True that path would
+ *       install every copy read, which is all the caller then does.
+ *   lease_current(version u64[c], key V[c], leases u16[c], rows i64[m], versions u64[m],
+ *                 keys V[m], out_rows i64[m]) -> k
+ *       A get's lease on its rows: out_rows[:k] = the rows[i] still at versions[i] and
+ *       holding keys[i] (a row rewritten or reused since is not counted), in batch order,
+ *       and leases[row] += 1 for each. A row past the columns, or a count that could pass
+ *       65,535, raises ValueError before anything is written.
+ *
+ *   plan_columns(slot i32[c, s], key V[c], copy_ver u64[c, t], nvme_checksum u64[c],
+ *                nvme_off u32[c], rows i64[m], nvme_tier, out_segs i32[m], out_keys V[m],
+ *                out_versions u64[m], out_sums u64[m], out_offs u32[m], out_ids i64[m]) -> k
+ *       A ReadPlan's columns of rows (coherence.persist.plan_read: the record's segment, key,
+ *       NVMe version, checksum and offset per row, six numpy gathers and copies before) and
+ *       out_ids[:k] the distinct segment ids, ascending (np.unique's, for the log's pin). A
+ *       row outside the columns or a nvme_tier past them raises ValueError before any write.
+ *
  * No reference to any argument is kept. The GIL is held (under the engine lock; microseconds).
  */
 #define PY_SSIZE_T_CLEAN
@@ -28,6 +53,22 @@
 #include <stdlib.h>
 
 #include "cviews.h"
+
+/* The item size of a 1-D key array (a page table's V<key width> column), without a view:
+ * view() checks the size it is told. 0 on error. */
+static int key_width_of(PyObject *obj, Py_ssize_t *width, const char *name)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_ND) < 0)
+        return 0;
+    *width = b.itemsize;
+    int fine = b.ndim == 1 && b.itemsize >= 1 && b.itemsize <= 64;
+    PyBuffer_Release(&b);
+    if (!fine)
+        PyErr_Format(PyExc_TypeError, "%s: expected a 1-D array of keys (1 to 64 bytes each)",
+                     name);
+    return fine;
+}
 
 static int cmp_i64(const void *a, const void *b)
 {
@@ -133,9 +174,203 @@ done:
     return result;
 }
 
+static PyObject *read_installable(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "read_installable takes 9 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[3], nt, n_rows, tier, m[4], kw;
+    PyObject *result = NULL;
+    if (!key_width_of(args[2], &kw, "key") || !key_width_of(args[7], &m[3], "keys"))
+        return NULL;
+    if (m[3] != kw) {
+        PyErr_SetString(PyExc_ValueError, "read_installable: keys of another width");
+        return NULL;
+    }
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &cap[1], &nt, "copy_ver") : NULL;
+    uint8_t *key = copy_ver ? view(&v, args[2], kw, 0, &cap[2], NULL, "key") : NULL;
+    uint8_t *ok = key ? view(&v, args[5], 1, 0, &m[0], NULL, "ok") : NULL;
+    int64_t *rows = ok ? view(&v, args[6], 8, 0, &m[1], NULL, "rows") : NULL;
+    uint8_t *keys = rows ? view(&v, args[7], kw, 0, &m[2], NULL, "keys") : NULL;
+    uint64_t *vers = keys ? view(&v, args[8], 8, 0, &m[3], NULL, "versions") : NULL;
+    if (vers == NULL || as_index(args[3], &n_rows, "n_rows") < 0
+            || as_index(args[4], &tier, "tier") < 0)
+        goto done;
+    if (cap[0] < n_rows || cap[1] < n_rows || cap[2] < n_rows || tier >= nt) {
+        PyErr_SetString(PyExc_ValueError, "read_installable: a column is shorter than n_rows, "
+                        "or tier is past them");
+        goto done;
+    }
+    if (m[0] != m[1] || m[2] != m[1] || m[3] != m[1]) {
+        PyErr_SetString(PyExc_ValueError, "read_installable: ok, rows, keys and versions "
+                        "differ in length");
+        goto done;
+    }
+    int usual = 1;
+    for (Py_ssize_t i = 0; i < m[1] && usual; i++) {
+        int64_t r = rows[i];
+        usual = ok[i] && r >= 0 && r < n_rows && version[r] && version[r] == vers[i]
+                && copy_ver[r * nt + tier] != version[r]
+                && memcmp(key + r * kw, keys + i * kw, (size_t)kw) == 0;
+    }
+    result = PyBool_FromLong(usual);
+done:
+    views_release(&v);
+    return result;
+}
+
+static PyObject *lease_current(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "lease_current takes 7 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[3], m[4], kw, kw2;
+    PyObject *result = NULL;
+    if (!key_width_of(args[1], &kw, "key") || !key_width_of(args[5], &kw2, "keys"))
+        return NULL;
+    if (kw2 != kw) {
+        PyErr_SetString(PyExc_ValueError, "lease_current: keys of another width");
+        return NULL;
+    }
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint8_t *key = version ? view(&v, args[1], kw, 0, &cap[1], NULL, "key") : NULL;
+    uint16_t *leases = key ? view(&v, args[2], 2, 1, &cap[2], NULL, "leases") : NULL;
+    int64_t *rows = leases ? view(&v, args[3], 8, 0, &m[0], NULL, "rows") : NULL;
+    uint64_t *vers = rows ? view(&v, args[4], 8, 0, &m[1], NULL, "versions") : NULL;
+    uint8_t *keys = vers ? view(&v, args[5], kw, 0, &m[2], NULL, "keys") : NULL;
+    int64_t *out = keys ? view(&v, args[6], 8, 1, &m[3], NULL, "out_rows") : NULL;
+    if (out == NULL)
+        goto done;
+    Py_ssize_t n = m[0], c = cap[0] < cap[1] ? cap[0] : cap[1];
+    if (c > cap[2])
+        c = cap[2];
+    if (m[1] != n || m[2] != n || m[3] < n) {
+        PyErr_SetString(PyExc_ValueError, "lease_current: rows, versions, keys and out_rows "
+                        "differ in length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || rows[i] >= c) {
+            PyErr_SetString(PyExc_ValueError, "lease_current: a row past the columns");
+            goto done;
+        }
+        if (leases[rows[i]] > UINT16_MAX - n) {
+            PyErr_SetString(PyExc_ValueError, "lease_current: a row's lease count would pass "
+                            "65,535 (leases are not being released)");
+            goto done;
+        }
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (version[r] == vers[i] && memcmp(key + r * kw, keys + i * kw, (size_t)kw) == 0) {
+            leases[r] += 1;
+            out[k++] = r;
+        }
+    }
+    result = PyLong_FromSsize_t(k);
+done:
+    views_release(&v);
+    return result;
+}
+
+static int cmp_i32(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static PyObject *plan_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "plan_columns takes 13 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[5], ns, nt, m[7], kw, kw2, tier;
+    PyObject *result = NULL;
+    int32_t *sorted = NULL;
+    if (!key_width_of(args[1], &kw, "key") || !key_width_of(args[8], &kw2, "out_keys"))
+        return NULL;
+    if (kw2 != kw) {
+        PyErr_SetString(PyExc_ValueError, "plan_columns: keys of another width");
+        return NULL;
+    }
+    int32_t *slot = view(&v, args[0], 4, 0, &cap[0], &ns, "slot");
+    uint8_t *key = slot ? view(&v, args[1], kw, 0, &cap[1], NULL, "key") : NULL;
+    uint64_t *copy_ver = key ? view(&v, args[2], 8, 0, &cap[2], &nt, "copy_ver") : NULL;
+    uint64_t *csum = copy_ver ? view(&v, args[3], 8, 0, &cap[3], NULL, "nvme_checksum") : NULL;
+    uint32_t *off = csum ? view(&v, args[4], 4, 0, &cap[4], NULL, "nvme_off") : NULL;
+    int64_t *rows = off ? view(&v, args[5], 8, 0, &m[0], NULL, "rows") : NULL;
+    int32_t *o_seg = rows ? view(&v, args[7], 4, 1, &m[1], NULL, "out_segs") : NULL;
+    uint8_t *o_key = o_seg ? view(&v, args[8], kw, 1, &m[2], NULL, "out_keys") : NULL;
+    uint64_t *o_ver = o_key ? view(&v, args[9], 8, 1, &m[3], NULL, "out_versions") : NULL;
+    uint64_t *o_sum = o_ver ? view(&v, args[10], 8, 1, &m[4], NULL, "out_sums") : NULL;
+    uint32_t *o_off = o_sum ? view(&v, args[11], 4, 1, &m[5], NULL, "out_offs") : NULL;
+    int64_t *o_ids = o_off ? view(&v, args[12], 8, 1, &m[6], NULL, "out_ids") : NULL;
+    if (o_ids == NULL || as_index(args[6], &tier, "nvme_tier") < 0)
+        goto done;
+    Py_ssize_t n = m[0], c = cap[0];
+    for (int i = 1; i < 5; i++)
+        if (cap[i] < c)
+            c = cap[i];
+    for (int i = 1; i < 7; i++)
+        if (m[i] != n) {
+            PyErr_SetString(PyExc_ValueError, "plan_columns: an output differs from rows in "
+                            "length");
+            goto done;
+        }
+    if (tier >= ns || tier >= nt) {
+        PyErr_SetString(PyExc_ValueError, "plan_columns: nvme_tier past the columns");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= c) {
+            PyErr_SetString(PyExc_ValueError, "plan_columns: a row outside the columns");
+            goto done;
+        }
+    sorted = malloc((size_t)(n ? n : 1) * sizeof *sorted);
+    if (sorted == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        o_seg[i] = sorted[i] = slot[r * ns + tier];
+        memcpy(o_key + i * kw, key + r * kw, (size_t)kw);
+        o_ver[i] = copy_ver[r * nt + tier];
+        o_sum[i] = csum[r];
+        o_off[i] = off[r];
+    }
+    qsort(sorted, (size_t)n, sizeof *sorted, cmp_i32);
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (k == 0 || sorted[i] != o_ids[k - 1])
+            o_ids[k++] = sorted[i];
+    result = PyLong_FromSsize_t(k);
+done:
+    free(sorted);
+    views_release(&v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_rows", (PyCFunction)(void (*)(void))split_rows, METH_FASTCALL,
      "split_rows(...): a get's batch split into found, ready (pinned) and to bring up."},
+    {"read_installable", (PyCFunction)(void (*)(void))read_installable, METH_FASTCALL,
+     "read_installable(...): whether every record of an NVMe read installs as it is."},
+    {"lease_current", (PyCFunction)(void (*)(void))lease_current, METH_FASTCALL,
+     "lease_current(...): a get's lease on the rows still at the versions served."},
+    {"plan_columns", (PyCFunction)(void (*)(void))plan_columns, METH_FASTCALL,
+     "plan_columns(...): an NVMe read plan's columns and its distinct segments."},
     {NULL, NULL, 0, NULL},
 };
 

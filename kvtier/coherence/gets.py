@@ -40,9 +40,11 @@ from kvtier.errors import BadRequest
 from kvtier.tiers.reads import record_batch, run_batch, verdicts
 
 try:
+    from kvtier.coherence._gets import lease_current as _lease_current
+    from kvtier.coherence._gets import read_installable as _read_installable
     from kvtier.coherence._gets import split_rows as _split
-except ImportError:             # not built: the numpy split in Gets._get
-    _split = None
+except ImportError:             # not built: the numpy split in Gets._get, the numpy install
+    _split = _read_installable = _lease_current = None
 if _fast_built is None:
     _split = None               # (the split follows lease_native's refusal: both in C or neither)
 from kvtier.types import Tier
@@ -85,6 +87,8 @@ class GetOwner(Protocol):
 
     def check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray: ...
     def make_room(self, ns: Namespace, tier: Tier, n: int) -> None: ...
+    def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
+                 versions: np.ndarray) -> None: ...
     def unpin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
     def new_id(self) -> int: ...
     def touch(self, ns: Namespace, rows: np.ndarray) -> None: ...
@@ -400,7 +404,7 @@ class Gets:
         cols = ns.table.cols
         st = ns.slots[tier]
         if p.plan is not None:
-            self.transfers.install_read(p.plan, tier, p.plan_pos, rows, slots, found)
+            self._install_read(p)
         if p.repeats.size:
             slots[p.repeats] = slots[p.repeat_src]
             found[p.repeats] = found[p.repeat_src]
@@ -422,8 +426,13 @@ class Gets:
             srows, versions = rows[served], p.versions[served]
             karr, lslots = p.karr[served], slots[served].astype(np.int64)
         # Readers count on rows still at the version served (a rewrite resets the count).
-        cur = srows[(cols["version"][srows] == versions) & (cols["key"][srows] == karr)]
-        add_one(cols["leases"], cur)
+        if _lease_current is not None:
+            cur = np.empty(srows.size, dtype=np.int64)
+            cur = cur[:_lease_current(cols["version"], cols["key"], cols["leases"], srows,
+                                      versions, karr, cur)]
+        else:
+            cur = srows[(cols["version"][srows] == versions) & (cols["key"][srows] == karr)]
+            add_one(cols["leases"], cur)
         self.owner.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
         self.counters.gets += p.karr.size
         self.counters.get_hits += int(srows.size)
@@ -437,6 +446,25 @@ class Gets:
         return GetResult(found, slots.astype(np.int32), np.where(found, p.versions, 0)
                          .astype(np.uint64), np.where(found, p.sums, 0).astype(np.uint64),
                          lid, tier)
+
+    def _install_read(self, p: "_PendingGet") -> None:
+        """Under the lock: p's NVMe copies installed (Transfers.install_read). The usual
+        case - every record read and verified, its row still at the version read, no copy
+        current in the tier meanwhile - is told by one C call (coherence/_gets.c
+        read_installable, which writes nothing) and installed here with the same set_copy;
+        anything else takes install_read, which drops, shares or frees what it must (issue 17,
+        round 5: its checks were ~80 us of a ~230 us install step on the dev VM)."""
+        plan, tier = p.plan, p.tier
+        cols = p.ns.table.cols
+        if (_read_installable is None or plan.ok is None
+                or not _read_installable(cols["version"], cols["copy_ver"], cols["key"],
+                                         p.ns.table.n_rows, int(tier), plan.ok, plan.rows,
+                                         plan.keys, plan.versions)):
+            self.transfers.install_read(plan, tier, p.plan_pos, p.rows, p.slots, p.found)
+            return
+        dst = plan.dst.astype(np.int64)
+        self.owner.set_copy(p.ns, plan.rows, tier, dst, plan.versions)
+        p.slots[p.plan_pos] = dst
 
     def read(self, namespace: str, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """get + copy + release, for in-process readers: (found mask, n x block_bytes array)."""

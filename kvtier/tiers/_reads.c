@@ -32,7 +32,8 @@
  *       for them, so no slot is written after this returns) and the caller drops it.
  *   Batch.ok() -> bytes
  *       After a run: per record 1 when it was read whole and its XXH3 equals the expected
- *       one, else 0.
+ *       one, else 0. Each run (or submit) forgets the last one's verdicts first, so after a
+ *       failed re-run ok() raises rather than answer with an earlier read's.
  *   Reader(threads, depth, xxh3)
  *       `threads` C threads with an io_setup context of `depth` events each (OSError when the
  *       host-wide fs.aio-max-nr refuses one). .fd: an eventfd (non-blocking), readable once
@@ -42,6 +43,8 @@
  *       or the io_getevents error that ended it; its context was then replaced).
  *   Reader.close(): finish the queued batches, stop the threads (the GIL released), drop
  *       what was never reaped. Also on deallocation.
+ *   _fail_next_read(errno): tests' fault seam: the next read, wherever it runs, lands its
+ *       bytes and then fails with errno as a failed io_getevents does (0: none).
  *
  * A request the kernel's queue refuses with nothing in flight (EAGAIN) is read by pread on the
  * same thread; a request refused outright (EBADF, EINVAL) is a failed record. Records are
@@ -88,6 +91,11 @@ static int cmp_cb(const void *a, const void *b)
     return x->aio_offset < y->aio_offset ? -1 : x->aio_offset > y->aio_offset;
 }
 
+/* The fault seam of tests/test_reads.py: the next batch_read (in Batch.run or on a Reader
+ * thread) reads as usual, then fails as a failed io_getevents would, with this errno
+ * (_reads._fail_next_read). 0: none. */
+static int fail_next;
+
 /* aio_loop.h's submit/reap loop over b's requests, then the verdicts. Returns 0, or the
  * errno of a failed io_getevents (requests may still be in flight: the caller destroys ctx). */
 static int batch_read(Batch *b, aio_context_t ctx, long window, xxh3_fn h)
@@ -119,6 +127,8 @@ static int batch_read(Batch *b, aio_context_t ctx, long window, xxh3_fn h)
     }
     free(ptrs);
     free(ev);
+    if (!fatal)
+        fatal = __atomic_exchange_n(&fail_next, 0, __ATOMIC_RELAXED);
     if (fatal)
         return fatal;
     memset(b->ok, 0, (size_t)b->n);
@@ -283,6 +293,7 @@ static PyObject *Batch_run(Batch *b, PyObject *args)
         return NULL;
     }
     int err;
+    b->ran = 0;         /* a re-run's verdicts are its own: none until it succeeds (rev5) */
     Py_BEGIN_ALLOW_THREADS
     err = batch_read(b, (aio_context_t)ctx, window, h);
     if (err)
@@ -516,6 +527,7 @@ static PyObject *Reader_submit(Reader *r, PyObject *args)
     if (j == NULL)
         return PyErr_NoMemory();
     bt->queued = 1;
+    bt->ran = 0;        /* as in Batch.run: an earlier run's verdicts are not this one's */
     Py_INCREF(b);
     Py_INCREF(token);
     j->batch = bt;
@@ -603,10 +615,29 @@ static PyTypeObject ReaderType = {
     .tp_new = Reader_new,
 };
 
+static PyObject *fail_next_read(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    long e = PyLong_AsLong(arg);
+    if (e == -1 && PyErr_Occurred())
+        return NULL;
+    if (e < 0 || e > 4095) {
+        PyErr_SetString(PyExc_ValueError, "_fail_next_read: an errno (0: none)");
+        return NULL;
+    }
+    __atomic_store_n(&fail_next, (int)e, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"_fail_next_read", fail_next_read, METH_O,
+     "tests only: the next read lands its bytes, then fails with this errno (0: none)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_reads",
     "An NVMe get's whole read (AIO, checksums, verdicts) in C, and threads that run it.",
-    -1, NULL,
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__reads(void)

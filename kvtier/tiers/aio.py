@@ -245,12 +245,15 @@ class AioSet:
         self.width = width
         self._free: list[Aio] = [Aio(depth)]      # the first at once: availability is known
         self._made = 1
+        self._closed = False                      # by close() only: a failed reap never does
         self._cv = threading.Condition()
 
     @property
     def alive(self) -> bool:
+        """False once close() ran. A set whose contexts all failed their reaps is still alive:
+        its next run makes a fresh context."""
         with self._cv:
-            return self._made > 0
+            return not self._closed
 
     def run(self, opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]],
             window: int | None = None) -> np.ndarray:
@@ -285,16 +288,27 @@ class AioSet:
             self._give(aio)
 
     def _take(self) -> Aio:
+        """A free context, a new one (up to width), or the next one given back.
+
+        A context that failed its reap is dropped (_give), and the next caller makes a fresh
+        one in its place: the set used to close itself when its only context failed, and every
+        NVMe get of the process then failed with EBADF until a restart (rev5's review). When
+        no context is left and io_setup refuses a fresh one, this call raises io_setup's
+        error (naming fs.aio-max-nr) and the next call tries again."""
         with self._cv:
             while True:
-                if self._made == 0:
+                if self._closed:
                     raise OSError(errno.EBADF, "this AIO context set is closed")
                 if self._free:
                     return self._free.pop()
                 if self._made < self.width:
                     try:
                         aio = Aio(self.depth)
-                    except OSError:
+                    except OSError as exc:
+                        if self._made == 0:         # nothing to wait for: say so, per call
+                            raise OSError(exc.errno, f"{exc.strerror}: no AIO context for "
+                                          "the NVMe tier (every one failed; raise "
+                                          "fs.aio-max-nr if io_setup said EAGAIN)") from None
                         self.width = self._made     # the host-wide limit: share what exists
                     else:
                         self._made += 1
@@ -304,14 +318,11 @@ class AioSet:
 
     def _give(self, aio: Aio) -> None:
         with self._cv:
-            if aio._ctx.value:
+            if aio._ctx.value and not self._closed:
                 self._free.append(aio)
-            else:                                   # closed after a failed reap
+            else:                   # failed its reap (a fresh one is made on need), or closing
+                aio.close()
                 self._made -= 1
-                if self._made == 0:
-                    for a in self._free:
-                        a.close()
-                    self._free.clear()
             self._cv.notify()
 
     def close(self) -> None:
@@ -319,8 +330,9 @@ class AioSet:
         with self._cv:
             for a in self._free:
                 a.close()
+            self._made -= len(self._free)
             self._free.clear()
-            self._made = 0
+            self._closed = True
             self._cv.notify_all()
 
 
