@@ -6,7 +6,7 @@
 
 How fio's options map onto kvtier. A job owns ``size`` bytes of blocks of ``bs`` bytes each (one
 namespace, block_bytes = bs). ``iodepth`` is the job's blocks in flight: ``calls`` (kvtier's own
-option; on the NVMe tier 2 unless given, elsewhere 1) calls of iodepth / calls blocks each, each
+option, 1 unless given) calls of iodepth / calls blocks each, each
 call complete (a put synced and applied) before its lane issues the next, so a job never has
 more than iodepth blocks in flight, as fio never has more than iodepth I/Os. ``numjobs`` jobs
 each run the job. ``rw`` picks sequential
@@ -50,9 +50,10 @@ from kvtier.errors import ConfigError, KvtierError
 
 RW = ("read", "write", "randread", "randwrite", "randrw")
 TIERS = ("host", "nvme", "hbm", "service")
-# Calls in flight per job on the NVMe tier unless calls= says otherwise (issue 17, fio5: the
-# disk's queue kept fuller than by one call of iodepth blocks; docs/DESIGN-NOTES.md).
-AUTO_CALLS = 2
+# Calls in flight per job on the NVMe tier unless calls= says otherwise (issue 17, fio5: on the
+# H200 host 2 calls of 8 ran 0.88-0.90x one call of 16, the lanes' Python then near one core;
+# docs/DESIGN-NOTES.md).
+AUTO_CALLS = 1
 PCTS = (1.0, 5.0, 10.0, 50.0, 90.0, 95.0, 99.0, 99.9, 99.99)
 
 

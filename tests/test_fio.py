@@ -164,7 +164,8 @@ def test_bad_options_and_paths_are_one_line_errors(args, match):
 
 
 def test_iodepth_is_split_over_the_calls_in_flight():
-    assert Job(iodepth=16, tier="nvme").call_sizes() == [8, 8]        # auto on NVMe
+    assert Job(iodepth=16, tier="nvme").call_sizes() == [16]          # auto: one call
+    assert Job(iodepth=16, tier="nvme", calls=2).call_sizes() == [8, 8]
     assert Job(iodepth=16, tier="host").call_sizes() == [16]
     assert Job(iodepth=5, calls=2).call_sizes() == [3, 2]
     assert Job(iodepth=1, tier="nvme").call_sizes() == [1]
