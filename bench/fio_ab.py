@@ -4,6 +4,8 @@ side. Rounds alternate the order (A B, then B A, ...), so that neither tree alwa
 
     PYTHONPATH=. python bench/fio_ab.py BASE_TREE BRANCH_TREE [ROUNDS] [JOBFILE] [DIR]
     COMPARE=0 ...   (no fio runs: the trees alone, alternated; ratios are then None)
+    VARIANTS="main=TREE,k1=TREE@1,k2=TREE@2" ...   (more than two; TREE@N adds --calls N;
+                    each round runs them in order, reversed every other round)
 
 Each tree must have its C extensions built (setup.py build_ext --inplace). Prints a table and
 writes one JSON line: per round and tree, every job's kvtier and fio MiB/s and the ratios.
@@ -24,11 +26,13 @@ sys.path.insert(0, ROOT)
 from bench.common import header  # noqa: E402
 
 
-def run(tree: str, jobfile: str, directory: str) -> tuple[dict, float]:
+def run(tree: str, jobfile: str, directory: str, calls: str = "") -> tuple[dict, float]:
     """One `kvtier bench` of tree; returns its JSON and the CPU seconds it used (user +
     system, fio's runs included when compared)."""
     env = dict(os.environ, PYTHONPATH=tree)
     compare = ["--compare"] if os.environ.get("COMPARE", "1") != "0" else []
+    if calls:
+        compare += ["--calls", calls]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([sys.executable, "-m", "kvtier.fio", jobfile, *compare,
                           "--directory", directory, "--output-format", "json"],
@@ -47,12 +51,14 @@ def summary(res: dict) -> list[dict]:
                      "fio_mib": [round((base.get(d) or {}).get("bw_bytes", 0) / 2**20, 1)
                                  for d in ("read", "write")],
                      "ratio": [j["kvtier"].get("ratio_read"), j["kvtier"].get("ratio_write")],
-                     "clat_ms": [round(j[d]["clat_ns"]["mean"] / 1e6, 2) for d in ("read", "write")]})
+                     "clat_ms": [round(j[d]["clat_ns"]["mean"] / 1e6, 2) for d in ("read", "write")],
+                     "calls": j["kvtier"].get("calls_in_flight"),
+                     "cpu_s": j["kvtier"].get("cpu_s")})
     return rows
 
 
 def main() -> int:
-    base, branch = sys.argv[1], sys.argv[2]
+    base, branch = sys.argv[1], sys.argv[2]     # ignored where VARIANTS is given
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     jobfile = os.path.abspath(sys.argv[4] if len(sys.argv) > 4
                               else os.path.join(ROOT, "bench/jobs/randrw.fio"))
@@ -61,12 +67,15 @@ def main() -> int:
     out = {"machine": m, "command": " ".join(sys.argv), "rounds": []}
     for r in range(rounds):
         order = [("main", base), ("branch", branch)]
+        if os.environ.get("VARIANTS"):
+            order = [tuple(v.split("=", 1)) for v in os.environ["VARIANTS"].split(",")]
         if r % 2:
             order.reverse()
-        for name, tree in order:
+        for name, spec in order:
+            tree, _, calls = spec.partition("@")
             t0 = time.time()
             load = os.getloadavg()[0]
-            res, cpu = run(tree, jobfile, directory)
+            res, cpu = run(tree, jobfile, directory, calls)
             rows = summary(res)
             out["rounds"].append({"round": r + 1, "tree": name, "start": t0, "load": load,
                                   "cpu_s": round(cpu, 2), "jobs": rows})
@@ -74,7 +83,7 @@ def main() -> int:
                 print(f"r{r + 1} {name:6} {row['job']:13} kvtier {row['kvtier_mib'][0]:6.1f} / "
                       f"{row['kvtier_mib'][1]:6.1f}  fio {row['fio_mib'][0]:6.1f} / "
                       f"{row['fio_mib'][1]:6.1f}  ratio {row['ratio'][0]} / {row['ratio'][1]}"
-                      f"  load {load:.1f} cpu {cpu:.1f} s", file=sys.stderr, flush=True)
+                      f"  load {load:.1f} cpu {cpu:.1f} s lanes {row['cpu_s']}", file=sys.stderr, flush=True)
     print(json.dumps(out))
     return 0
 

@@ -5,8 +5,11 @@
     kvtier bench jobs.fio            # fio's INI syntax: [global] plus one section per job
 
 How fio's options map onto kvtier. A job owns ``size`` bytes of blocks of ``bs`` bytes each (one
-namespace, block_bytes = bs). ``iodepth`` is the batch: each call moves iodepth blocks, which is
-how a worker keeps the tier busy. ``numjobs`` threads each run the job. ``rw`` picks sequential
+namespace, block_bytes = bs). ``iodepth`` is the job's blocks in flight: ``calls`` (kvtier's own
+option, 1 unless given) calls of iodepth / calls blocks each, each
+call complete (a put synced and applied) before its lane issues the next, so a job never has
+more than iodepth blocks in flight, as fio never has more than iodepth I/Os. ``numjobs`` jobs
+each run the job. ``rw`` picks sequential
 or random block order and reads (gets), writes (puts) or both (randrw: ``rwmixread`` percent
 reads, 50 by default, or ``rwmixwrite``);
 ``random_distribution=zipf:THETA`` skews random picks. ``direct`` is passed to fio for --compare;
@@ -38,7 +41,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -47,6 +50,10 @@ from kvtier.errors import ConfigError, KvtierError
 
 RW = ("read", "write", "randread", "randwrite", "randrw")
 TIERS = ("host", "nvme", "hbm", "service")
+# Calls in flight per job on the NVMe tier unless calls= says otherwise (issue 17, fio5: on the
+# H200 host 2 calls of 8 ran 0.88-0.90x one call of 16, the lanes' Python then near one core;
+# docs/DESIGN-NOTES.md).
+AUTO_CALLS = 1
 PCTS = (1.0, 5.0, 10.0, 50.0, 90.0, 95.0, 99.0, 99.9, 99.99)
 
 
@@ -66,6 +73,7 @@ class Job:
     tier: str = "host"
     directory: str = ""
     socket: str = ""
+    calls: int = 0          # kvtier's own: iodepth split over this many calls in flight (0: auto)
 
     def validate(self) -> "Job":
         if self.rw not in RW:
@@ -82,10 +90,22 @@ class Job:
             raise ConfigError("random_distribution=zipf:THETA needs 0 < THETA < 10")
         if not 0 <= self.rwmixread <= 100:
             raise ConfigError(f"rwmixread={self.rwmixread}: a percentage, 0..100")
+        if not 0 <= self.calls <= self.iodepth:
+            raise ConfigError(f"calls={self.calls}: split iodepth={self.iodepth} over 1..iodepth "
+                              "calls in flight (0: kvtier picks)")
+        if self.calls > 1 and self.tier == "service":
+            raise ConfigError("calls > 1 needs an in-process tier; through the service each "
+                              "job has one call in flight")
         if self.directory and not os.path.isdir(self.directory):
             raise ConfigError(f"directory={self.directory!r} does not exist or is not a "
                               "directory; create it or point --directory elsewhere")
         return self
+
+    def call_sizes(self) -> list[int]:
+        """The blocks of each call a job keeps in flight: iodepth split as evenly as it goes
+        over ``calls`` calls (auto: AUTO_CALLS on the NVMe tier, one elsewhere)."""
+        k = self.calls or (min(AUTO_CALLS, self.iodepth) if self.tier == "nvme" else 1)
+        return [self.iodepth // k + (i < self.iodepth % k) for i in range(k)]
 
 
 def _time(text: str, name: str) -> float:
@@ -121,7 +141,7 @@ def apply_option(job: Job, key: str, value: str | None) -> Job:
                 return replace(job, bs=_fio_size(v, "bs"))
             case "size":
                 return replace(job, size=_fio_size(v, "size"))
-            case "iodepth" | "numjobs" | "rwmixread":
+            case "iodepth" | "numjobs" | "rwmixread" | "calls":
                 return replace(job, **{key: int(v)})
             case "rwmixwrite":
                 return replace(job, rwmixread=100 - int(v))
@@ -269,24 +289,6 @@ class _Target:
         else:
             self.engine.put("bench", kb, self.data[: idx.size], owner=owner)
 
-    def put_begin(self, idx: np.ndarray, owner: int) -> Any:
-        """A write_through put whose flush runs beside the lane's next calls: reserve, copy,
-        commit_begin. Returns the commit's FlushHandle (the put is acknowledged when it
-        completes), or None where the put was done in full (the service, or no NVMe)."""
-        if self.client is not None or self.job.tier != "nvme":
-            self.put(idx, owner)
-            return None
-        from kvtier.types import Tier
-        kb = self.keys[idx].tobytes()
-        res = self.engine.reserve("bench", kb, owner=owner)
-        try:
-            self.engine.namespace("bench").slots[Tier.HOST].pool.write(res.slots,
-                                                                       self.data[: idx.size])
-        except BaseException:
-            self.engine.abort(res.rid, owner)
-            raise
-        return self.engine.puts.commit_begin(res.rid, owner)[1]
-
     def get(self, idx: np.ndarray, owner: int, out: np.ndarray) -> bool:
         kb = self.keys[idx].tobytes()
         if self.client is not None:
@@ -327,68 +329,69 @@ def run_job(job: Job, progress: Any = None) -> dict[str, Any]:
         if job.rw in ("read", "randread", "randrw"):
             target.fill()
         before = target.stats()
-        per_job = [Samples() for _ in range(job.numjobs)]
+        sizes = job.call_sizes()
+        per_lane = [Samples() for _ in range(job.numjobs * len(sizes))]
+        cpu = [0.0] * len(per_lane)
+        failed: list[BaseException] = []
         start = time.perf_counter()
         stop_at = start + job.ramp_time + job.runtime
 
-        def worker(j: int) -> None:
-            s = per_job[j]
+        def stream(j: int) -> Callable[[int], tuple[np.ndarray, bool]]:
+            """Job j's one stream of blocks and of read / write picks, shared by its calls in
+            flight (as fio's iodepth slots share one job's stream): the next n blocks."""
             rng = np.random.default_rng(100 + j)
-            out = np.empty((job.iodepth, job.bs), dtype=np.uint8)
             order = _order(job, target.nblocks, rng, 1 << 16)
             pos = (j * target.nblocks // job.numjobs) if not job.rw.startswith("rand") else 0
-            # A put in flight: its flush (writes, fdatasync, apply) runs on the store's flush
-            # thread while this lane issues its next gets (issue 17). One at a time: the next
-            # put waits for it first. Its latency runs to its handle's completion.
-            pending: tuple[Any, float, int] | None = None
+            lock = threading.Lock()
 
-            def settle_put() -> None:
-                nonlocal pending
-                if pending is None:
-                    return
-                handle, t0, n = pending
-                pending = None
-                try:
-                    handle.wait()
-                except KvtierError:         # not acknowledged: an I/O error, as fio's
-                    s.errors += 1
-                    return
-                record(True, t0, handle.done_at, n)
+            def take(n: int) -> tuple[np.ndarray, bool]:
+                nonlocal pos
+                with lock:
+                    idx = order[(pos + np.arange(n)) % order.size]
+                    pos += n
+                    write = job.rw in ("write", "randwrite") or (
+                        job.rw == "randrw" and rng.random() * 100 >= job.rwmixread)
+                return idx, write
+            return take
 
-            def record(write: bool, t0: float, t1: float, n: int) -> None:
-                if t0 - start >= job.ramp_time:
-                    # Every block of a batch completes when the call returns: its completion
-                    # latency is the batch's, as fio's clat is per I/O at that queue depth.
-                    (s.write if write else s.read).extend([t1 - t0] * n)
-                    s.timeline.append((t1 - start, n * job.bs))
-
-            while True:
-                now = time.perf_counter()
-                if now >= stop_at:
-                    settle_put()
-                    return
-                idx = order[(pos + np.arange(job.iodepth)) % order.size]
-                pos += job.iodepth
-                write = job.rw in ("write", "randwrite") or (
-                    job.rw == "randrw" and rng.random() * 100 >= job.rwmixread)
-                if write or (pending is not None and pending[0].done()):
-                    settle_put()
-                t0 = time.perf_counter()
-                try:
-                    if write:
-                        handle = target.put_begin(idx, owner=j + 1)
-                        if handle is not None:
-                            pending = (handle, t0, idx.size)
-                            continue
-                    else:
-                        if not target.get(idx, owner=j + 1, out=out):
+        def lane(j: int, n: int, s: Samples, slot: int,
+                 take: Callable[[int], tuple[np.ndarray, bool]]) -> None:
+            """One call of n blocks in flight at a time, each complete (a put acknowledged:
+            synced and applied) before this lane's next; a job's lanes hold at most iodepth
+            blocks in flight together."""
+            out = np.empty((n, job.bs), dtype=np.uint8)
+            t_cpu = time.thread_time()
+            try:
+                while time.perf_counter() < stop_at:
+                    idx, write = take(n)
+                    t0 = time.perf_counter()
+                    try:
+                        if write:
+                            target.put(idx, owner=j + 1)
+                        elif not target.get(idx, owner=j + 1, out=out):
                             s.errors += 1
-                except KvtierError:         # counted, as fio counts I/O errors
-                    s.errors += 1
-                    continue
-                record(write, t0, time.perf_counter(), idx.size)
+                    except KvtierError:     # counted, as fio counts I/O errors
+                        s.errors += 1
+                        continue
+                    t1 = time.perf_counter()
+                    if t0 - start >= job.ramp_time:
+                        # Every block of a call completes when it returns: its completion
+                        # latency is the call's, as fio's clat is per I/O at that depth.
+                        (s.write if write else s.read).extend([t1 - t0] * n)
+                        s.timeline.append((t1 - start, n * job.bs))
+            except BaseException as exc:    # not an I/O error: the run fails, loudly
+                failed.append(exc)
+            finally:
+                cpu[slot] = time.thread_time() - t_cpu
 
-        threads = [threading.Thread(target=worker, args=(j,)) for j in range(job.numjobs)]
+        threads = []
+        for j in range(job.numjobs):
+            take = stream(j)
+            for i, n in enumerate(sizes):
+                slot = j * len(sizes) + i
+                threads.append(threading.Thread(target=lane,
+                                                args=(j, n, per_lane[slot], slot, take)))
+        cpu_before = time.process_time()
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
@@ -397,11 +400,14 @@ def run_job(job: Job, progress: Any = None) -> dict[str, Any]:
                 progress(min(1.0, (time.perf_counter() - start) / (job.ramp_time + job.runtime)))
         for t in threads:
             t.join()
+        if failed:
+            raise failed[0]
+        cpu_s = {"lanes": round(sum(cpu), 3), "process": round(time.process_time() - cpu_before, 3)}
         after = target.stats()
     finally:
         target.close()
         shutil.rmtree(workdir, ignore_errors=True)
-    return report(job, per_job, before, after)
+    return report(job, per_lane, before, after, cpu_s)
 
 
 def _clat(samples: list[float]) -> dict[str, Any]:
@@ -421,7 +427,8 @@ def _dir(samples: list[float], bs: int, runtime: float) -> dict[str, Any]:
             "total_ios": n, "clat_ns": _clat(samples)}
 
 
-def report(job: Job, per_job: list[Samples], before: dict, after: dict) -> dict[str, Any]:
+def report(job: Job, per_job: list[Samples], before: dict, after: dict,
+           cpu_s: dict[str, float] | None = None) -> dict[str, Any]:
     reads = [x for s in per_job for x in s.read]
     writes = [x for s in per_job for x in s.write]
     errors = sum(s.errors for s in per_job)
@@ -439,10 +446,12 @@ def report(job: Job, per_job: list[Samples], before: dict, after: dict) -> dict[
         "job options": {"rw": job.rw, "rwmixread": str(job.rwmixread),
                         "bs": str(job.bs), "iodepth": str(job.iodepth),
                         "numjobs": str(job.numjobs), "size": str(job.size),
-                        "runtime": str(job.runtime), "tier": job.tier},
+                        "runtime": str(job.runtime), "tier": job.tier,
+                        "calls": str(len(job.call_sizes()))},
         "read": _dir(reads, job.bs, job.runtime), "write": _dir(writes, job.bs, job.runtime),
         "kvtier": {"tiers": kv, "hit_ratio": hits / gets if gets else None,
-                   "nvme_write_amplification": wa},
+                   "nvme_write_amplification": wa, "calls_in_flight": len(job.call_sizes()),
+                   "cpu_s": cpu_s},
         "_timeline": timeline,
     }
 

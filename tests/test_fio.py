@@ -161,3 +161,50 @@ def test_bad_options_and_paths_are_one_line_errors(args, match):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0] and "Traceback" not in out.stderr
+
+
+def test_iodepth_is_split_over_the_calls_in_flight():
+    assert Job(iodepth=16, tier="nvme").call_sizes() == [16]          # auto: one call
+    assert Job(iodepth=16, tier="nvme", calls=2).call_sizes() == [8, 8]
+    assert Job(iodepth=16, tier="host").call_sizes() == [16]
+    assert Job(iodepth=5, calls=2).call_sizes() == [3, 2]
+    assert Job(iodepth=1, tier="nvme").call_sizes() == [1]
+    assert apply_option(Job(), "calls", "4").calls == 4
+    with pytest.raises(ConfigError, match="calls=5"):
+        Job(iodepth=4, calls=5).validate()
+    with pytest.raises(ConfigError, match="in-process tier"):
+        Job(iodepth=4, calls=2, tier="service").validate()
+
+
+def test_a_jobs_calls_in_flight_never_hold_more_than_iodepth_blocks(tmp_path: Path, monkeypatch):
+    # fio keeps iodepth I/Os in flight, never more: the calls a job has in flight together
+    # hold at most iodepth blocks, each put acknowledged (synced) before its lane's next call.
+    import threading
+    import time
+
+    import kvtier.fio as fio
+    lock, now, top, calls = threading.Lock(), [0], [0], []
+
+    def counted(real):
+        def call(self, idx, *args, **kw):
+            if idx.size == 8:                   # the untimed fill, one call of iodepth
+                return real(self, idx, *args, **kw)
+            with lock:
+                now[0] += idx.size
+                top[0] = max(top[0], now[0])
+            try:
+                time.sleep(0.002)               # long enough for the calls to overlap
+                return real(self, idx, *args, **kw)
+            finally:
+                with lock:
+                    now[0] -= idx.size
+                    calls.append(idx.size)
+        return call
+
+    monkeypatch.setattr(fio._Target, "put", counted(fio._Target.put))
+    monkeypatch.setattr(fio._Target, "get", counted(fio._Target.get))
+    res = run_job(Job(rw="randrw", bs=4096, size=1 << 20, iodepth=8, calls=2, runtime=0.5,
+                      tier="nvme", directory=str(tmp_path)))
+    assert res["error"] == 0 and res["read"]["total_ios"] > 0 and res["write"]["total_ios"] > 0
+    assert res["kvtier"]["calls_in_flight"] == 2 and set(calls) == {4} and len(calls) > 20
+    assert top[0] == 8                          # both lanes' calls overlapped, never more

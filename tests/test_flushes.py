@@ -248,3 +248,25 @@ def test_a_flush_thread_that_failed_to_start_is_started_by_the_next_begin(tmp_pa
     _, handle = begin_put(eng, range(4, 8), 2)
     assert handle.wait(10) == 4
     eng.close(flush=False)
+
+
+@pytest.mark.parametrize("ks", [range(4), [0, 1, 0, 2]], ids=["distinct", "repeated"])
+def test_a_commit_begin_whose_install_raises_leaves_no_slot_pinned(tmp_path: Path, monkeypatch,
+                                                                    ks):
+    # _commit(keep_pinned) kept the reservation's pins for the handle to drop; when install
+    # raised there was no handle, and the slots stayed pinned for ever (rev5's review).
+    eng = engine(tmp_path)
+    res = eng.reserve("m", keys(ks))
+    eng.namespace("m").slots[Tier.HOST].pool.write(res.slots, blocks(len(ks), BB, 1))
+
+    def install(*args, **kw):
+        raise MemoryError("injected: the page table cannot grow")
+
+    monkeypatch.setattr(eng, "install", install)
+    with pytest.raises(MemoryError, match="injected"):
+        eng.puts.commit_begin(res.rid)
+    assert (eng.namespace("m").slots[Tier.HOST].leases[res.slots] == 0).all()
+    monkeypatch.undo()
+    _, handle = begin_put(eng, range(10, 14), 2)  # the engine goes on
+    assert handle.wait(10) == 4
+    eng.close(flush=False)

@@ -214,3 +214,49 @@ def test_read_rows_leaves_unaligned_or_padded_reads_to_read(tmp_path: Path):
     assert log.read_rows(segs, offs, np.zeros((2, 1000), dtype=np.uint8),
                          np.arange(2)) is None
     log.close()
+
+
+def test_a_process_killed_while_a_spare_becomes_a_segment_restarts(tmp_path: Path,
+                                                                  monkeypatch):
+    # A reclaimed file kept as a spare is renamed to the next segment's name. The rename
+    # came before the new header: killed in between, seg-N held the spare's old header
+    # (another segment's id) and the restart refused the data directory (bench/fio_crash.py).
+    import kvtier.tiers.nvme as nvme
+    from kvtier.checksums import block_checksums
+    from kvtier.coherence.journal import entries_of
+    from kvtier.pagetable.store import record_dtype
+
+    bb = 4096
+
+    def append(lg: SegmentLog, ids: list[int]):
+        data = np.stack([np.full(bb, i % 251, np.uint8) for i in ids])
+        r = np.zeros(len(ids), dtype=record_dtype(16))
+        r["size"], r["version"], r["checksum"] = bb, 1, block_checksums(data)
+        k = np.frombuffer(b"".join((i + 1).to_bytes(16, "big") for i in ids), dtype="V16")
+        return lg.append([memoryview(d) for d in data], entries_of(k, r))
+
+    def log() -> SegmentLog:
+        return SegmentLog(tmp_path, 1, bb, 64 << 10, index_bytes=16 + record_dtype(16).itemsize)
+
+    lg = log()
+    for gen in range(3):                          # seg 1: three batches of 4 (15 slots)
+        append(lg, list(range(gen * 4, gen * 4 + 4)))
+    segs, offs = append(lg, [90, 91])             # seg 2
+    assert set(segs.tolist()) == {2}
+    lg.remove(1)
+    assert [p.name for p in tmp_path.glob("spare-*.kvt")] == ["spare-00000001.kvt"]
+
+    def killed(path):                             # the process dies right after the rename
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(nvme, "_sync_dir", killed)
+    with pytest.raises(KeyboardInterrupt):
+        while lg.active_id == 2:                  # fill seg 2 so that seg 3 is opened
+            append(lg, [95])
+    monkeypatch.undo()
+    assert (tmp_path / "seg-00000003.kvt").exists()
+    again = log()                                 # the restart opens the directory
+    assert 3 in again.segments
+    out = [memoryview(bytearray(bb)) for _ in range(2)]
+    assert again.read(segs, offs, out).all() and bytes(out[1]) == bytes([91]) * bb
+    again.close()

@@ -300,12 +300,20 @@ class Puts:
             res.state = HoldState.COMMITTED
             if dup is not None and dup.size:
                 self.owner.free_slots(ns, tier, slots[dup])
-            if keep is None:                  # no view of each array for the whole batch
-                rows = self.owner.install(ns, karr, tier, slots, sums, res.parents, host_slots)
-            else:
-                rows = self.owner.install(ns, karr[keep], tier, slots[keep], sums,
-                                     None if res.parents is None else res.parents[keep],
-                                     host_slots)
+            try:
+                if keep is None:              # no view of each array for the whole batch
+                    rows = self.owner.install(ns, karr, tier, slots, sums, res.parents,
+                                              host_slots)
+                else:
+                    rows = self.owner.install(ns, karr[keep], tier, slots[keep], sums,
+                                              None if res.parents is None else res.parents[keep],
+                                              host_slots)
+            except BaseException:
+                # No handle will unpin what keep_pinned kept: unpin it here, as commit() had
+                # before its install (rev5's review).
+                if pinned is not None:
+                    self.owner.unpin_slots(ns, pinned[0], pinned[1])
+                raise
             if keep is None:
                 versions_by_pos = ns.table.cols["version"][rows]
             else:

@@ -170,21 +170,32 @@ class SegmentLog:
         self._last_id = seg_id
         path = self.dir / f"seg-{seg_id:08d}.kvt"
         spare = self.spares.pop() if self.spares else None
-        try:
-            if spare is None:
-                fd, length = self.backend.open(path, create=True, direct=self.direct), 0
-            else:
-                fd, length = spare.fd, spare.file_bytes
-                os.rename(spare.path, path)
-                _sync_dir(self.dir)       # the file's new name is durable before its records
-        except OSError as exc:
-            raise StorageError(f"cannot create segment {path}: {exc.strerror}") from None
         nonce = int.from_bytes(os.urandom(8), "little")
         header = _aligned(HEADER_BYTES)
         header[: _HEADER.size] = _HEADER.pack(MAGIC, self.block_bytes, self.record_bytes,
                                               self.ns_id, seg_id, self.data_start)
         _LIFE.pack_into(header, _LIFE_AT, nonce, FLAG_RECYCLED if spare else 0)
-        self._write_all(fd, [memoryview(header)], 0, path)
+        try:
+            if spare is None:
+                fd, length = self.backend.open(path, create=True, direct=self.direct), 0
+                self._write_all(fd, [memoryview(header)], 0, path)
+            else:
+                # The new header first, durable, then the name: a process killed between
+                # the rename and the header write left seg-N holding the spare's old header
+                # (another segment's id), and the restart refused the data directory (fio5,
+                # bench/fio_crash.py). Killed before the rename, the spare-*.kvt is deleted
+                # at the next start.
+                fd, length = spare.fd, spare.file_bytes
+                try:
+                    self._write_all(fd, [memoryview(header)], 0, spare.path)
+                    self.backend.sync(fd)
+                except BaseException:
+                    self.spares.append(spare)     # still a spare: its next use writes again
+                    raise
+                os.rename(spare.path, path)
+                _sync_dir(self.dir)       # the file's new name is durable before its records
+        except OSError as exc:
+            raise StorageError(f"cannot create segment {path}: {exc.strerror}") from None
         seg = Segment(seg_id, path, fd, self.data_start, direct=_is_direct(fd),
                       start=self.data_start, born=next(_BORN), nonce=nonce,
                       recycled=spare is not None, file_bytes=max(length, self.data_start))
