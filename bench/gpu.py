@@ -24,7 +24,7 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              late_commits (no early commits), staged_offload
                                              (each put chunk gathered on the GPU, then one
                                              copy-engine copy a run of slots); 16 KiB:
-                                             no_prepare (the first launch set up after the
+                                             prepared (the first launch set up before the
                                              first reply)): onboard alone,
                                              and beside the matmul or the offload; the basis
                                              of the defaults (kvtier.gpu.plan)
@@ -286,8 +286,8 @@ def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) ->
             f"onboard_enqueue_ms_{tag}": round(float(np.median(enq)) * 1e3, 3),
             f"onboard_profile_{tag}": profile(get, 30, 10),
             f"onboard_timeline_{tag}": chunk_timeline(get_async, reps),
-            **({} if tag != "16k" else timeline_variant(get_async, tag, reps, "no_prepare",
-                                                        prepare_launch=False))}
+            **({} if tag != "16k" else timeline_variant(get_async, tag, reps, "prepared",
+                                                        prepare_launch=True))}
 
 
 def timeline_variant(get_async, tag: str, reps: int, name: str, **policy) -> dict:
@@ -793,7 +793,7 @@ def main() -> None:
             **{f"blocks_{b}": TP(kernel_blocks=b, **k64) for b in (4, 16, 32, 132)},
             **whole}
     v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
-            "no_prepare": TP(prepare_launch=False), "staged_offload": TP(staged_out_bytes=0),
+            "prepared": TP(prepare_launch=True), "staged_offload": TP(staged_out_bytes=0),
             "copy_engines_only": TP(copy_engine_bytes=0), **whole}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
                                             mm_alone, v2m)),

@@ -436,11 +436,11 @@ def _mover(policy: TransferPolicy, page: int):
 
 
 @pytest.mark.parametrize("page, n, policy, prepared", [
-    (16384, 4096, TransferPolicy(), True),                       # the kernel's pages: set up
-    (16384, 4096, TransferPolicy(prepare_launch=False), False),  # turned off
-    (16384, 4, TransferPolicy(), False),                         # a few copies, no kernel
-    (65536, 4096, TransferPolicy(), False),                      # copy engines onboard
-    (16384, 4096, TransferPolicy(kernel_priority=False), True),  # table only, no side stream
+    (16384, 4096, TransferPolicy(prepare_launch=True), True),    # the kernel's pages: set up
+    (16384, 4096, TransferPolicy(), False),                      # off by default
+    (16384, 4, TransferPolicy(prepare_launch=True), False),      # a few copies, no kernel
+    (65536, 4096, TransferPolicy(prepare_launch=True), False),   # copy engines onboard
+    (16384, 4096, TransferPolicy(prepare_launch=True, kernel_priority=False), True),  # no fork
 ])
 def test_a_chunked_get_prepares_its_first_kernel_launch_while_the_service_answers(
         monkeypatch, page, n, policy, prepared):

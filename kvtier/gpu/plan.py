@@ -83,8 +83,10 @@ class TransferPolicy:
     # A chunked get prepares its first kernel launch (the page table's upload, the kernel
     # stream's fork) while the service answers the first chunk (Mover.prepare; False: at the
     # first launch, after that reply). bench/gpu.py's onboard_timeline_16k, round 5: the first
-    # chunk's reply-to-launch took 0.21 ms against ~0.11 for the later chunks.
-    prepare_launch: bool = True
+    # chunk's reply-to-launch took 0.22-0.35 ms against 0.10-0.16 for the later chunks. Off
+    # until an H200 run has checked it (round 5's second call got no machine): bench/gpu.py's
+    # variant "prepared" and tests/test_gpu.py's chunked-get test turn it on.
+    prepare_launch: bool = False
     # A GPU->host move goes through the staging ring (Mover._staged_out) from this many bytes
     # (None: over two pieces of OUT_STAGE_BYTES, the measured default).
     staged_out_bytes: int | None = None
