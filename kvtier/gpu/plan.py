@@ -83,9 +83,9 @@ class TransferPolicy:
     # A chunked get prepares its first kernel launch (the page table's upload, the kernel
     # stream's fork) while the service answers the first chunk (Mover.prepare; False: at the
     # first launch, after that reply). bench/gpu.py's onboard_timeline_16k, round 5: the first
-    # chunk's reply-to-launch took 0.22-0.35 ms against 0.10-0.16 for the later chunks. Off
-    # until an H200 run has checked it (round 5's second call got no machine): bench/gpu.py's
-    # variant "prepared" and tests/test_gpu.py's chunked-get test turn it on.
+    # chunk's reply-to-launch took 0.22-0.35 ms against 0.10-0.16 for the later chunks;
+    # prepared 0.17 against 0.28, the get 2.15 against 2.25 ms, but end to end 0.498 against
+    # 0.524 in the same process (bench/gpu.py variant "prepared"): no gain established, off.
     prepare_launch: bool = False
     # A GPU->host move goes through the staging ring (Mover._staged_out) from this many bytes
     # (None: over two pieces of OUT_STAGE_BYTES, the measured default).
