@@ -21,7 +21,11 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              kernel_onboard, the onboard by the kernel; 64 and
                                              16 KiB: whole_gets (one request, stage_sorted),
                                              chunked_gets (whole gets off),
-                                             late_commits (no early commits)): onboard alone,
+                                             late_commits (no early commits), staged_offload
+                                             (each put chunk gathered on the GPU, then one
+                                             copy-engine copy a run of slots); 16 KiB:
+                                             prepared (the first launch set up before the
+                                             first reply)): onboard alone,
                                              and beside the matmul or the offload; the basis
                                              of the defaults (kvtier.gpu.plan)
     layerwise_overlap                        a 32-layer load, each layer's compute waiting for
@@ -40,6 +44,10 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              the client's top functions (cProfile; _whole:
                                              under whole gets); _chunk_K:
                                              the get in chunks of K keys (4,096: one request)
+    onboard_timeline_64k / _16k              the chunked get chunk by chunk: each reply read,
+                                             its move enqueued, and its GPU start and end
+                                             (timing events), from get_async's entry, ms;
+                                             gpu_idle_ms before and between the chunks
 """
 
 from __future__ import annotations
@@ -276,7 +284,60 @@ def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) ->
         transfer.set_policy(None)
     return {**out, f"onboard_control_ms_{tag}": round(med(control, reps) * 1e3, 3),
             f"onboard_enqueue_ms_{tag}": round(float(np.median(enq)) * 1e3, 3),
-            f"onboard_profile_{tag}": profile(get, 30, 10)}
+            f"onboard_profile_{tag}": profile(get, 30, 10),
+            f"onboard_timeline_{tag}": chunk_timeline(get_async, reps),
+            **({} if tag != "16k" else timeline_variant(get_async, tag, reps, "prepared",
+                                                        prepare_launch=True))}
+
+
+def timeline_variant(get_async, tag: str, reps: int, name: str, **policy) -> dict:
+    """chunk_timeline under TransferPolicy(**policy)."""
+    from kvtier.gpu import transfer
+    from kvtier.gpu.plan import TransferPolicy
+    transfer.set_policy(TransferPolicy(**policy))
+    try:
+        return {f"onboard_timeline_{tag}_{name}": chunk_timeline(get_async, reps)}
+    finally:
+        transfer.set_policy(None)
+
+
+def chunk_timeline(get_async, reps: int) -> dict:
+    """Where a chunked get's time goes, chunk by chunk (transfer.TRACE; round 5): host times
+    from get_async's entry of each reply read (reply) and of its move enqueued (enq), GPU times
+    (timing events on the stream of the chunk's copies or kernel, from one recorded at entry)
+    before and after its move, get_async's return (ret) and wait()'s (done). gpu_idle_ms: the
+    GPU time before the first chunk's move began plus every gap between one chunk's end and the
+    next one's start; median get of reps by done_ms, ms."""
+    import cupy
+    import torch
+    from kvtier.gpu import transfer
+    gets = []
+    for _ in range(max(3, reps)):
+        torch.cuda.synchronize()
+        transfer.TRACE = []
+        try:
+            h = get_async()
+            h.wait()
+            done = time.perf_counter()
+            tr = transfer.TRACE[0]
+        finally:
+            transfer.TRACE = None
+        ev0, t0 = tr["start"][0], tr["t0"]
+
+        def gpu(mark) -> float:
+            return round(float(cupy.cuda.get_elapsed_time(ev0, mark[0])), 4)
+        rows = [[round((r - t0) * 1e3, 4), round((e - t0) * 1e3, 4), gpu(b), gpu(a)]
+                for r, b, a, e in tr["chunks"]]
+        idle = rows[0][2] + sum(max(0.0, rows[k][2] - rows[k - 1][3])
+                                for k in range(1, len(rows))) if rows else 0.0
+        gets.append({"done_ms": round((done - t0) * 1e3, 4),
+                     "ret_ms": round((tr["ret"] - t0) * 1e3, 4),
+                     "gpu_end_ms": max((r[3] for r in rows), default=0.0),
+                     "gpu_idle_ms": round(idle, 4),
+                     "gpu_busy_ms": round(sum(r[3] - r[2] for r in rows), 4),
+                     "chunks": rows})
+    gets.sort(key=lambda g: g["done_ms"])
+    return gets[len(gets) // 2]
 
 
 def hash_ms(ns, src, rows: np.ndarray, reps: int) -> float:
@@ -728,9 +789,11 @@ def main() -> None:
             "kernel_without_priority": TP(kernel_priority=False, **k64),
             "copy_engines_only": TP(copy_engine_bytes=0),
             "batch_512": TP(batch_copies=512),
+            "staged_offload": TP(staged_out_bytes=0),   # every put chunk gathered, then copied
             **{f"blocks_{b}": TP(kernel_blocks=b, **k64) for b in (4, 16, 32, 132)},
             **whole}
     v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
+            "prepared": TP(prepare_launch=True), "staged_offload": TP(staged_out_bytes=0),
             "copy_engines_only": TP(copy_engine_bytes=0), **whole}
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
                                             mm_alone, v2m)),

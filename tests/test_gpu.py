@@ -522,6 +522,50 @@ def test_a_64k_row_onboard_goes_by_copy_engines_and_its_offload_by_the_kernel(gp
         assert c.stats()["leases"] <= 1
 
 
+@pytest.mark.parametrize("bb,prepare,default_stream", [
+    (65536, True, False), (65536, True, True), (16384, True, False), (16384, True, True),
+    (16384, False, False)], ids=["64k", "64k-default-stream", "16k", "16k-default-stream",
+                                 "16k-unprepared"])
+def test_a_chunked_get_moves_exactly_its_blocks_and_records_its_timeline(
+        gpu_service, bb, prepare, default_stream):
+    # 2,500 keys, four chunks: 64 KiB pages by batched copies (on torch's legacy default
+    # stream forked onto kvtier's copies stream), 16 KiB by the kernel whose launch was set
+    # up before the first reply (or not); the bytes land in the named rows only, and
+    # transfer.TRACE records each chunk's reply, enqueue and GPU start and end.
+    transfer.set_policy(TransferPolicy(prepare_launch=prepare))
+    try:
+        with kvtier.Client(gpu_service.socket) as c:
+            ns = c.namespace(f"chunked{bb}", block_bytes=bb)
+            n = 2500
+            src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
+            ns.put(keys(range(n)), src)
+            out = torch.full((n + 40, bb), 7, dtype=torch.uint8, device="cuda")
+            dest = np.random.default_rng(8).permutation(n + 40)[:n]
+            order = np.random.default_rng(9).permutation(n)
+            st = None if default_stream else torch.cuda.Stream()
+            if st is not None:
+                st.wait_stream(torch.cuda.current_stream())
+            transfer.TRACE = []
+            try:
+                h = ns.get_async(keys(order.tolist()), out=out, rows=dest, stream=st)
+                tr = transfer.TRACE[0]
+            finally:
+                transfer.TRACE = None
+            assert h.methods == ({"copy_engine"} if bb == 65536 else {"kernel"})
+            assert h.wait().all()
+            torch.cuda.synchronize()
+            assert torch.equal(out[torch.as_tensor(dest, device="cuda")],
+                               src[torch.as_tensor(order, device="cuda")])
+            rest = np.setdiff1d(np.arange(n + 40), dest)
+            assert (out[torch.as_tensor(rest, device="cuda")] == 7).all()
+            assert len(tr["chunks"]) == 4
+            for _reply, _before, after, _enq in tr["chunks"]:
+                assert cupy.cuda.get_elapsed_time(tr["start"][0], after[0]) > 0
+            assert c.stats()["leases"] <= 1
+    finally:
+        transfer.set_policy(None)
+
+
 @pytest.mark.parametrize("bb,piece", [(65536, 1 << 20), (16384, 16 << 20), (4096, 64 << 10)],
                          ids=["64k-small-pieces", "16k", "4k-tiny-pieces"])
 def test_a_dense_batch_asked_in_any_key_order_moves_in_slot_order(gpu_service, bb, piece):

@@ -172,6 +172,11 @@ def test_cuda_puts_are_cut_by_bytes(block_bytes: int, n: int, first: int, size: 
     (np.arange(10, 20), np.arange(50, 60), 1),                  # one run: one copy
     (np.array([3, 4, 9, 2]), np.array([7, 8, 9, 0]), 1),        # runs of whole rows
     (np.random.default_rng(5).permutation(64), np.random.default_rng(6).permutation(64), 4),
+    # one page a block, no two neighbours continuing each other (the fast path), and the same
+    # with one pair that does (the run arithmetic again)
+    (np.array([7, 3, 90, 41, 5]), np.array([1, 0, 9, 4, 2]), 1),
+    (np.array([7, 3, 90, 91, 5]), np.array([1, 0, 9, 10, 2]), 1),
+    (np.random.default_rng(7).permutation(64), np.random.default_rng(8).permutation(64), 1),
 ])
 def test_batched_copies_are_the_copy_runs_as_arrays(slots, rows, layers):
     # A BLHNC row split into layers, scattered slots and rows: every 1-D copy of copy_runs,
@@ -413,3 +418,100 @@ def test_a_put_goes_to_a_thread_when_the_lock_is_taken_or_the_commit_writes_thro
     finally:
         srv._pool.shutdown()
         srv._mem_pool.shutdown()
+
+
+
+class _FakeStream:
+    ptr = 1
+
+
+def _mover(policy: TransferPolicy, page: int):
+    from types import SimpleNamespace
+    from kvtier.gpu.device import Mover
+    t = PageTable.make([1 << 30], [page], [page], 4096, -1)
+    slots = SimpleNamespace(block_bytes=page, device_to_device=False, ranges=())
+    uploads: list[int] = []
+    staging = SimpleNamespace(upload=lambda a, st=None: uploads.append(a.size) or 4096)
+    return Mover(slots, t, _FakeStream(), policy, staging), uploads
+
+
+@pytest.mark.parametrize("page, n, policy, prepared", [
+    (16384, 4096, TransferPolicy(prepare_launch=True), True),    # the kernel's pages: set up
+    (16384, 4096, TransferPolicy(), False),                      # off by default
+    (16384, 4, TransferPolicy(prepare_launch=True), False),      # a few copies, no kernel
+    (65536, 4096, TransferPolicy(prepare_launch=True), False),   # copy engines onboard
+    (16384, 4096, TransferPolicy(prepare_launch=True, kernel_priority=False), True),  # no fork
+])
+def test_a_chunked_get_prepares_its_first_kernel_launch_while_the_service_answers(
+        monkeypatch, page, n, policy, prepared):
+    # The page table is uploaded and the kernel stream forked from the caller's once, before
+    # the first reply: the chunks' launches then neither upload it nor fork again.
+    from kvtier.gpu import device
+    forks: list[tuple[object, list[object]]] = []
+    side = object()
+    monkeypatch.setattr(device, "own", lambda dev, role, high_priority=False: side)
+    monkeypatch.setattr(device, "Lanes", lambda caller, sides: forks.append((caller, sides)))
+    m, uploads = _mover(policy, page)
+    m.prepare(0, 1, n)
+    assert (m._tab != 0) == prepared and len(uploads) == (1 if prepared else 0)
+    forked = prepared and policy.kernel_priority
+    assert forks == ([(m.stream, [side])] if forked else []) and m._pending == (
+        [side] if forked else [])
+    m.prepare(0, 1, n)                                   # again: nothing more
+    assert len(uploads) == (1 if prepared else 0) and len(forks) == (1 if forked else 0)
+
+
+class _Client:
+    """Replies to gets of the keys it was sent, recording what happened in which order."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.sent = log, {}
+
+    def _send(self, op, args, piggyback=False):
+        rid = len(self.sent) + 1
+        self.sent[rid] = len(args["keys"]) // 16
+        self.log.append(f"send {rid}")
+        return rid
+
+    def _reply(self, rid):
+        self.log.append(f"reply {rid}")
+        k = self.sent[rid]
+        return {"found": np.ones(k, np.uint8).tobytes(),
+                "slots": np.arange(k, dtype="<i4").tobytes(),
+                "versions": np.ones(k, "<u8").tobytes(), "checksums": np.zeros(k, "<u8").tobytes(),
+                "lease": rid}
+
+
+def test_lease_prepares_after_every_request_is_sent_and_before_the_first_reply_is_read():
+    from types import SimpleNamespace
+    from kvtier.api import pipeline
+    log: list[str] = []
+    ns = SimpleNamespace(_client=_Client(log), key_width=16, name="n")
+    n = 3000
+    found, leases, error, moved = pipeline.lease(
+        ns, bytes(16 * n), n, lambda rep, lo: log.append(f"move {lo}"), None, None,
+        lambda: log.append("prepare"))
+    assert error is None and moved and found.all() and leases == [1, 2, 3, 4]
+    assert log == ["send 1", "send 2", "send 3", "send 4", "prepare", "reply 1", "move 0",
+                   "reply 2", "move 256", "reply 3", "move 1280", "reply 4", "move 2304"]
+
+
+def test_a_failed_preparation_fails_the_get_after_every_reply_is_read():
+    # Its leases are all known (the caller ends them), and nothing is moved.
+    from types import SimpleNamespace
+    from kvtier.api import pipeline
+    log: list[str] = []
+    ns = SimpleNamespace(_client=_Client(log), key_width=16, name="n")
+
+    def fail() -> None:
+        raise RuntimeError("no device")
+    found, leases, error, moved = pipeline.lease(ns, bytes(16 * 3000), 3000,
+                                                 lambda rep, lo: log.append("move"), None,
+                                                 None, fail)
+    assert isinstance(error, RuntimeError) and not moved and leases == [1, 2, 3, 4]
+    assert "move" not in log
+
+
+def test_a_negative_staged_offload_threshold_is_refused_by_name():
+    with pytest.raises(BadRequest, match="staged_out_bytes"):
+        TransferPolicy(staged_out_bytes=-1)

@@ -83,13 +83,16 @@ def chunks(n: int, size: int | None = None) -> list[tuple[int, int]]:
 
 
 def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", int], None],
-          extra: dict[str, Any] | None = None, size: int | None = None
+          extra: dict[str, Any] | None = None, size: int | None = None,
+          prepare: Callable[[], None] | None = None
           ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
     """Lease keys' blocks chunk by chunk (chunks(n, size)), calling on_reply(reply, lo) as
     each reply arrives (until something fails). Every reply is read, so no lease is left
-    unknown. Returns (found mask, leases, the first failure or None, whether on_reply was
-    called at all); the caller ends the leases once nothing started by on_reply reads their
-    slots."""
+    unknown. prepare() runs once every request is sent, before the first reply is read (the
+    caller's set-up, while the service answers; a failure there is the get's failure, after
+    the replies are read). Returns (found mask, leases, the first failure or None, whether
+    on_reply was called at all); the caller ends the leases once nothing started by on_reply
+    reads their slots."""
     from kvtier.api.client import GetReply
     c = ns._client
     w = ns.key_width
@@ -102,6 +105,11 @@ def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", in
     leases: list[int] = []
     error: BaseException | None = None
     moving = False
+    if prepare is not None:
+        try:
+            prepare()
+        except BaseException as exc:      # keep reading: the replies hold leases
+            error = exc
     for (lo, hi), rid in zip(parts, ids):
         try:
             rep = GetReply.decode(c._reply(rid))

@@ -142,6 +142,37 @@ class Mover:
         # the placements (False: round 3's order, each piece's copy, then its indices uploaded
         # on the kernel stream and its placement: bench/gpu.py's diagnosis).
         self.upload_ahead = True
+        self._work = stream                 # the stream of the last copies or kernel (mark())
+
+    def mark(self) -> tuple[Any, list[float]]:
+        """bench/gpu.py's chunk timeline: a timing event on the stream of the last copies or
+        kernel, after what was enqueued so far, and [the host's perf_counter then]."""
+        import time
+        import cupy
+        ev = cupy.cuda.Event()
+        ev.record(self._work.cupy)
+        return ev, [time.perf_counter()]
+
+    def prepare(self, lo: int, hi: int, n: int) -> None:
+        """Before a chunked get's first reply (policy.prepare_launch): what its first kernel
+        launch of pages lo..hi of n blocks would set up, done while the service answers: the
+        page table uploaded and the kernel stream forked after it (a direct kernel reads only
+        the slots, the engine's rows, its indices uploaded on that stream, and the table, so
+        one fork serves every chunk until the next event()). Nothing where those pages go by
+        copy engines or device to device."""
+        if (not self.policy.prepare_launch or self.slots is None
+                or self.slots.device_to_device
+                or len(uniform_runs(self.table.size, lo, hi)) != 1
+                or self.policy.method(int(self.table.size[lo]), n * (hi - lo), False,
+                                      onboard=True) is not Method.KERNEL):
+            return
+        if not self._tab:
+            self._tab = self.staging.upload(self.table.staged())
+        if self.policy.kernel_priority:
+            st = own(self.table.device, "kernel-0", high_priority=True)
+            if st not in self._pending:
+                Lanes(self.stream, [st])
+                self._pending.append(st)
 
     def event(self) -> Any:
         """An event of the transfer's stream covering everything enqueued so far (the side
@@ -337,7 +368,9 @@ class Mover:
         import cupy
         off = int(self.table.offset[a])
         width = int(self.table.offset[b - 1] + self.table.size[b - 1]) - off
-        if not self.policy.staged or local.size * width <= 2 * OUT_STAGE_BYTES:
+        least = self.policy.staged_out_bytes
+        if not self.policy.staged or local.size * width <= (
+                2 * OUT_STAGE_BYTES if least is None else least - 1):
             return False
         order = np.argsort(local, kind="stable")
         sl = local[order]
@@ -416,7 +449,6 @@ class Mover:
         """One copy-engine call per page run, on the transfer's stream. (Spreading them over
         two or four streams was measured slower on the H200: 2 MiB onboard 0.849 of H2D on one
         stream, 0.815 on two, 0.799 on four.)"""
-        import cupy
         self.methods.add(Method.COPY_ENGINE)
         if (self.policy.batch_copies and local.size > self.policy.small_batch_copies
                 and batch_available()):
@@ -436,7 +468,9 @@ class Mover:
                         self._pending.append(st)
                 copy_batch(dst, src, sizes, st, self.policy.batch_copies)
                 self.batched = True
+                self._work = st
                 return
+        import cupy
         st = self.stream.ptr
         for c in copy_runs(local, rows, self.table, self.slots.block_bytes, a, b):
             seg = rng.base + c.seg_off
@@ -580,7 +614,7 @@ class Mover:
                     self._pending.append(st)
         if not idx:
             idx = self.staging.upload(np.concatenate([local, rows]), st)
-        self._kernel_stream = st
+        self._kernel_stream = self._work = st
         if marks is not None:
             marks.append(_timed(st))
         if placing:

@@ -80,15 +80,26 @@ class TransferPolicy:
     # A put's chunk is committed as soon as its copies and the GPU hash have completed, also
     # while later reserve replies are still being read (False: only from done() or wait()).
     early_commits: bool = True
+    # A chunked get prepares its first kernel launch (the page table's upload, the kernel
+    # stream's fork) while the service answers the first chunk (Mover.prepare; False: at the
+    # first launch, after that reply). bench/gpu.py's onboard_timeline_16k, round 5: the first
+    # chunk's reply-to-launch took 0.22-0.35 ms against 0.10-0.16 for the later chunks;
+    # prepared 0.17 against 0.28, the get 2.15 against 2.25 ms, but end to end 0.498 against
+    # 0.524 in the same process (bench/gpu.py variant "prepared"): no gain established, off.
+    prepare_launch: bool = False
+    # A GPU->host move goes through the staging ring (Mover._staged_out) from this many bytes
+    # (None: over two pieces of OUT_STAGE_BYTES, the measured default).
+    staged_out_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
                 or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0
-                or self.whole_onboard_keys < 0 or self.stage_piece_bytes < 1):
+                or self.whole_onboard_keys < 0 or self.stage_piece_bytes < 1
+                or (self.staged_out_bytes is not None and self.staged_out_bytes < 0)):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
                              "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
                              "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0 "
-                             "and stage_piece_bytes >= 1")
+                             "and stage_piece_bytes >= 1, staged_out_bytes >= 0")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
@@ -286,6 +297,23 @@ def copy_arrays(slots: np.ndarray, rows: np.ndarray, table: PageTable, block_byt
     empty = np.zeros(0, np.int64)
     if slots.size == 0:
         return empty.astype(np.uint64), empty.astype(np.uint64), empty
+    if hi - lo == 1 and slots.size > 1:
+        # One page a block, the chunked get's case (4,096 scattered 64 KiB rows): where no two
+        # neighbours continue each other, every block is one copy, without the run arithmetic
+        # (a third of the numpy calls: this runs on the host's critical path between a chunk's
+        # reply and its copies, ~90 us a 1,024-key chunk on the dev VM before).
+        step = slots[1:] - slots[:-1]
+        step -= 1
+        cont = rows[1:] - rows[:-1]
+        cont -= 1
+        np.bitwise_or(step, cont, out=step)
+        if step.all():
+            stride, size = int(table.stride[lo]), int(table.size[lo])
+            seg = slots * block_bytes
+            seg += int(table.offset[lo])
+            dev = rows * stride
+            dev += int(table.base[lo])
+            return seg.view(np.uint64), dev.view(np.uint64), np.full(slots.size, size, np.int64)
     brk = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
     starts = np.concatenate([[0], brk]).astype(np.int64)
     heights = np.diff(np.concatenate([starts, [slots.size]]))

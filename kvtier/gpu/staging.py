@@ -12,6 +12,8 @@ import numpy as np
 from kvtier.gpu.copies import _H2D
 from kvtier.gpu.streams import Stream
 
+SLAB_BYTES = 1 << 20          # a transfer's first device allocation for its index uploads
+
 
 class _Arena:
     """Pinned host buffers for staged indices, reused once the transfer that staged into them
@@ -46,6 +48,22 @@ class Staging:
         self._outs: list[tuple[int, int]] = []
         self._off = 0
         self._keep: list[Any] = []
+        self._slab = self._slab_cap = self._slab_off = 0     # device memory for uploads
+
+    def _device_bytes(self, nbytes: int) -> int:
+        """nbytes of device memory (256-byte aligned) cut from a slab of SLAB_BYTES: one
+        allocation for a transfer's index uploads, not one per chunk (cupy.empty is ~10-20 us
+        of the client's thread between a chunk's reply and its launch)."""
+        import cupy
+        nbytes = -(-nbytes // 256) * 256
+        if self._slab_off + nbytes > self._slab_cap:
+            cap = max(SLAB_BYTES, nbytes)
+            dev = cupy.empty(cap // 8, dtype=cupy.int64)
+            self._keep.append(dev)
+            self._slab, self._slab_cap, self._slab_off = int(dev.data.ptr), cap, 0
+        addr = self._slab + self._slab_off
+        self._slab_off += nbytes
+        return addr
 
     def upload(self, a: np.ndarray, stream: Stream | None = None) -> int:
         """Device address of a copy of a (int64), valid on the stream (default: the
@@ -59,12 +77,10 @@ class Staging:
         addr = self._bufs[-1][0] + self._off
         if a.size:
             ctypes.memmove(addr, a.ctypes.data, a.nbytes)
-        dev = cupy.empty(nbytes // 8, dtype=cupy.int64)
-        self._keep.append(dev)
-        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, addr, nbytes, _H2D,
-                                      (stream or self.stream).ptr)
+        dev = self._device_bytes(nbytes)
+        cupy.cuda.runtime.memcpyAsync(dev, addr, nbytes, _H2D, (stream or self.stream).ptr)
         self._off += -(-nbytes // 256) * 256
-        return int(dev.data.ptr)
+        return dev
 
     def device(self, words: int) -> int:
         """Device address of words uninitialised int64 words, kept as long as the staging."""
@@ -82,3 +98,4 @@ class Staging:
     def release(self) -> None:
         ARENA.give(self._bufs + self._outs)
         self._bufs, self._outs, self._keep = [], [], []
+        self._slab = self._slab_cap = self._slab_off = 0

@@ -48,6 +48,11 @@ if TYPE_CHECKING:
     from kvtier.api.client import GetReply, Namespace
 
 _policy: TransferPolicy | None = None
+# bench/gpu.py's chunk timeline: where a list, each get_async appends {"t0": perf_counter at
+# entry, "start": (timing event, host times) on its stream at entry, "chunks": [(host time
+# the reply was read, Mover.mark() before its move, Mover.mark() after it, host time the move
+# returned)], "ret": perf_counter on return}. None: nothing recorded (the default).
+TRACE: list[dict[str, Any]] | None = None
 
 
 def policy() -> TransferPolicy:
@@ -295,8 +300,22 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
         events: list[Any] = []
         replies: list[tuple["GetReply", int]] = []
         whole = _whole(ns, pol, table, groups, n, tier)
+        trace = None
+        if TRACE is not None:
+            import time
+            trace = {"t0": time.perf_counter(), "start": mover.mark(), "chunks": []}
+            TRACE.append(trace)
 
         def launch(rep: "GetReply", lo: int) -> None:
+            if trace is not None:
+                import time
+                t_reply, before = time.perf_counter(), mover.mark()
+                _launch(rep, lo)
+                trace["chunks"].append((t_reply, before, mover.mark(), time.perf_counter()))
+            else:
+                _launch(rep, lo)
+
+        def _launch(rep: "GetReply", lo: int) -> None:
             if len(groups) == 1:             # one event: move each chunk as its reply arrives
                 if rep.found.all():
                     slots, rows_ = rep.slots, dst_rows[lo:lo + rep.slots.size]
@@ -310,8 +329,9 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
             else:
                 replies.append((rep, lo))
         extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
-        found, leases, error, _moved = pipeline.lease(ns, kb, n, launch, extra,
-                                                      n if whole else None)
+        found, leases, error, _moved = pipeline.lease(
+            ns, kb, n, launch, extra, n if whole else None,
+            (lambda: mover.prepare(0, table.pages, n)) if len(groups) == 1 and not whole else None)
         try:
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
@@ -336,6 +356,9 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
             raise error
         t = GetTransfer(ns, events, staging, mover.methods, found, leases, table.device)
         t.one_launch, t.staged, t.batched = mover.one_launch, mover.staged, mover.batched
+        if trace is not None:
+            import time
+            trace["ret"] = time.perf_counter()
     ns._inflight.append(t)
     return t
 
