@@ -327,6 +327,15 @@ def _config(**changes: Any) -> Any:
     return cfg
 
 
+def _group(spec_class: Any, **extra: Any) -> Any:
+    """One KV cache group of vLLM's own spec class (the connector checks its type)."""
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+    spec = spec_class(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32,
+                      **extra)
+    return KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=spec)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model_config.use_mla": True}, "MLA"),
     ({"parallel_config.pipeline_parallel_size": 2}, "pipeline parallelism"),
@@ -338,15 +347,24 @@ def _config(**changes: Any) -> Any:
 def test_unsupported_engine_setups_are_refused_with_what_to_change(change, message):
     from types import SimpleNamespace as NS
     from kvtier.errors import ConfigError
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                            SlidingWindowSpec)
     from kvtier.integrations.vllm import _block_dim, check_supported
-    check_supported(_config(), NS(kv_cache_groups=[1]))
+    full = _group(FullAttentionSpec)
+    check_supported(_config(), NS(kv_cache_groups=[full]))
     with pytest.raises(ConfigError, match=message):
-        check_supported(_config(**change), NS(kv_cache_groups=[1]))
+        check_supported(_config(**change), NS(kv_cache_groups=[full]))
     with pytest.raises(ConfigError, match="hybrid"):
-        check_supported(_config(), NS(kv_cache_groups=[1, 2]))
-    check_supported(_config(), NS(kv_cache_groups=[1], hash_block_size=BLOCK))
+        check_supported(_config(), NS(kv_cache_groups=[full, full]))
+    check_supported(_config(), NS(kv_cache_groups=[full], hash_block_size=BLOCK))
     with pytest.raises(ConfigError, match="prefix_match_unit"):
-        check_supported(_config(), NS(kv_cache_groups=[1], hash_block_size=BLOCK // 2))
+        check_supported(_config(), NS(kv_cache_groups=[full], hash_block_size=BLOCK // 2))
+    # a sliding model under the non-hybrid allocator keeps every token's block: taken
+    check_supported(_config(), NS(kv_cache_groups=[_group(FullAttentionSpec, sliding_window=64)]))
+    for spec, extra in ((SlidingWindowSpec, {"sliding_window": 64}),
+                        (ChunkedLocalAttentionSpec, {"attention_chunk_size": 64})):
+        with pytest.raises(ConfigError, match=spec.__name__):
+            check_supported(_config(), NS(kv_cache_groups=[_group(spec, **extra)]))
     assert _block_dim((100, 2, 32, 64), 100) == 0 and _block_dim((2, 100, 32, 2, 8), 100) == 1
     with pytest.raises(ConfigError, match="block dimension"):
         _block_dim((4, 8, 100), 100)

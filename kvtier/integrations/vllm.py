@@ -104,6 +104,8 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig |
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
         raise ConfigError("KvtierConnector supports models with one KV cache group (full "
                           "attention in every layer), not hybrid models")
+    if kv_cache_config is not None:
+        _check_full_attention(kv_cache_config.kv_cache_groups[0].kv_cache_spec)
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         # vLLM then hashes blocks of block_size * cp tokens, split over the ranks by token:
         # the hit would be counted in the wrong blocks, and loads planned into blocks that
@@ -118,6 +120,20 @@ def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig |
         raise ConfigError(f"vLLM hashes prefix blocks of {hash_block_size} tokens here, but "
                           f"a KV cache block holds {block_size}: kvtier keys each block by "
                           "its hash and needs the two equal (leave prefix_match_unit unset)")
+
+
+def _check_full_attention(spec: Any) -> None:
+    """ConfigError unless every layer keeps the KV of every token: a sliding-window or chunked
+    local group frees the blocks behind its window (vLLM points them at its null block), so a
+    hit's out-of-window blocks would be loaded into, and stored from, a block no request owns.
+    Only vLLM's plain FullAttentionSpec is taken; one with ``sliding_window`` set (a sliding
+    model under the non-hybrid allocator) still keeps every token's block."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    if type(spec) is not FullAttentionSpec:
+        raise ConfigError(f"KvtierConnector supports full attention in every layer; this "
+                          f"model's KV cache is {type(spec).__name__} (sliding-window, chunked "
+                          "local, Mamba, sink or cross attention is refused: blocks outside "
+                          "their window are not kept)")
 
 
 def _block_dim(shape: tuple[int, ...], num_blocks: int) -> int:
