@@ -30,7 +30,7 @@ import xxhash
 
 from kvtier.coherence.journal import replay
 from kvtier.errors import DataDirError, KvtierError
-from kvtier.pagetable.store import Catalog, CatalogDamaged
+from kvtier.pagetable.store import Catalog, CatalogDamaged, lock_data_dir
 from kvtier.tiers.nvme import ALIGN, SegmentLog, _aligned
 
 BATCH = 256
@@ -63,6 +63,8 @@ def check(data_dir: str | Path, repair: bool = False) -> Report:
     data_dir = Path(data_dir)
     if not (data_dir / "meta").is_dir():
         raise DataDirError(f"{data_dir} has no meta/ directory: not a kvtier data directory")
+    # a repair beside a live service would quarantine segments it is writing
+    lock = lock_data_dir(data_dir, "kvtier check --repair") if repair else None
     try:
         return _check(data_dir, repair)
     except CatalogDamaged as exc:
@@ -83,6 +85,9 @@ def check(data_dir: str | Path, repair: bool = False) -> Report:
             rep.quarantined.append(str(_quarantine(data_dir, nsdir, stamp)))
         rep.repaired += 1
         return rep
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def _quarantine(data_dir: Path, path: Path, stamp: str) -> Path:

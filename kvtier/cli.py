@@ -51,31 +51,13 @@ _DATA_DIR_LOCK: list[int] = []      # the lock's fd, held open for the life of t
 
 
 def _lock_data_dir(settings: Settings) -> None:
-    """One `kvtier serve` per data directory: two would each think they own its page table
-    and segments (a second serve with another --socket used to start beside the first). An
-    flock on <data_dir>/serve.lock, released by the kernel when the process ends, however it
-    ends; the file holds the holder's pid for the message."""
-    import fcntl
+    """One `kvtier serve` per data directory (see lock_data_dir); held for the process's life."""
     from pathlib import Path
 
-    from kvtier.pagetable.store import check_writable
+    from kvtier.pagetable.store import check_writable, lock_data_dir
     path = Path(settings.data_dir)
     check_writable(path)
-    lock = path / "serve.lock"
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise ConfigError(f"cannot open {lock}: {exc.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(f"another kvtier serve (pid {holder}) is using data_dir {path}; "
-                          "stop it first, or give this one its own --data-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _DATA_DIR_LOCK.append(fd)
+    _DATA_DIR_LOCK.append(lock_data_dir(path, "kvtier serve"))
 
 
 def _raise_fd_limit() -> None:

@@ -111,3 +111,23 @@ def test_tools_report_errors_with_status_2(tmp_path: Path, capsys):
     assert "cannot read trace" in capsys.readouterr().err
     assert main(["bench", "--rw=sideways"]) == 2
     assert "rw=" in capsys.readouterr().err
+
+
+def test_check_repair_beside_a_running_serve_is_refused_and_moves_nothing(service):
+    # a repair quarantines what it finds damaged: beside a live service that could be the
+    # segment it is writing. A plain check (read-only) is still allowed.
+    import numpy as np
+
+    from kvtier.api.client import Client
+    key = bytes(range(16))
+    data = np.full((1, 4096), 7, dtype=np.uint8)
+    with Client(service.socket) as c:
+        c.namespace("t", block_bytes=4096).put(key, data)
+    out = _kvtier("check", "--data-dir", str(service.data_dir), "--repair")
+    assert out.returncode != 0, out.stdout
+    assert "another kvtier serve" in out.stderr and "Traceback" not in out.stderr
+    assert f"pid {service.proc.pid}" in out.stderr
+    assert not (service.data_dir / "quarantine").exists()
+    with Client(service.socket) as c:
+        found, got = c.namespace("t", block_bytes=4096).get(key)
+        assert found.tolist() == [True] and (got == data).all()

@@ -38,7 +38,7 @@ import msgpack
 import numpy as np
 
 from kvtier.checksums import block_checksums
-from kvtier.errors import DataDirError, NamespaceError, StorageError
+from kvtier.errors import ConfigError, DataDirError, NamespaceError, StorageError
 
 T = TypeVar("T")
 
@@ -414,6 +414,33 @@ def _private(directory: Path, files: tuple[str, ...]) -> None:
                 os.chmod(directory / name, 0o600, follow_symlinks=False)
     except (NotImplementedError, PermissionError):
         pass
+
+
+def lock_data_dir(path: Path, who: str) -> int:
+    """Own path's data until the returned fd is closed, or raise ConfigError naming the holder.
+
+    Two owners would each think the page table and segments theirs: a second `kvtier serve`
+    with another --socket used to start beside the first, and `kvtier check --repair` could
+    quarantine segments a live service was writing. An flock on <data_dir>/serve.lock, which
+    the kernel releases when the process ends, however it ends; the file holds the holder's
+    pid and role for the message."""
+    import fcntl
+    lock = path / "serve.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot open {lock}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid, _, role = os.pread(fd, 64, 0).decode(errors="replace").strip().partition(" ")
+        os.close(fd)
+        other = "another " + role if role.startswith("kvtier ") else "another process"
+        raise ConfigError(f"{who}: {other} (pid {pid or 'unknown'}) is using data_dir "
+                          f"{path}; stop it first, or give this one its own --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {who}\n".encode(), 0)
+    return fd
 
 
 def check_writable(path: Path) -> None:
