@@ -368,3 +368,20 @@ def test_unsupported_engine_setups_are_refused_with_what_to_change(change, messa
     assert _block_dim((100, 2, 32, 64), 100) == 0 and _block_dim((2, 100, 32, 2, 8), 100) == 1
     with pytest.raises(ConfigError, match="block dimension"):
         _block_dim((4, 8, 100), 100)
+
+
+def test_a_worker_without_its_kv_cache_refuses_planned_loads():
+    # A broken invariant (vLLM registers the KV cache before any step with a plan): returning
+    # would leave the blocks unwritten (wrong tokens) and never finish a background load.
+    # The connector is made without its constructor: the check comes before any use of it.
+    from types import SimpleNamespace as NS
+    from kvtier.integrations.planner import LoadSpec, TransferPlan
+    from kvtier.integrations.vllm import KvtierConnector, KvtierMetadata
+    conn = KvtierConnector.__new__(KvtierConnector)
+    conn.mover = None
+    plan = TransferPlan()
+    conn._get_connector_metadata = lambda: KvtierMetadata(plan)
+    conn.start_load_kv(NS(attn_metadata=None))              # nothing planned: nothing to do
+    plan.loads.append(LoadSpec("r", [bytes(32)], [3]))
+    with pytest.raises(RuntimeError, match="never registered"):
+        conn.start_load_kv(NS(attn_metadata=None))

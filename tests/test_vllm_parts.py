@@ -134,6 +134,24 @@ def link():
         lk.close()
 
 
+def test_an_unexpected_error_in_a_call_is_a_miss_on_a_fresh_connection(service, link, caplog):
+    # a bug (or an error type the link does not know) must cost a recompute, never the engine
+    lk = link(service.socket)
+    assert lk.call(lambda c: c.stats()["tiers"] is not None, "lookup_errors") is True
+    first = lk._client
+
+    def broken(c):
+        c.stats()
+        raise ZeroDivisionError("a bug")
+    with caplog.at_level("WARNING", logger="kvtier"):
+        assert lk.call(broken, "lookup_errors") is None
+        assert lk.call(broken, "lookup_errors") is None
+    assert lk.stats.counts["lookup_errors"] == 2
+    assert sum("ZeroDivisionError" in (r.exc_text or "") for r in caplog.records) == 1
+    assert lk.call(lambda c: c.stats()["tiers"] is not None, "lookup_errors") is True
+    assert lk._client is not first                   # the old connection was dropped
+
+
 def _planner(lk: Link, names: list[str]) -> Planner:
     return Planner(lk, names, BS, 32)
 
@@ -179,6 +197,20 @@ def test_plan_loads_the_hit_and_stores_each_block_that_fills_with_its_parent(ser
     p.finished("r")
     p.scheduled("r", [10], 0, 10 * BS)             # unknown now: nothing planned
     assert p.take_plan().empty()
+
+
+def test_fewer_blocks_than_the_hit_needs_fail_loudly_not_unloaded(service, link):
+    # vLLM counts the external tokens computed once it has allocated; no load would mean
+    # wrong tokens, so a short allocation (a broken invariant) raises.
+    name = IDENT.namespace("vllm", 0)
+    h = _hashes(4, b"short")
+    with Client(service.socket) as c:
+        c.namespace(name, block_bytes=64, key_width=32).put(h[:3], np.zeros((3, 64), np.uint8))
+    p = _planner(link(service.socket), [name])
+    assert p.lookup("r", h, 4 * BS, 0) == (3 * BS, False)
+    with pytest.raises(RuntimeError, match="fewer than the 3"):
+        p.allocated("r", [7, 8], 3 * BS)
+    assert not p.take_plan().loads
 
 
 def test_blocks_recomputed_after_a_failed_load_are_stored_again(service, link):

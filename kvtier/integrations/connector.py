@@ -22,6 +22,7 @@ identity of its KV bytes, a guarded link to the service, and its counters.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -268,10 +269,31 @@ class Link:
             log.warning("kvtier %s: %s (%s); treated as a miss", self.part, exc,
                         type(exc).__name__)
             return None
+        except Exception:
+            # Not kvtier's error type: a bug, or a client error new to this code. The engine's
+            # promise (kvtier costs a recompute, never a crash) holds: a miss or a load error,
+            # counted, its traceback logged once per outage. The connection may be mid-frame,
+            # so it is dropped and the next call after retry_s starts on a fresh one.
+            self.stats.add(error_counter, errors)
+            self._drop_client()
+            self._down_until = now + self.settings.retry_s
+            if not self._logged:
+                log.exception("kvtier %s: unexpected error; treating it as a miss (recompute) "
+                              "and retrying in %.1f s on a new connection", self.part,
+                              self.settings.retry_s)
+                self._logged = True
+            return None
         if self._logged:
             log.warning("kvtier %s: the service answers again", self.part)
             self._logged = False
         return out
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        self._namespaces.clear()
+        if client is not None:
+            with contextlib.suppress(Exception):     # already broken: closing is best effort
+                client.close()
 
     def namespace(self, c: Client, name: str, create: dict[str, Any] | None = None) -> Namespace:
         """The handle on name (opened once per connection). create: ns_create's arguments, for

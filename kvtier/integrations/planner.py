@@ -137,8 +137,14 @@ class Planner:
             return
         n = min(num_external // self.block_size, req.hit - req.first)
         last = req.first + n
-        if n <= 0 or len(block_ids) < last:
+        if n <= 0:
             return
+        if len(block_ids) < last:
+            # vLLM now counts the hit's tokens as computed; planning no load would leave them
+            # unwritten, i.e. wrong tokens. A broken invariant of vLLM's block accounting.
+            raise RuntimeError(f"kvtier: vLLM allocated {len(block_ids)} blocks to request "
+                               f"{req_id!r}, fewer than the {last} its {num_external} external "
+                               "tokens need; refusing to leave them unloaded")
         self._plan.loads.append(LoadSpec(req_id, list(req.hashes[req.first:last]),
                                          list(block_ids[req.first:last]), req.background))
         if req.background:

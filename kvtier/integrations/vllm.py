@@ -239,7 +239,14 @@ class KvtierConnector(KVConnectorBase_V1):
         # has is waiting, for instance for a background load.
         self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._get_connector_metadata()
-        if self.mover is None or not isinstance(meta, KvtierMetadata):
+        if not isinstance(meta, KvtierMetadata):
+            return
+        if self.mover is None:
+            if meta.plan.loads:
+                # returning would leave the planned blocks unwritten and never report a
+                # background load done: wrong tokens or a request waiting for ever
+                raise RuntimeError("kvtier: loads were planned for a worker whose KV cache "
+                                   "was never registered (register_kv_caches)")
             return
         with self._timed():
             now = [spec for spec in meta.plan.loads if not spec.background]
