@@ -156,6 +156,17 @@ def _planner(lk: Link, names: list[str]) -> Planner:
     return Planner(lk, names, BS, 32)
 
 
+def _planner_over_stored(service, link, n: int, stored: int, salt: bytes
+                         ) -> tuple[Planner, list[bytes]]:
+    """A planner of rank 0's namespace where the first `stored` of n chained hashes are kept."""
+    name = IDENT.namespace("vllm", 0)
+    h = _hashes(n, salt)
+    with Client(service.socket) as c:
+        c.namespace(name, block_bytes=64, key_width=32).put(h[:stored],
+                                                            np.zeros((stored, 64), np.uint8))
+    return _planner(link(service.socket), [name]), h
+
+
 def test_lookup_takes_the_shortest_rank_and_leaves_a_token_to_compute(service, link):
     names = [IDENT.namespace("vllm", r) for r in (0, 1)]
     h = _hashes(8)
@@ -202,11 +213,7 @@ def test_plan_loads_the_hit_and_stores_each_block_that_fills_with_its_parent(ser
 def test_fewer_blocks_than_the_hit_needs_fail_loudly_not_unloaded(service, link):
     # vLLM counts the external tokens computed once it has allocated; no load would mean
     # wrong tokens, so a short allocation (a broken invariant) raises.
-    name = IDENT.namespace("vllm", 0)
-    h = _hashes(4, b"short")
-    with Client(service.socket) as c:
-        c.namespace(name, block_bytes=64, key_width=32).put(h[:3], np.zeros((3, 64), np.uint8))
-    p = _planner(link(service.socket), [name])
+    p, h = _planner_over_stored(service, link, 4, 3, b"short")
     assert p.lookup("r", h, 4 * BS, 0) == (3 * BS, False)
     with pytest.raises(RuntimeError, match="fewer than the 3"):
         p.allocated("r", [7, 8], 3 * BS)
@@ -214,11 +221,7 @@ def test_fewer_blocks_than_the_hit_needs_fail_loudly_not_unloaded(service, link)
 
 
 def test_blocks_recomputed_after_a_failed_load_are_stored_again(service, link):
-    name = IDENT.namespace("vllm", 0)
-    h = _hashes(6, b"re")
-    with Client(service.socket) as c:
-        c.namespace(name, block_bytes=64, key_width=32).put(h[:4], np.zeros((4, 64), np.uint8))
-    p = _planner(link(service.socket), [name])
+    p, h = _planner_over_stored(service, link, 6, 4, b"re")
     ids = [20, 21, 22, 23, 24, 25]
     assert p.lookup("r", h, 6 * BS, 0) == (4 * BS, False)
     p.allocated("r", ids, 4 * BS)
