@@ -210,6 +210,33 @@ def test_plan_loads_the_hit_and_stores_each_block_that_fills_with_its_parent(ser
     assert p.take_plan().empty()
 
 
+def test_a_running_requests_block_ids_are_looked_up_only_in_a_step_that_fills_a_block(
+        service, link):
+    # vLLM's get_block_ids builds a list of the request's whole context every call: the
+    # connector hands the planner a function, called only where a block fills.
+    h = _hashes(4)
+    p = _planner(link(service.socket), [IDENT.namespace("vllm", 0)])
+    hashes = h[:2]
+    assert p.lookup("r", hashes, 2 * BS + 1, 0) == (0, False)
+    p.allocated("r", [10, 11, 12], 0)
+    p.scheduled("r", [10, 11, 12], 0, 2 * BS + 1)          # the prefill stores blocks 0, 1
+    assert p.take_plan().store_block_ids == [10, 11]
+    calls = []
+
+    def ids():
+        calls.append(1)
+        return [10, 11, 12, 13]
+    for t in range(2 * BS + 1, 3 * BS - 1):                # decode inside block 2
+        p.scheduled("r", ids, t, t + 1)
+        assert p.take_plan().empty()
+    assert calls == []
+    hashes.append(h[2])
+    p.scheduled("r", ids, 3 * BS - 1, 3 * BS)              # block 2 fills
+    plan = p.take_plan()
+    assert calls == [1] and plan.store_keys == [h[2]] and plan.store_block_ids == [12]
+    assert plan.store_parents == [h[1]]
+
+
 def test_fewer_blocks_than_the_hit_needs_fail_loudly_not_unloaded(service, link):
     # vLLM counts the external tokens computed once it has allocated; no load would mean
     # wrong tokens, so a short allocation (a broken invariant) raises.

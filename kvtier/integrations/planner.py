@@ -32,7 +32,7 @@ the blocks that did not arrive); the recompute stores them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AbstractSet as Set, Any, Sequence
+from typing import AbstractSet as Set, Any, Callable, Sequence
 
 from kvtier.errors import NamespaceError
 from kvtier.integrations.connector import Link
@@ -170,8 +170,8 @@ class Planner:
             if req is not None:
                 req.loading = []
 
-    def scheduled(self, req_id: str, block_ids: Sequence[int], computed_before: int,
-                  computed_after: int) -> None:
+    def scheduled(self, req_id: str, block_ids: Sequence[int] | Callable[[], Sequence[int]],
+                  computed_before: int, computed_after: int) -> None:
         """The step computes the request's tokens [computed_before, computed_after): store the
         blocks that become full (their hashes exist once the tokens are in the request), and
         those computed again after a failed load (computed_before fell back below them).
@@ -179,17 +179,28 @@ class Planner:
         the loaded ones among its blocks (TransferPlan.reads): one sharing a block whose load
         fails (the engine's prefix cache hands it the loading request's block in the same
         step) computes over garbage, and the worker drops its stores. Only requests admitted
-        in this step can hold a block allocated in it, so running ones are not scanned."""
+        in this step can hold a block allocated in it, so running ones are not scanned.
+
+        block_ids may be a function that returns them: it is called only in a step that needs
+        them (a block fills, or the request was admitted beside loads), so that a running
+        request's decode steps inside a block cost no list of its whole context's block ids
+        (O(context) per request per step in the engine's get_block_ids)."""
         req = self._reqs.get(req_id)
         if req is None:
             return
         bs = self.block_size
-        if self._loaded_now and req_id in self._admitted:
+        lo = min(req.stored, computed_before // bs)
+        full = min(computed_after // bs, len(req.hashes))
+        reads_wanted = bool(self._loaded_now) and req_id in self._admitted
+        if full <= lo and not reads_wanted:
+            return
+        if callable(block_ids):
+            block_ids = block_ids()
+        if reads_wanted:
             reads = [b for b in block_ids[:computed_before // bs] if b in self._loaded_now]
             if reads:
                 self._plan.reads[req_id] = reads
-        full = min(computed_after // bs, len(req.hashes), len(block_ids))
-        lo = min(req.stored, computed_before // bs)
+        full = min(full, len(block_ids))
         if full <= lo:
             return
         p = self._plan

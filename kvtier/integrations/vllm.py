@@ -335,9 +335,11 @@ class KvtierConnector(KVConnectorBase_V1):
                 self.planner.scheduled(new.req_id, new.block_ids[0], before,
                                        before + so.num_scheduled_tokens.get(new.req_id, 0))
             cached = so.scheduled_cached_reqs
+            manager = self._kv_cache_manager
             for i, rid in enumerate(cached.req_ids):
                 before = cached.num_computed_tokens[i]
-                self.planner.scheduled(rid, self._kv_cache_manager.get_block_ids(rid)[0],
+                # Looked up only when the planner needs them (a block fills in this step).
+                self.planner.scheduled(rid, lambda rid=rid: manager.get_block_ids(rid)[0],
                                        before, before + so.num_scheduled_tokens.get(rid, 0))
             return KvtierMetadata(self.planner.take_plan())
 
