@@ -283,6 +283,64 @@ def test_tensor_parallel_ranks_store_and_load_each_their_own_namespace(models, w
         print(f"\ntensor parallel 2: max |logprob delta| against one worker: {worst}")
 
 
+def _damage_every_record(data_dir: Path, namespace_suffix: str) -> int:
+    """Flip one byte inside each NVMe record of the namespace whose name ends so (the service
+    stopped): the bytes no longer match the checksum its LMDB record holds."""
+    from kvtier.pagetable.store import Catalog
+    from kvtier.tiers.nvme import ALIGN
+    cat = Catalog(data_dir / "meta")
+    try:
+        (ns,) = [n for n in cat.namespaces() if n.name.endswith(namespace_suffix)]
+        _keys, recs, _bad = cat.load_checked(ns.ns_id, ns.key_width)
+    finally:
+        cat.close()
+    for seg, off in zip(recs["seg"], recs["off"]):
+        path = data_dir / "nvme" / f"ns-{ns.ns_id}" / f"seg-{int(seg):08d}.kvt"
+        with open(path, "r+b") as fh:
+            fh.seek(int(off) * ALIGN + 100)
+            b = fh.read(1)
+            fh.seek(int(off) * ALIGN + 100)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    return len(recs)
+
+
+def test_one_tensor_parallel_ranks_failed_load_is_recomputed_by_every_rank(models, work,
+                                                                           tmp_path):
+    # A real fault on one rank only: rank 1's records on NVMe are damaged while the service
+    # is down, so after the restart both ranks' lookups find turn 1's blocks, rank 0 loads
+    # them and rank 1's reads fail their checksums. The ranks share their failed blocks, the
+    # engine recomputes them, and the tokens are those of an engine without kvtier.
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("tensor_parallel_size=2 needs two CPUs, one per worker")
+    svc = Service(tmp_path / "tp-fault", host_capacity="64MiB", nvme_capacity="256MiB",
+                  segment_bytes="4MiB").start()
+
+    def run(prompts: list[list[int]], engine_id: str) -> list[dict[str, Any]]:
+        return run_engine({"model": str(models["a"]), "prompts": prompts,
+                           "kv": kv_config(svc.socket, engine_id=engine_id, **FAST),
+                           "llm_args": {"tensor_parallel_size": 2}}, multiprocessing=False,
+                          env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})
+    try:
+        work.check(work.turns[:1], run(work.turns[:1], "tp-store"), tol=BATCH_TOL)
+        svc.stop()                                          # flushed; host copies go
+        assert _damage_every_record(svc.data_dir, "tp1of2") >= 6
+        svc.start()
+        outs = run(work.turns[1:2], "tp-fail")
+        work.check(work.turns[1:2], outs, tol=BATCH_TOL)
+        stats = _connector(svc, "tp-fail")
+        assert stats["load_errors"] > 0, stats
+        with Client(svc.socket) as c:
+            assert c.stats()["checksum_failures"] > 0
+        # The recompute stored rank 1's blocks again: the next engine loads them on both ranks.
+        outs = run(work.turns[1:2], "tp-again")
+        work.check(work.turns[1:2], outs, tol=BATCH_TOL)
+        again = _connector(svc, "tp-again")
+        assert again["load_errors"] == 0 and again["loaded_blocks"] >= 2 * 6, again
+    finally:
+        svc.stop()
+
+
 def test_two_models_never_read_each_others_blocks(models, work, service):
     want = work.model_b
     assert [o["tokens"] for o in want] != [work.expected[tuple(p)]["tokens"]
