@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import pickle
 import sys
@@ -29,6 +28,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.common import emit, header  # noqa: E402
 
 
 def run(block: int, n: int, gets: int, trace: bool, chunk: int | None, gap_ms: float,
@@ -162,13 +163,11 @@ def main() -> None:
     ap.add_argument("--nvme", default="0", help="the service's nvme_capacity (bench/gpu.py: 0)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    m = header("bench/get_control.py")
     res = run(args.block, args.n, args.gets, args.trace, args.chunk, args.gap_ms, args.nvme)
     res["loadavg"] = os.getloadavg()[0]
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        for k, v in res.items():
-            print(f"{k:40s} {v}")
+    res["machine"] = m
+    emit(res, args.json)
 
 
 if __name__ == "__main__":
