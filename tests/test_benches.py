@@ -126,3 +126,13 @@ def test_single_split_bench_smoke():
     _positive(r, "dispatch_get_us", "dispatch_hello_us", "engine_get_release_us", "ping_us",
               "host_get_us", "socketpair_spin_rtt_us", "batch_engine_commit_us",
               "batch_dispatch_get_us")
+
+
+def test_get_control_bench_smoke():
+    # A chunked get's control path against a real kvtier serve, the service traced.
+    r = _bench("bench/get_control.py", "--block", "4096", "--n", "600", "--gets", "3",
+               "--chunk", "128", "--trace", "--gap-ms", "0.2")
+    assert r["gets"] == 3 and r["chunks"] == 6            # pipeline.chunks(600, 128)
+    assert r["client_unpack_count"] == r["serve_dispatch_count"] == 6     # one a reply
+    _positive(r, "total_ms", "client_send_count", "client_unpack_count", "serve_dispatch_count",
+              "serve_try_get_count", "serve_write_count")
