@@ -430,17 +430,21 @@ class Server(ResidentGets):
             client.pins.check(self.engine.namespace(name), keys, self.settings.max_client_share)
         if inline and tier is not Tier.HOST:
             raise BadRequest("inline gets are served from the host tier; drop tier or inline")
-        if tier is Tier.HOST and not req.get(NEEDS_DISK):
-            # try_get first where the lock is free: a batch that must read the disk is refused
-            # after its one lookup (as looks_resident's), and a resident one is leased with no
-            # second lookup of its keys (looks_resident was 25% of a 1,024-key get's dispatch
-            # on the dev VM: 40 of 158 us). Only a get that would wait for the lock asks the
-            # unlocked hint first, so that one needing the disk never waits on the loop.
-            done, res = self._fast(self.engine.try_get, name, keys, client.cid)
-            if done and res is not None:
-                return self._get_reply(client, name, keys, res, inline)
-            if not done and self.engine.looks_resident(name, keys):
-                return self._get_waiting(client, name, keys, inline)
+        if tier is Tier.HOST:
+            # A batch marked NEEDS_DISK was refused by try_get in data_received: straight
+            # to its steps.
+            if not req.get(NEEDS_DISK):
+                # try_get first where the lock is free: a batch that must read the disk is
+                # refused after its one lookup (as looks_resident's), and a resident one is
+                # leased with no second lookup of its keys (looks_resident was 25% of a
+                # 1,024-key get's dispatch on the dev VM: 40 of 158 us). Only a get that would
+                # wait for the lock asks the unlocked hint first, so that one needing the disk
+                # never waits on the loop.
+                done, res = self._fast(self.engine.try_get, name, keys, client.cid)
+                if done and res is not None:
+                    return self._get_reply(client, name, keys, res, inline)
+                if not done and self.engine.looks_resident(name, keys):
+                    return self._get_waiting(client, name, keys, inline)
         else:
             out = self._get_resident(client, name, keys, tier)
             if out is not None:
