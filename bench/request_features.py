@@ -37,7 +37,9 @@ For each capacity and each feature, two measures:
   the information the class itself gives, in bits per candidate;
 - the ceiling of the class-and-age family with the classes split further by the feature (the whole
   trace, each part alone with --split, and, with --split 2, the cutoffs chosen on one part and
-  applied to the other: a split that only fits noise gains on its own part and not across).
+  applied to the other: a split that only fits noise gains on its own part and not across);
+- the same ceiling with the age measured in seconds instead of accesses (a think time is a time:
+  what the arrival times buy used as a clock).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import emit, header  # noqa: E402
-from bench.policy_ceiling import access_classes, ceiling, ceiling_transfer  # noqa: E402
+from bench.policy_ceiling import (_best, _choices, access_classes, ceiling,  # noqa: E402
+                                  ceiling_transfer)
 from kvtier.replay import TOKENS_PER_BLOCK, Tiers, Trace, parse_capacity, run  # noqa: E402
 
 FEATURES = ("turn", "gap", "rate", "input", "new", "seen", "output", "role", "load", "arrival",
@@ -192,6 +195,54 @@ def next_stack_distance(trace: Trace) -> np.ndarray:
     return out
 
 
+def seconds_curves(req: Requests, cls: np.ndarray, nxt: np.ndarray,
+                   grid: np.ndarray) -> dict[int, tuple]:
+    """policy_ceiling's per-class curves with the cutoff an age in seconds (``grid``) instead
+    of accesses: a block is kept until ``grid[k]`` seconds after its access; its occupancy is
+    the accesses that pass meanwhile (past the trace's end, at its mean rate), its hit a next
+    use within that time."""
+    lengths = np.array([len(i) for i in req.ids], dtype=np.int64)
+    at = np.repeat(req.ts, lengths)
+    n = at.size
+    pos = np.arange(n)
+    finite = np.isfinite(nxt)
+    dt = np.full(n, np.inf)
+    dt[finite] = at[(pos + nxt)[finite].astype(np.int64)] - at[finite]
+    rate = n / max(float(at[-1] - at[0]), 1.0) if n else 1.0
+    out = {}
+    for c in np.unique(cls):
+        idx = np.flatnonzero(cls == c)
+        occ = np.empty(grid.size)
+        hit = np.empty(grid.size)
+        for k, t in enumerate(grid):
+            if t == 0:
+                occ[k] = hit[k] = 0.0
+                continue
+            end = at[idx] + t
+            passed = np.searchsorted(at, end, side="right") - idx - 1
+            passed = passed + np.maximum(end - at[-1], 0) * rate
+            occ[k] = np.minimum(passed, nxt[idx]).sum()
+            hit[k] = (dt[idx] <= t).sum()
+        out[int(c)] = (occ, hit)
+    return out
+
+
+def seconds_ceiling(req: Requests, capacity: int, train: Requests | None = None) -> float:
+    """The class-and-age ceiling's hit ratio with ages in seconds; with ``train``, its cutoffs
+    chosen there (ceiling_transfer's rule)."""
+    span = max(float(req.ts[-1] - req.ts[0]), 1.0)
+    grid = np.concatenate([[0.0], np.geomspace(0.5, 8 * span, 200)])
+    trace = req.trace()
+    cls, nxt = access_classes(trace, capacity)
+    curves = seconds_curves(req, cls, nxt, grid)
+    if train is None:
+        choice = _choices(curves)
+    else:
+        tcls, tnxt = access_classes(train.trace(), capacity)
+        choice = _choices(seconds_curves(train, tcls, tnxt, grid))
+    return _best(curves, choice, grid, cls.size, capacity)["hit_ratio"]
+
+
 def _entropy(counts: np.ndarray) -> float:
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log2(p)).sum())
@@ -243,7 +294,7 @@ def _gap(value: float, lru: float, belady: float) -> float:
 
 
 def measure(req: Requests, capacities: list[int], names: list[str], split: int,
-            info: bool) -> list[dict[str, Any]]:
+            info: bool, seconds: bool = True) -> list[dict[str, Any]]:
     trace = req.trace()
     feats = access_features(req)
     parts = [req.part(i, split) for i in range(split)] if split > 1 else []
@@ -281,6 +332,14 @@ def measure(req: Requests, capacities: list[int], names: list[str], split: int,
                         ceiling_transfer(tr, te, blocks)["hit_ratio"], *ref[f"part{i}"])
             ceilings[name] = entry
         row["ceiling_gap_closed"] = ceilings
+        if seconds:
+            sec = {"whole": _gap(seconds_ceiling(req, blocks), *ref["whole"])}
+            for i, p in enumerate(parts):
+                sec[f"part{i}"] = _gap(seconds_ceiling(p, blocks), *ref[f"part{i}"])
+                if split == 2:
+                    sec[f"part{i}_cutoffs_from_part{1 - i}"] = _gap(
+                        seconds_ceiling(p, blocks, parts[1 - i]), *ref[f"part{i}"])
+            row["ceiling_age_in_seconds_gap_closed"] = sec
         if sd is not None:
             row["at_candidacy"] = predictive(trace, {n: feats[n] for n in names}, blocks, sd)
         out.append(row)
@@ -296,6 +355,7 @@ def main() -> None:
     ap.add_argument("--features", default=",".join(FEATURES + tuple(f"{a}x{b}" for a, b in PAIRS)))
     ap.add_argument("--split", type=int, default=2, help="also each of N consecutive parts")
     ap.add_argument("--no-info", action="store_true", help="skip the candidacy measure")
+    ap.add_argument("--no-seconds", action="store_true", help="skip the ceiling with ages in s")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     result: dict[str, Any] = {"machine": header("request_features"), "trace": args.trace,
@@ -303,7 +363,8 @@ def main() -> None:
     req = load(args.trace)
     caps = [parse_capacity(c) for c in args.capacity.split(",") if c]
     names = [n for n in args.features.split(",") if n]
-    result["rows"] = measure(req, caps, names, args.split, not args.no_info)
+    result["rows"] = measure(req, caps, names, args.split, not args.no_info,
+                             not args.no_seconds)
     emit(result, args.json)
 
 

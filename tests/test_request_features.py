@@ -107,3 +107,14 @@ def test_the_script_runs_on_a_small_trace_and_reports_each_part_and_the_transfer
         info = row["at_candidacy"]
         assert 0 <= info["label_rate"] <= 1 and info["class_bits"] <= info["label_bits"] + 1e-9
         assert all(v["bits_beyond_class"] >= -1e-9 for v in info["features"].values())
+
+
+def test_the_ceiling_with_ages_in_seconds_matches_accesses_when_one_access_is_one_second():
+    from bench.request_features import seconds_ceiling
+    ids = [[0] if i % 2 == 0 else [1000 + i] for i in range(40)]
+    req = Requests([{"timestamp": 1000 * i, "hash_ids": r} for i, r in enumerate(ids)])
+    assert round(seconds_ceiling(req, 2) * 40) == ceiling(_trace(ids), 2)["hits"] == 18
+    # the same accesses at half the pace: cutoffs learned there (0 kept >= 4 s) still keep 0
+    # here, where it comes back every 2 s
+    slow = Requests([{"timestamp": 2000 * i, "hash_ids": r} for i, r in enumerate(ids)])
+    assert round(seconds_ceiling(req, 2, train=slow) * 40) == 18
