@@ -152,15 +152,25 @@ def ceiling(trace: Trace, capacity: int, extra: np.ndarray | None = None,
 
 
 def ceiling_transfer(train: tuple[Trace, np.ndarray | None],
-                     test: tuple[Trace, np.ndarray | None], capacity: int) -> dict[str, Any]:
+                     test: tuple[Trace, np.ndarray | None], capacity: int,
+                     shrink: int = 0) -> dict[str, Any]:
     """The ceiling's cutoffs chosen on ``train`` (a trace and its extra feature) and applied to
     ``test``: only the price (one number, the capacity's) is chosen on ``test``. What a class
-    split buys that is not hindsight: a split that fits noise gains on its own part only."""
+    split buys that is not hindsight: a split that fits noise gains on its own part only. With
+    ``shrink``, a split class seen fewer than that many times in ``train`` takes the cutoffs of
+    its unsplit class (fewer cutoffs learned from little data)."""
     grid = _grid(capacity)
     levels = max([int(np.max(e)) + 1 for e in (train[1], test[1]) if e is not None and e.size]
                  or [1])
     cls, nxt = access_classes(train[0], capacity)
-    choice = _choices(_curves(with_extra(cls, train[1], levels), nxt, grid))
+    split = with_extra(cls, train[1], levels)
+    choice = _choices(_curves(split, nxt, grid))
+    if shrink and train[1] is not None:
+        parent = _choices(_curves(cls, nxt, grid))
+        cells, counts = np.unique(split, return_counts=True)
+        for c, k in zip(cells.tolist(), counts.tolist()):
+            if k < shrink:
+                choice[c] = parent[c // levels]
     cls, nxt = access_classes(test[0], capacity)
     return _best(_curves(with_extra(cls, test[1], levels), nxt, grid), choice, grid, cls.size,
                  capacity)
