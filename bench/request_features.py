@@ -37,7 +37,9 @@ For each capacity and each feature, two measures:
   the information the class itself gives, in bits per candidate;
 - the ceiling of the class-and-age family with the classes split further by the feature (the whole
   trace, each part alone with --split, and, with --split 2, the cutoffs chosen on one part and
-  applied to the other: a split that only fits noise gains on its own part and not across);
+  applied to the other: a split that only fits noise gains on its own part and not across;
+  with --shrink M, split classes seen fewer than M times in training take their unsplit
+  class's cutoffs);
 - the same ceiling with the age measured in seconds instead of accesses (a think time is a time:
   what the arrival times buy used as a clock).
 """
@@ -293,8 +295,8 @@ def _gap(value: float, lru: float, belady: float) -> float:
     return round((value - lru) / (belady - lru), 4) if belady > lru else 0.0
 
 
-def measure(req: Requests, capacities: list[int], names: list[str], split: int,
-            info: bool, seconds: bool = True) -> list[dict[str, Any]]:
+def measure(req: Requests, capacities: list[int], names: list[str], split: int, info: bool,
+            seconds: bool = True, shrink: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     trace = req.trace()
     feats = access_features(req)
     parts = [req.part(i, split) for i in range(split)] if split > 1 else []
@@ -330,6 +332,9 @@ def measure(req: Requests, capacities: list[int], names: list[str], split: int,
                     te = (ptraces[i], None if name == "none" else pfeats[i][name])
                     entry[f"part{i}_cutoffs_from_part{1 - i}"] = _gap(
                         ceiling_transfer(tr, te, blocks)["hit_ratio"], *ref[f"part{i}"])
+                    for m in (shrink if name != "none" else ()):
+                        entry[f"part{i}_cutoffs_from_part{1 - i}_shrink{m}"] = _gap(
+                            ceiling_transfer(tr, te, blocks, m)["hit_ratio"], *ref[f"part{i}"])
             ceilings[name] = entry
         row["ceiling_gap_closed"] = ceilings
         if seconds:
@@ -356,6 +361,8 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=2, help="also each of N consecutive parts")
     ap.add_argument("--no-info", action="store_true", help="skip the candidacy measure")
     ap.add_argument("--no-seconds", action="store_true", help="skip the ceiling with ages in s")
+    ap.add_argument("--shrink", default="", help="also the transfer with split classes seen "
+                    "fewer than M times in training shrunk to their unsplit class: M,M,...")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     result: dict[str, Any] = {"machine": header("request_features"), "trace": args.trace,
@@ -363,8 +370,9 @@ def main() -> None:
     req = load(args.trace)
     caps = [parse_capacity(c) for c in args.capacity.split(",") if c]
     names = [n for n in args.features.split(",") if n]
+    shrink = tuple(int(m) for m in args.shrink.split(",") if m)
     result["rows"] = measure(req, caps, names, args.split, not args.no_info,
-                             not args.no_seconds)
+                             not args.no_seconds, shrink)
     emit(result, args.json)
 
 

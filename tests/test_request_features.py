@@ -101,7 +101,7 @@ def test_the_script_runs_on_a_small_trace_and_reports_each_part_and_the_transfer
     trace.write_text("\n".join(lines) + "\n")
     out = subprocess.run(
         [sys.executable, "bench/request_features.py", str(trace), "--capacity", "8192,32768",
-         "--features", "turn,output,turnxoutput", "--json"],
+         "--features", "turn,output,turnxoutput", "--shrink", "50", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -110,7 +110,7 @@ def test_the_script_runs_on_a_small_trace_and_reports_each_part_and_the_transfer
         c = row["ceiling_gap_closed"]
         assert set(c) == {"none", "turn", "output", "turnxoutput"}
         assert {"whole", "part0", "part1", "part0_cutoffs_from_part1",
-                "part1_cutoffs_from_part0"} <= set(c["turn"])
+                "part1_cutoffs_from_part0", "part0_cutoffs_from_part1_shrink50"} <= set(c["turn"])
         info = row["at_candidacy"]
         assert 0 <= info["label_rate"] <= 1 and info["class_bits"] <= info["label_bits"] + 1e-9
         assert all(v["bits_beyond_class"] >= -1e-9 for v in info["features"].values())
