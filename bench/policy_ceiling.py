@@ -84,35 +84,96 @@ def access_classes(trace: Trace, capacity: int) -> tuple[np.ndarray, np.ndarray]
     return cls, nxt
 
 
-def ceiling(trace: Trace, capacity: int) -> dict[str, Any]:
-    """The best hits (see the module docstring) with at most ``capacity`` blocks resident on
-    average, that average, and how many classes keep anything."""
-    cls, nxt = access_classes(trace, capacity)
-    n = cls.size
-    grid = np.concatenate([[0.0], np.geomspace(1, 50 * capacity, CUTOFFS)])
-    curves = []
+def _curves(cls: np.ndarray, nxt: np.ndarray, grid: np.ndarray) -> dict[int, tuple]:
+    """Per class: its occupancy (sum of min(next use, cutoff)) and its hits at each cutoff of
+    ``grid``."""
+    out = {}
     for c in np.unique(cls):
         d = np.sort(nxt[cls == c])
         finite = d[np.isfinite(d)]
         csum = np.concatenate([[0.0], np.cumsum(finite)])
         at = np.searchsorted(finite, grid, side="right")       # reuses within each cutoff
-        occ = csum[at] + grid * (d.size - at)                  # sum of min(d, cutoff)
-        curves.append((int(c), occ, at.astype(float)))
-    prices = np.geomspace(1e-8, 1.0, 800)
-    hits = np.zeros(prices.size)
-    occupancy = np.zeros(prices.size)
-    choice = []
-    for _, occ, hit in curves:          # each class's best cutoff at every price at once
-        j = np.argmax(hit[None, :] - prices[:, None] * occ[None, :], axis=1)
-        hits += hit[j]
-        occupancy += occ[j]
-        choice.append(j)
+        out[int(c)] = (csum[at] + grid * (d.size - at), at.astype(float))
+    return out
+
+
+PRICES = np.geomspace(1e-8, 1.0, 800)
+
+
+def _choices(curves: dict[int, tuple]) -> dict[int, np.ndarray]:
+    """Each class's best cutoff (an index into the grid) at every price at once."""
+    return {c: np.argmax(hit[None, :] - PRICES[:, None] * occ[None, :], axis=1)
+            for c, (occ, hit) in curves.items()}
+
+
+def _best(curves: dict[int, tuple], choice: dict[int, np.ndarray], grid: np.ndarray, n: int,
+          capacity: int) -> dict[str, Any]:
+    """The price whose cutoffs (``choice``, per class; a class it lacks keeps nothing) give the
+    most hits on ``curves`` within ``capacity`` blocks on average."""
+    hits = np.zeros(PRICES.size)
+    occupancy = np.zeros(PRICES.size)
+    for c, (occ, hit) in curves.items():
+        j = choice.get(c)
+        if j is not None:
+            hits += hit[j]
+            occupancy += occ[j]
     fits = occupancy / n <= capacity    # the highest prices keep nothing, which always fits
     at = int(np.flatnonzero(fits)[np.argmax(hits[fits])]) if fits.any() else -1
-    best = (float(hits[at]), float(occupancy[at] / n),
-            sum(1 for j in choice if grid[j[at]] > 0)) if at >= 0 else (0.0, 0.0, 0)
+    kept = sum(1 for c in curves if c in choice and grid[choice[c][at]] > 0) if at >= 0 else 0
+    best = (float(hits[at]), float(occupancy[at] / n)) if at >= 0 else (0.0, 0.0)
     return {"hits": int(best[0]), "hit_ratio": best[0] / n, "occupancy_blocks": best[1],
-            "classes_kept": best[2]}
+            "classes_kept": kept}
+
+
+def _grid(capacity: int) -> np.ndarray:
+    return np.concatenate([[0.0], np.geomspace(1, 50 * capacity, CUTOFFS)])
+
+
+def with_extra(cls: np.ndarray, extra: np.ndarray | None, levels: int = 0) -> np.ndarray:
+    """The classes split further by a per-access feature (small non-negative ints, fewer than
+    ``levels``; by default one more than its largest)."""
+    if extra is None:
+        return cls
+    extra = np.asarray(extra, dtype=np.int64)
+    levels = levels or (int(extra.max()) + 1 if extra.size else 1)
+    return cls * levels + extra
+
+
+def ceiling(trace: Trace, capacity: int, extra: np.ndarray | None = None,
+            classes: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+    """The best hits (see the module docstring) with at most ``capacity`` blocks resident on
+    average, that average, and how many classes keep anything. ``extra``, one small int per
+    access (the trace's accesses in order), splits every class further by that feature;
+    ``classes``, access_classes(trace, capacity) when the caller has it already."""
+    cls, nxt = classes or access_classes(trace, capacity)
+    grid = _grid(capacity)
+    curves = _curves(with_extra(cls, extra), nxt, grid)
+    return _best(curves, _choices(curves), grid, cls.size, capacity)
+
+
+def ceiling_transfer(train: tuple[Trace, np.ndarray | None],
+                     test: tuple[Trace, np.ndarray | None], capacity: int,
+                     shrink: int = 0) -> dict[str, Any]:
+    """The ceiling's cutoffs chosen on ``train`` (a trace and its extra feature) and applied to
+    ``test``: only the price (one number, the capacity's) is chosen on ``test``. What a class
+    split buys that is not hindsight: a split that fits noise gains on its own part only. With
+    ``shrink``, a split class seen fewer than that many times in ``train`` takes the cutoffs of
+    its unsplit class (fewer cutoffs learned from little data)."""
+    grid = _grid(capacity)
+    levels = max([int(np.max(e)) + 1 for e in (train[1], test[1]) if e is not None and e.size]
+                 or [1])
+    cls, nxt = access_classes(train[0], capacity)
+    split = with_extra(cls, train[1], levels)
+    choice = _choices(_curves(split, nxt, grid))
+    if shrink and train[1] is not None:
+        parent = _choices(_curves(cls, nxt, grid))
+        cells, counts = np.unique(split, return_counts=True)
+        for c, k in zip(cells.tolist(), counts.tolist()):
+            if k < shrink:
+                choice[c] = parent[c // levels]
+    cls, nxt = access_classes(test[0], capacity)
+    return _best(_curves(with_extra(cls, test[1], levels), nxt, grid), choice, grid, cls.size,
+                 capacity)
 
 
 def part(trace: Trace, i: int, k: int) -> Trace:
