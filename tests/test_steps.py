@@ -517,3 +517,27 @@ def test_a_long_get_progresses_under_a_stream_of_short_ones(tmp_path, kind):
         a.sendall(_frame({"id": 8, "op": "release", "lease": r["lease"]}))
         assert (await loop.run_in_executor(None, _reply, a))["ok"]
     _serve_in_process(tmp_path, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_lone_long_request_with_nothing_queued_is_dispatched_inline(tmp_path, kind):
+    # Nothing to let go first (no slice queued, no frame waiting): a lone worker's batch get
+    # and put keep their inline dispatch, no loop iteration added (a GPU put's reserve and
+    # commit go chunk by chunk).
+    from tests.conftest import keys
+
+    async def scenario(loop, server, connect):
+        s = await connect()
+        s.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
+        r = await loop.run_in_executor(None, _reply, s)
+        assert r["ok"] and r["found"] == b"\x01" * 8
+        s.sendall(_frame({"id": 2, "op": "reserve", "ns": "m", "keys": keys(range(20, 28))}))
+        rr = await loop.run_in_executor(None, _reply, s)
+        assert rr["ok"]
+        s.sendall(_frame({"id": 3, "op": "commit", "rid": rr["rid"],
+                          "checksums": np.zeros(8, "<u8").tobytes(), "trusted": True}))
+        assert (await loop.run_in_executor(None, _reply, s))["ok"]
+        assert server.steps.slices == 0
+        s.sendall(_frame({"id": 4, "op": "release", "lease": r["lease"]}))
+        assert (await loop.run_in_executor(None, _reply, s))["ok"]
+    _serve_in_process(tmp_path, kind, scenario)

@@ -236,7 +236,8 @@ class Server(ResidentGets):
             if not isinstance(op, str) or op not in self._ops:
                 op = "invalid"
                 raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
-            if op in LONG_OPS and self._long(req):
+            if op in LONG_OPS and self._long(req) and (self.steps.busy
+                                                        or self._frames_waiting()):
                 return Later(partial(self._dispatch_req, client, req, req_id, op))
         except Exception as exc:
             return failed_reply(exc, req_id, op)
@@ -247,7 +248,10 @@ class Server(ResidentGets):
         commit's). Its dispatch then waits its turn behind the gets' steps already queued
         (kvtier.api.steps), and the short requests read in the same poll go first: a host
         get of few resident keys costs tens of microseconds on the loop, an NVMe reader's
-        frame of 64 keys ~90 (try_get's refusal, the steps' start; H200, stall5)."""
+        frame of 64 keys ~90 (try_get's refusal, the steps' start; H200, stall5). Only when
+        there is something to go first (_dispatch: steps queued, or a frame waiting in a
+        socket, one zero-timeout epoll): a lone worker's batches (a GPU put's reserve and
+        commit, chunk by chunk) keep their inline dispatch, with no loop iteration added."""
         keys, name = req.get("keys"), req.get("ns")
         if type(keys) is bytes:
             ns = self.engine.namespaces.get(name) if type(name) is str else None

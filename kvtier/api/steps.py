@@ -256,6 +256,11 @@ class StepRunner:
         self._push(fn, _FUT, fut)
         return fut
 
+    @property
+    def busy(self) -> bool:
+        """Whether slices are queued (a long request's dispatch then queues behind them)."""
+        return bool(self._queue)
+
     def later(self, fn: Thunk) -> None:
         """fn on the loop, no lock taken, as a slice after those queued before it: a long
         request's dispatch (kvtier.api.connection), which then waits its turn behind the
