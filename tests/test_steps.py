@@ -363,14 +363,7 @@ def _frame(obj: dict) -> bytes:
 
 def _reply(sock: socket.socket) -> dict:
     from kvtier.api import protocol as P
-    head = b""
-    while len(head) < 4:
-        head += sock.recv(4 - len(head))
-    (n,) = P.LENGTH.unpack(head)
-    body = b""
-    while len(body) < n:
-        body += sock.recv(n - len(body))
-    return P.unpack(body)
+    return P.recv_frame(sock)
 
 
 def _serve_in_process(tmp_path, kind: str, scenario) -> None:
