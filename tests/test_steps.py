@@ -534,3 +534,30 @@ def test_a_lone_long_request_with_nothing_queued_is_dispatched_inline(tmp_path, 
         s.sendall(_frame({"id": 4, "op": "release", "lease": r["lease"]}))
         assert (await loop.run_in_executor(None, _reply, s))["ok"]
     _serve_in_process(tmp_path, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_long_request_whose_peer_went_before_its_turn_still_runs_and_leaves_no_lease(
+        tmp_path, kind):
+    # Its frame came before the peer went, so it runs (a commit sent just before a close
+    # still lands, as it did when dispatched in data_received); the lease its get made ends
+    # with the connection, not at lease_timeout.
+    from tests.conftest import keys
+
+    async def scenario(loop, server, connect):
+        eng = server.engine
+        ran: list[str] = []
+        looks = eng.looks_resident
+        eng.looks_resident = lambda *a: (ran.append("get"), looks(*a))[1]
+        b = await connect()
+        conn = max(server._live, key=lambda c: c.client.cid)
+        server.steps.later(lambda: conn.transport.abort())    # its peer goes first...
+        server.steps.later(lambda: None)
+        b.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
+        while server.steps.slices < 3:                     # ...then its get's turn
+            await asyncio.sleep(0.01)
+        while server._tasks - {t for t in server._tasks if t.get_name() == "housekeeping"}:
+            await asyncio.sleep(0.01)
+        assert conn.closed and ran == ["get"]
+        assert not eng.leases
+    _serve_in_process(tmp_path, kind, scenario)

@@ -67,9 +67,9 @@ class Connection(asyncio.Protocol):
     reserve, commit or lookup of more than a few keys) parks it too, until its dispatch's turn
     in the server's step queue (kvtier.api.steps): so the short requests of every connection
     read in the same poll are answered first (issue 17's stall: beside 8 NVMe readers the
-    probe's single get waited ~90 us for the readers' frames read ahead of it). An asyncio.Protocol rather than
-    streams: a single-block get then costs no coroutine, task or future on the loop
-    (bench/api.py: p50 of a single get, docs/DESIGN-NOTES.md)."""
+    probe's single get waited ~90 us for the readers' frames read ahead of it). An
+    asyncio.Protocol rather than streams: a single-block get then costs no coroutine, task or
+    future on the loop (bench/api.py: p50 of a single get, docs/DESIGN-NOTES.md)."""
 
     def __init__(self, server: "Server") -> None:
         self.server = server
@@ -177,12 +177,16 @@ class Connection(asyncio.Protocol):
                                            name=f"reply-{self.client.cid}")
 
     def _later(self, later: "Later", t0: float) -> None:
-        """A long request's turn (StepRunner.later). One whose peer went meanwhile is not
-        run: like the frames still buffered at connection_lost, it was never dispatched."""
+        """A long request's turn (StepRunner.later). It runs even when its peer went
+        meanwhile, as it would have in data_received (a commit the worker sent before it
+        closed still lands); _finish then ends what it made (release_owner) unwritten."""
         self.task = None
+        out = later.dispatch()
         if self.closed:
+            self.task = self.server._spawn(self._finish(out, t0),
+                                           name=f"reply-{self.client.cid}")
             return
-        self._answer(later.dispatch(), t0)
+        self._answer(out, t0)
         self._process()
 
     async def _finish(self, out: Reply | Awaitable[Reply], t0: float) -> None:
