@@ -121,6 +121,14 @@ def test_stall_steps_bench_smoke():
     assert steps["_room_for_get"]["steps_that_evicted"] > 0      # the host tier was full
 
 
+def test_stall_handles_bench_smoke():
+    r = _bench("bench/stall_handles.py", "--gets", "10")
+    kinds = r["by_kind_per_get"]
+    assert kinds["StepRunner._next"] == 3            # room, decide, install: one slice each
+    assert "shield._inner_done_callback" not in kinds    # no task wakes between the steps
+    _positive(r, "callbacks_per_get_p50", "loop_cpu_per_get_p50_us")
+
+
 def test_single_split_bench_smoke():
     r = _bench("bench/single_split.py", "--quick")
     _positive(r, "dispatch_get_us", "dispatch_hello_us", "engine_get_release_us", "ping_us",

@@ -355,7 +355,7 @@ def test_a_get_whose_reader_threads_close_before_its_read_is_reaped_ends_not_han
         tmp_path: Path):
     # Reader.close runs the queued reads to their end but drops what was never reaped, so a
     # get awaiting one (a runner closed or moved to another loop with a read in flight) waited
-    # for a future nothing would ever complete, cancellations included (_to_its_end).
+    # for a future nothing would ever complete, cancellations included (StepRunner.drive waits for its steps' end).
     from tests.conftest import keys
 
     eng, data = _engine(tmp_path)

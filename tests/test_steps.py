@@ -9,6 +9,7 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from kvtier.api.steps import StepRunner
@@ -324,3 +325,239 @@ def test_a_reads_segment_pins_end_in_its_install_step_and_on_every_exit(tmp_path
             _no_lease_left_and_all_readable(eng, data)
         finally:
             eng.close(flush=False)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_later_slices_and_locked_steps_run_in_the_order_they_came_with_polls_between(kind):
+    # A long request's dispatch (later) is a slice of the same queue as the gets' locked
+    # steps: one per loop iteration, in order, a frame that arrives during one read first.
+    async def scenario(loop, runner, lock):
+        order: list[str] = []
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        loop.add_reader(r, lambda: (r.recv(16), order.append("frame")))
+        done = loop.create_future()
+        try:
+            a = runner._locked(lambda: order.append("A"))
+            runner.later(lambda: (order.append("L"), w.send(b"x")))
+            b = runner._locked(lambda: order.append("B"))
+            runner.later(lambda: (order.append("M"), done.set_result(None)))
+            await asyncio.gather(a, b, done)
+        finally:
+            loop.remove_reader(r)
+            r.close()
+            w.close()
+        assert order == ["A", "L", "frame", "B", "M"]
+        assert runner.slices == 4
+    _run(kind, scenario)
+
+
+# ---------------------------------------------------------------- short requests first
+# A real Server (a real engine) answering socketpairs on a loop in this process: the order in
+# which it runs requests is seen through the engine calls it makes.
+
+def _frame(obj: dict) -> bytes:
+    from kvtier.api import protocol as P
+    return P.pack(obj)
+
+
+def _reply(sock: socket.socket) -> dict:
+    from kvtier.api import protocol as P
+    return P.recv_frame(sock)
+
+
+def _serve_in_process(tmp_path, kind: str, scenario) -> None:
+    """scenario(loop, server, connect) with a Server over a real engine whose namespace m
+    holds 16 blocks of 4 KiB: 0-7 resident in the host tier, 8-15 on NVMe only. connect()
+    gives a client socket (blocking) of a new connection."""
+    from kvtier.api.connection import Connection
+    from kvtier.api.server import Server
+    from kvtier.coherence.engine import Engine
+    from kvtier.config import make_settings
+    from kvtier.types import Tier
+    from tests.conftest import blocks, keys
+
+    settings = make_settings({"data_dir": str(tmp_path / "data"), "host_capacity": "1MiB",
+                              "nvme_capacity": "16MiB", "busy_poll_us": 0})
+    eng = Engine(settings)
+    eng.create_namespace("m", 4096)
+    eng.put("m", keys(range(8, 16)), blocks(8, 4096, seed=1))
+    eng.flush()
+    eng.evict(Tier.HOST, 8)
+    eng.put("m", keys(range(8)), blocks(8, 4096))
+    loop = uvloop.new_event_loop() if kind == "uvloop" else asyncio.new_event_loop()
+    server = Server(eng, settings)
+    clients: list[socket.socket] = []
+
+    async def connect() -> socket.socket:
+        mine, theirs = socket.socketpair()
+        await loop.connect_accepted_socket(lambda: Connection(server), theirs)
+        clients.append(mine)
+        return mine
+
+    async def main() -> None:
+        try:
+            await scenario(loop, server, connect)
+        finally:
+            await server.stop()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        for c in clients:
+            c.close()
+        loop.close()
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_short_get_read_in_the_same_poll_runs_before_a_long_requests_dispatch(tmp_path, kind):
+    # The long request's frame is read first (its socket became readable first), yet the
+    # short get of the other connection is served before the long one is even looked at:
+    # without the Later turn, data_received ran the long get's lookup first.
+    from tests.conftest import keys
+
+    async def scenario(loop, server, connect):
+        order: list[str] = []
+        eng = server.engine
+        looks, lease_one = eng.looks_resident, eng.lease_one
+        eng.looks_resident = lambda *a: (order.append("long"), looks(*a))[1]
+        eng.lease_one = lambda *a: (order.append("short"), lease_one(*a))[1]
+        a, b = await connect(), await connect()
+        a.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
+        b.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys([0])}))
+        ra = await loop.run_in_executor(None, _reply, a)
+        rb = await loop.run_in_executor(None, _reply, b)
+        assert ra["ok"] and ra["found"] == b"\x01" * 8
+        assert rb["ok"] and rb["found"] == b"\x01"
+        assert order == ["short", "long"]
+        for r, s in ((ra, a), (rb, b)):
+            s.sendall(_frame({"id": 2, "op": "release", "lease": r["lease"]}))
+            assert (await loop.run_in_executor(None, _reply, s))["ok"]
+        assert not eng.leases
+    _serve_in_process(tmp_path, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_replies_keep_their_request_order_across_long_and_short_requests(tmp_path, kind):
+    # Pipelined on one connection: a long get that reads NVMe, short gets, a long resident get
+    # and a release. The long ones wait their turn; the connection answers in request order.
+    from kvtier.types import Tier
+    from tests.conftest import keys
+
+    async def scenario(loop, server, connect):
+        s = await connect()
+        reqs = [{"op": "get", "ns": "m", "keys": keys(range(8, 16))},
+                {"op": "get", "ns": "m", "keys": keys([1])},
+                {"op": "get", "ns": "m", "keys": keys(range(8))},
+                {"op": "get", "ns": "m", "keys": keys([2])},
+                {"op": "stats"}]
+        s.sendall(b"".join(_frame({**r, "id": i}) for i, r in enumerate(reqs)))
+        replies = [await loop.run_in_executor(None, _reply, s) for _ in reqs]
+        assert [r["id"] for r in replies] == list(range(len(reqs)))
+        assert all(r["ok"] for r in replies)
+        assert [r["found"] for r in replies[:4]] == [b"\x01" * 8, b"\x01", b"\x01" * 8, b"\x01"]
+        ns = server.engine.namespace("m")
+        pool = ns.slots[Tier.HOST].pool
+        from tests.conftest import blocks
+        got = pool.read(np.frombuffer(replies[0]["slots"], "<i4"))
+        assert (got == blocks(8, 4096, seed=1)).all()         # read from NVMe, installed
+        for r in replies[:4]:
+            s.sendall(_frame({"id": 9, "op": "release", "lease": r["lease"]}))
+            assert (await loop.run_in_executor(None, _reply, s))["ok"]
+        assert not server.engine.leases
+    _serve_in_process(tmp_path, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_long_get_progresses_under_a_stream_of_short_ones(tmp_path, kind):
+    # One connection sends short gets back to back, each as soon as the last was answered,
+    # for as long as the long get of another connection (an NVMe read: five slices and a
+    # read) is unanswered. Every frame of the stream is read before any slice runs (and held
+    # back once), yet each iteration runs a slice: the long get is answered while the stream
+    # goes on, its replies in order.
+    from tests.conftest import keys
+
+    async def scenario(loop, server, connect):
+        a, b = await connect(), await connect()
+        stop = threading.Event()
+        served: list[int] = []
+
+        def stream() -> None:
+            i = 0
+            while not stop.is_set() and i < 100_000:
+                b.sendall(_frame({"id": i, "op": "get", "ns": "m", "keys": keys([3]),
+                                  "release_first": b""}))
+                r = _reply(b)
+                assert r["ok"] and r["id"] == i, r
+                served.append(i)
+                b.sendall(_frame({"id": -1, "op": "release", "lease": r["lease"]}))
+                assert _reply(b)["ok"]
+                i += 1
+
+        def long_get() -> dict:
+            while len(served) < 20:           # the stream runs first
+                threading.Event().wait(0.001)
+            a.sendall(_frame({"id": 7, "op": "get", "ns": "m", "keys": keys(range(8, 16))}))
+            r = _reply(a)
+            stop.set()
+            return r
+
+        streamer = loop.run_in_executor(None, stream)
+        r = await loop.run_in_executor(None, long_get)
+        await streamer
+        assert r["ok"] and r["found"] == b"\x01" * 8
+        assert len(served) < 100_000          # it ended the stream, not the stream's cap
+        a.sendall(_frame({"id": 8, "op": "release", "lease": r["lease"]}))
+        assert (await loop.run_in_executor(None, _reply, a))["ok"]
+    _serve_in_process(tmp_path, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_lone_long_request_with_nothing_queued_is_dispatched_inline(tmp_path, kind):
+    # Nothing to let go first (no slice queued, no frame waiting): a lone worker's batch get
+    # and put keep their inline dispatch, no loop iteration added (a GPU put's reserve and
+    # commit go chunk by chunk).
+    from tests.conftest import keys
+
+    async def scenario(loop, server, connect):
+        s = await connect()
+        s.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
+        r = await loop.run_in_executor(None, _reply, s)
+        assert r["ok"] and r["found"] == b"\x01" * 8
+        s.sendall(_frame({"id": 2, "op": "reserve", "ns": "m", "keys": keys(range(20, 28))}))
+        rr = await loop.run_in_executor(None, _reply, s)
+        assert rr["ok"]
+        s.sendall(_frame({"id": 3, "op": "commit", "rid": rr["rid"],
+                          "checksums": np.zeros(8, "<u8").tobytes(), "trusted": True}))
+        assert (await loop.run_in_executor(None, _reply, s))["ok"]
+        assert server.steps.slices == 0
+        s.sendall(_frame({"id": 4, "op": "release", "lease": r["lease"]}))
+        assert (await loop.run_in_executor(None, _reply, s))["ok"]
+    _serve_in_process(tmp_path, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_long_request_whose_peer_went_before_its_turn_still_runs_and_leaves_no_lease(
+        tmp_path, kind):
+    # Its frame came before the peer went, so it runs (a commit sent just before a close
+    # still lands, as it did when dispatched in data_received); the lease its get made ends
+    # with the connection, not at lease_timeout.
+    from tests.conftest import keys
+
+    async def scenario(loop, server, connect):
+        eng = server.engine
+        ran: list[str] = []
+        looks = eng.looks_resident
+        eng.looks_resident = lambda *a: (ran.append("get"), looks(*a))[1]
+        b = await connect()
+        conn = max(server._live, key=lambda c: c.client.cid)
+        server.steps.later(lambda: conn.transport.abort())    # its peer goes first...
+        server.steps.later(lambda: None)
+        b.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
+        while server.steps.slices < 3:                     # ...then its get's turn
+            await asyncio.sleep(0.01)
+        while server._tasks - {t for t in server._tasks if t.get_name() == "housekeeping"}:
+            await asyncio.sleep(0.01)
+        assert conn.closed and ran == ["get"]
+        assert not eng.leases
+    _serve_in_process(tmp_path, kind, scenario)

@@ -12,7 +12,8 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Awaitable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from kvtier.api import protocol as P
 from kvtier.api.quota import ClientInfo
@@ -26,6 +27,16 @@ log = logging.getLogger("kvtier.server")
 PARK_BYTES = 4 << 20
 
 Reply = tuple[dict[str, Any], "int | None", str]
+
+
+class Later:
+    """Server._dispatch's answer for a long request (Server._long): its dispatch, to be run as
+    a slice of the server's step queue rather than at once."""
+
+    __slots__ = ("dispatch",)
+
+    def __init__(self, dispatch: Callable[[], "Reply | Awaitable[Reply]"]) -> None:
+        self.dispatch = dispatch
 
 
 def ok_reply(result: dict[str, Any], req_id: Any, op: str) -> Reply:
@@ -52,16 +63,20 @@ class Connection(asyncio.Protocol):
     """One worker's connection. Frames are cut from the byte stream in data_received and
     answered in order: an op that completes inline is answered before the next frame is read;
     one that needs a thread parks the connection (later frames wait in the buffer, and reading
-    pauses beyond PARK_BYTES) until its reply is written. An asyncio.Protocol rather than
-    streams: a single-block get then costs no coroutine, task or future on the loop
-    (bench/api.py: p50 of a single get, docs/DESIGN-NOTES.md)."""
+    pauses beyond PARK_BYTES) until its reply is written. A long request (Server._long: a get,
+    reserve, commit or lookup of more than a few keys) parks it too, until its dispatch's turn
+    in the server's step queue (kvtier.api.steps): so the short requests of every connection
+    read in the same poll are answered first (issue 17's stall: beside 8 NVMe readers the
+    probe's single get waited ~90 us for the readers' frames read ahead of it). An
+    asyncio.Protocol rather than streams: a single-block get then costs no coroutine, task or
+    future on the loop (bench/api.py: p50 of a single get, docs/DESIGN-NOTES.md)."""
 
     def __init__(self, server: "Server") -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.client: ClientInfo | None = None
         self.buf = bytearray()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task | Later | None = None    # a reply in flight, or a turn
         self.write_paused = False
         self.read_paused = False
         self.closed = False
@@ -133,12 +148,15 @@ class Connection(asyncio.Protocol):
             self.server.buffered -= 4 + n
             t0 = time.perf_counter()
             out = self.server._dispatch(self.client, body)
-            if isinstance(out, tuple) and (out[1] is None
-                                           or not self.transport.get_write_buffer_size()):
-                self._write(out, t0)
+            if type(out) is Later:
+                # A long request: dispatched as a slice of the server's step queue, after the
+                # frames of this poll (short ones are answered here) and the slices queued
+                # before it. The connection stays busy until then: its replies keep their
+                # order.
+                self.task = out
+                self.server.steps.later(partial(self._later, out, t0))
             else:
-                self.task = self.server._spawn(self._finish(out, t0),
-                                               name=f"reply-{self.client.cid}")
+                self._answer(out, t0)
         if self.eof and not self._busy():
             self.closed = True
             self.transport.close()            # after the replies already written
@@ -149,6 +167,27 @@ class Connection(asyncio.Protocol):
         if want_pause != self.read_paused and not self.closed:
             self.read_paused = want_pause
             (self.transport.pause_reading if want_pause else self.transport.resume_reading)()
+
+    def _answer(self, out: Reply | Awaitable[Reply], t0: float) -> None:
+        if isinstance(out, tuple) and (out[1] is None
+                                       or not self.transport.get_write_buffer_size()):
+            self._write(out, t0)
+        else:
+            self.task = self.server._spawn(self._finish(out, t0),
+                                           name=f"reply-{self.client.cid}")
+
+    def _later(self, later: "Later", t0: float) -> None:
+        """A long request's turn (StepRunner.later). It runs even when its peer went
+        meanwhile, as it would have in data_received (a commit the worker sent before it
+        closed still lands); _finish then ends what it made (release_owner) unwritten."""
+        self.task = None
+        out = later.dispatch()
+        if self.closed:
+            self.task = self.server._spawn(self._finish(out, t0),
+                                           name=f"reply-{self.client.cid}")
+            return
+        self._answer(out, t0)
+        self._process()
 
     async def _finish(self, out: Reply | Awaitable[Reply], t0: float) -> None:
         try:

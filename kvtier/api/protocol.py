@@ -49,6 +49,7 @@ length over max_frame, or a body that is not a msgpack map) closes the connectio
 
 from __future__ import annotations
 
+import socket
 import struct
 from typing import Any
 
@@ -78,6 +79,20 @@ def unpack(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ProtocolError("frame body must be a msgpack map")
     return obj
+
+
+def recv_frame(sock: socket.socket) -> dict[str, Any]:
+    """The next frame of a blocking socket, decoded (tests and benches that speak the
+    protocol by hand); ProtocolError when the peer closes mid-frame."""
+    def exactly(n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            if not chunk:
+                raise ProtocolError("the peer closed the socket mid-frame")
+            out += chunk
+        return bytes(out)
+    return unpack(exactly(LENGTH.unpack(exactly(4))[0]))
 
 
 def error_reply(req_id: Any, exc: KvtierError) -> dict[str, Any]:

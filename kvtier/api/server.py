@@ -32,6 +32,7 @@ import stat
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Awaitable, Callable
 
 import numpy as np
@@ -40,7 +41,7 @@ from kvtier import __version__
 from kvtier.api import protocol as P
 from kvtier.api import quota
 from kvtier.api.busypoll import BusyPoll
-from kvtier.api.connection import Connection, Reply, failed_reply, ok_reply
+from kvtier.api.connection import Connection, Later, Reply, failed_reply, ok_reply
 from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
 from kvtier.api.resident import NEEDS_DISK, ResidentGets
@@ -53,6 +54,10 @@ from kvtier.types import Tier
 
 log = logging.getLogger("kvtier.server")
 STAGE_WAIT_S = 5.0     # longest a get waits for a stage of its namespace in flight
+# A request of these ops with more than SHORT_KEYS keys is long (Server._long): its dispatch
+# waits its turn in the step queue, behind the gets' steps, and the short ones go first.
+LONG_OPS = frozenset(("get", "reserve", "commit", "match_prefix"))
+SHORT_KEYS = 4
 # The most keys a put's reserve or commit runs inline on the loop (Server._in_memory): bounds
 # how long one request holds the loop (a 4,096-key commit with the writer's checksums: ~1 ms).
 INLINE_PUT_KEYS = 4096
@@ -218,9 +223,10 @@ class Server(ResidentGets):
         if self._on_op is not None:
             self._on_op(op, dt, ok)
 
-    def _dispatch(self, client: ClientInfo, body: bytes) -> Reply | Awaitable[Reply]:
+    def _dispatch(self, client: ClientInfo, body: bytes) -> Reply | Awaitable[Reply] | Later:
         """Decode and run one request. Ops that need no thread are answered here, on the loop,
-        with no coroutine or task; the others come back as an awaitable of the reply."""
+        with no coroutine or task; the others come back as an awaitable of the reply; a long
+        one (_long) as a Later, its dispatch to be run in its turn (kvtier.api.connection)."""
         req_id: Any = None
         op = "invalid"
         try:
@@ -230,6 +236,32 @@ class Server(ResidentGets):
             if not isinstance(op, str) or op not in self._ops:
                 op = "invalid"
                 raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
+            if op in LONG_OPS and self._long(req) and (self.steps.busy
+                                                        or self._frames_waiting()):
+                return Later(partial(self._dispatch_req, client, req, req_id, op))
+        except Exception as exc:
+            return failed_reply(exc, req_id, op)
+        return self._dispatch_req(client, req, req_id, op)
+
+    def _long(self, req: dict[str, Any]) -> bool:
+        """Whether a request of LONG_OPS is long: more than SHORT_KEYS keys (or checksums, a
+        commit's). Its dispatch then waits its turn behind the gets' steps already queued
+        (kvtier.api.steps), and the short requests read in the same poll go first: a host
+        get of few resident keys costs tens of microseconds on the loop, an NVMe reader's
+        frame of 64 keys ~90 (try_get's refusal, the steps' start; H200, stall5). Only when
+        there is something to go first (_dispatch: steps queued, or a frame waiting in a
+        socket, one zero-timeout epoll): a lone worker's batches (a GPU put's reserve and
+        commit, chunk by chunk) keep their inline dispatch, with no loop iteration added."""
+        keys, name = req.get("keys"), req.get("ns")
+        if type(keys) is bytes:
+            ns = self.engine.namespaces.get(name) if type(name) is str else None
+            return len(keys) > SHORT_KEYS * (ns.key_width if ns is not None else 16)
+        sums = req.get("checksums")
+        return type(sums) is bytes and len(sums) > SHORT_KEYS * 8
+
+    def _dispatch_req(self, client: ClientInfo, req: dict[str, Any], req_id: Any,
+                      op: str) -> Reply | Awaitable[Reply]:
+        try:
             if "release_first" in req and op == "get":
                 out = self._get_resident_first(client, req)
                 if out is not None:

@@ -13,9 +13,12 @@ what they held the lock for: its p99 was 76x alone on the 16-core H200 host. Her
 - the locked steps run on the loop itself, so that no other thread holds the GIL while the
   engine is decided on (when the lock is taken by some other thread, a flush or a prefetch, a
   step waits for it on the loop up to LOOP_WAIT_S, then on the memory lane);
-- they run one per loop iteration, in the order they came: between two of them the loop polls
-  its sockets, and a resident get that arrived meanwhile is answered at once, inline in
-  data_received, rather than behind every step that was ready. The next step is a zero-delay
+- they run one per loop iteration, in the order they came, as slices (a locked step and the
+  get's Python up to its next step) of one queue that also holds the long requests' dispatch
+  (StepRunner.later: kvtier.api.connection answers the short ones in data_received and queues
+  the rest): between two slices the loop polls its sockets, and a short request that arrived
+  meanwhile is answered at once, rather than behind every slice that was ready. A get goes
+  from slice to slice by callbacks, no task wakes between its steps. The next step is a zero-delay
   timer, not call_soon: asyncio's loop runs the callbacks queued by call_soon before those of
   the sockets it polls next, and both loops (asyncio's, uvloop's) poll before they run a timer
   that came due while a step ran;
@@ -45,6 +48,7 @@ import collections
 import errno
 import os
 import threading
+from functools import partial
 from typing import Any, Callable
 
 from kvtier.coherence.gets import GetSteps, advance
@@ -113,8 +117,38 @@ class ReadThreads:
                                           "were closed before its end was reaped"))
 
 
+class _Job:
+    """One get's steps as StepRunner drives them: the generator, the future of its result
+    (the awaiting coroutine's), whether its cancellation was thrown into the steps (once:
+    their cleanup steps then run), whether they are over, and the future of their end that
+    a cancelled drive waits for."""
+
+    __slots__ = ("steps", "fut", "thrown", "over", "end")
+
+    def __init__(self, steps: GetSteps, fut: asyncio.Future) -> None:
+        self.steps = steps
+        self.fut = fut
+        self.thrown = False
+        self.over = False
+        self.end: asyncio.Future | None = None
+
+
+# What a queued slice is: a get's locked step (its job is resumed with the value), a locked
+# thunk whose future gets the value (_locked), or a thunk run on the loop with no lock (later).
+_JOB, _FUT, _LOOP = 0, 1, 2
+
+
 class StepRunner:
-    """Drive get steps: locked ones on the loop (one per iteration), the rest on threads.
+    """Drive get steps: locked ones on the loop (one slice per iteration), the rest on threads;
+    and the loop's other long work (later: a long request's dispatch) in the same queue.
+
+    A slice is a locked step and the get's own Python up to its next step (the generator's
+    advance), or one thunk of later(). Slices run one per loop iteration in the order they
+    came, each held back once while a frame waits in a socket (frames_waiting), so that a
+    short request that arrives meanwhile waits for at most the slice in progress. A get's
+    steps go from slice to slice, and from an unlocked step's end to its next slice, by
+    callbacks: no task wakes between them (stall6: beside 8 readers the probe's tail waited
+    ~77 us for untraced wake-ups, the readers' tasks resumed between two steps).
 
     run_io(fn, *args) and run_mem(fn, *args) return asyncio futures of fn(*args) run on the
     server's I/O pool and memory lane."""
@@ -126,29 +160,73 @@ class StepRunner:
         self._run_io = run_io
         self._run_mem = run_mem
         self._frames_waiting = frames_waiting
-        self._queue: collections.deque[tuple[Thunk, asyncio.Future]] = collections.deque()
+        self._queue: collections.deque[tuple[Thunk, int, Any]] = collections.deque()
         self._held_back = False         # the queue's head already waited for one poll
-        self.held_back = 0              # steps that let the loop poll first (for stats)
+        self.held_back = 0              # slices that let the loop poll first (for stats)
+        self.slices = 0                 # slices run (for stats and tests)
         self._reads: ReadThreads | None = None
         self.use_read_threads = reads.available()
         self.c_reads = 0                # reads run on the C threads (for stats and tests)
 
     async def drive(self, steps: GetSteps) -> GetResult:
-        """The get's result, once every step has run."""
-        step, out = advance(steps, None, None)
-        while step is not None:
-            try:
-                if step.locked:
-                    value = await self._locked(step.fn)
-                else:
-                    value = await _to_its_end(self._unlocked(step))
-            except BaseException as exc:
-                # Back into the steps, a cancellation too: their finally installs what was
-                # read (or frees its pinned slots) before the error goes on.
-                step, out = advance(steps, None, exc)
-            else:
-                step, out = advance(steps, value, None)
-        return out
+        """The get's result, once every step has run. When the awaiting task is cancelled
+        (its peer gone), the steps still go on: an unlocked step in flight ends first, then
+        the cancellation is thrown into the steps (their finally installs what was read, or
+        frees its pinned slots), and only once they are over does the cancellation go on."""
+        job = _Job(steps, asyncio.get_running_loop().create_future())
+        self._advance(job, None, None)
+        try:
+            return await job.fut
+        except asyncio.CancelledError:
+            if not job.over and job.end is None:
+                job.end = asyncio.get_running_loop().create_future()
+            while not job.over and not job.end.done():
+                try:
+                    await asyncio.wait([job.end])
+                except asyncio.CancelledError:
+                    pass
+            raise
+
+    def _advance(self, job: _Job, value: Any, exc: BaseException | None) -> None:
+        """Send value (or throw exc) into job's steps, and queue or start the next step."""
+        if job.fut.cancelled() and not job.thrown:
+            exc = asyncio.CancelledError()      # once: the steps' cleanup steps then run
+        if isinstance(exc, asyncio.CancelledError):
+            job.thrown = True
+        try:
+            step, out = advance(job.steps, value, exc)
+        except BaseException as err:
+            self._over(job, None, err)
+            return
+        if step is None:
+            self._over(job, out, None)
+        elif step.locked:
+            self._push(step.fn, _JOB, job)
+        else:
+            self._unlocked(step).add_done_callback(partial(self._after, job))
+
+    def _after(self, job: _Job, fut: asyncio.Future) -> None:
+        """An unlocked step (or a locked one run on the memory lane) ended: resume its get."""
+        if fut.cancelled():
+            self._advance(job, None, asyncio.CancelledError())
+        elif fut.exception() is not None:
+            self._advance(job, None, fut.exception())
+        else:
+            self._advance(job, fut.result(), None)
+
+    @staticmethod
+    def _over(job: _Job, out: Any, exc: BaseException | None) -> None:
+        job.over = True
+        if job.end is not None and not job.end.done():
+            job.end.set_result(None)
+        if job.fut.done():
+            return                          # cancelled: the steps' own end was waited for
+        if exc is None:
+            job.fut.set_result(out)
+        elif isinstance(exc, asyncio.CancelledError):
+            job.fut.cancel()
+        else:
+            job.fut.set_exception(exc)
 
     def _unlocked(self, step: Any) -> asyncio.Future:
         """An unlocked step's future: a C read on the reader threads, the rest (and every read
@@ -173,62 +251,73 @@ class StepRunner:
             self._reads = None
 
     def _locked(self, fn: Thunk) -> asyncio.Future:
-        """fn under the engine lock, on the loop, after the steps queued before it."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.append((fn, fut))
-        if len(self._queue) == 1:
-            loop.call_later(0, self._next)
+        """fn under the engine lock, on the loop, after the slices queued before it."""
+        fut = asyncio.get_running_loop().create_future()
+        self._push(fn, _FUT, fut)
         return fut
+
+    @property
+    def busy(self) -> bool:
+        """Whether slices are queued (a long request's dispatch then queues behind them)."""
+        return bool(self._queue)
+
+    def later(self, fn: Thunk) -> None:
+        """fn on the loop, no lock taken, as a slice after those queued before it: a long
+        request's dispatch (kvtier.api.connection), which then waits its turn behind the
+        steps already queued rather than running in data_received ahead of the short
+        requests read in the same poll. fn's exceptions are fn's to handle."""
+        self._push(fn, _LOOP, None)
+
+    def _push(self, fn: Thunk, kind: int, target: Any) -> None:
+        self._queue.append((fn, kind, target))
+        if len(self._queue) == 1:
+            asyncio.get_running_loop().call_later(0, self._next)
 
     def _next(self) -> None:
         if not self._held_back and self._frames_waiting():
-            # A request is waiting in a socket: the loop reads it (a resident get is answered
-            # inline) before this step, whose turn comes after that poll.
+            # A request is waiting in a socket: the loop reads it (a short one is answered
+            # inline) before this slice, whose turn comes after that poll.
             self._held_back = True
             self.held_back += 1
             asyncio.get_running_loop().call_later(0, self._next)
             return
         self._held_back = False
-        fn, fut = self._queue.popleft()
+        fn, kind, target = self._queue.popleft()
         if self._queue:
             asyncio.get_running_loop().call_later(0, self._next)   # after the next poll
-        if fut.cancelled():
+        self.slices += 1
+        if kind == _LOOP:
+            fn()
+            return
+        if kind == _JOB and target.fut.cancelled() and not target.thrown:
+            self._advance(target, None, asyncio.CancelledError())   # the step is not run
+            return
+        if kind == _FUT and target.cancelled():
             return
         if not self.lock.acquire(timeout=LOOP_WAIT_S):
             # Taken by another thread for longer (a flush applying its batch): wait for it
             # off the loop.
-            self._run_mem(self._with_lock, fn).add_done_callback(
-                lambda mem: _pass_outcome(mem, fut))
+            mem = self._run_mem(self._with_lock, fn)
+            mem.add_done_callback(partial(self._after, target) if kind == _JOB
+                                  else partial(_pass_outcome, dst=target))
             return
+        value, exc = None, None
         try:
             value = fn()
-        except BaseException as exc:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
+        except BaseException as err:
+            exc = err
         finally:
             self.lock.release()
+        if kind == _JOB:
+            self._advance(target, value, exc)     # the get's Python up to its next step
+        elif exc is not None:
+            target.set_exception(exc)
+        else:
+            target.set_result(value)
 
     def _with_lock(self, fn: Thunk) -> Any:
         with self.lock:
             return fn()
-
-
-async def _to_its_end(fut: asyncio.Future) -> Any:
-    """fut's outcome; when the awaiting task is cancelled first, fut is still waited for (its
-    step ends on its thread whatever happens here) before the cancellation goes on."""
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            try:
-                await asyncio.wait([fut])
-            except asyncio.CancelledError:
-                pass
-        if not fut.cancelled():
-            fut.exception()                 # retrieved: the cancellation is what goes on
-        raise
 
 
 def _pass_outcome(src: asyncio.Future, dst: asyncio.Future) -> None:
