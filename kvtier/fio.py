@@ -297,7 +297,11 @@ class _Target:
         from kvtier.types import Tier
         res = self.engine.get("bench", kb, owner=owner)
         pool = self.engine.namespace("bench").slots[Tier.HOST].pool
-        pool.read(res.slots[res.found], out=out[: int(res.found.sum())])
+        slots = pool.check_slots(res.slots[res.found])
+        # mode="clip" on slots checked just above: numpy's default mode="raise" copies through
+        # a temporary buffer when out is given, a fresh 1 MiB each get (issue 17, fio6: the
+        # copy out was 0.43 ms of a 16-block get's 1.8 ms of CPU on the dev VM, 0.1 after).
+        np.take(pool.array, slots, axis=0, out=out[: slots.size], mode="clip")
         self.engine.release(res.lease_id, owner)
         if self.job.tier == "nvme":
             self.engine.evict(Tier.HOST, idx.size, "bench")     # the next read is from NVMe

@@ -208,3 +208,22 @@ def test_a_jobs_calls_in_flight_never_hold_more_than_iodepth_blocks(tmp_path: Pa
     assert res["error"] == 0 and res["read"]["total_ios"] > 0 and res["write"]["total_ios"] > 0
     assert res["kvtier"]["calls_in_flight"] == 2 and set(calls) == {4} and len(calls) > 20
     assert top[0] == 8                          # both lanes' calls overlapped, never more
+
+
+def test_an_nvme_get_copies_out_the_blocks_it_asked_for(tmp_path: Path):
+    # The bench's copy out of the pool (a checked take, fio6) lands each block asked for, in
+    # order, repeats and all: block b was filled with data[b % iodepth].
+    from kvtier.fio import _Target
+    job = Job(rw="randread", bs=4096, iodepth=4, size=64 * 4096, tier="nvme",
+              directory=str(tmp_path)).validate()
+    target = _Target(job, str(tmp_path))
+    try:
+        target.fill()
+        out = np.zeros((4, 4096), dtype=np.uint8)
+        for idx in ([5, 0, 63, 17], [9, 9, 2, 40], [1]):
+            idx = np.array(idx)
+            out[:] = 0
+            assert target.get(idx, owner=1, out=out)
+            assert np.array_equal(out[: idx.size], target.data[idx % job.iodepth])
+    finally:
+        target.close()

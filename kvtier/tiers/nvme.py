@@ -94,6 +94,8 @@ class SegmentLog:
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._io_threads = io_threads
         self._staging: mmap.mmap | None = None
+        self._head: mmap.mmap | None = None          # write()'s header buffer (_header)
+        self._zeros = bytes(1 << 16)
         # Native AIO keeps a whole batch in flight from one thread (see tiers/aio.py); only for
         # O_DIRECT files of the POSIX back-end, where it is truly asynchronous.
         self._aio = None
@@ -297,7 +299,7 @@ class SegmentLog:
                 eb = 0 if entries is None else entries.shape[1]
                 take = fit((self.segment_bytes - seg.size) // rec, min(n - i, IOV_MAX), eb, rec)
                 chunk = blocks[i: i + take]
-                head = _aligned(header_slots(take, eb, rec) * rec)
+                head = self._header(header_slots(take, eb, rec) * rec)
                 slots = pack(memoryview(head), self.ns_id, seg.seg_id, seg.nonce, seg.size,
                              take, None if entries is None else entries[i: i + take], rec)
                 direct_ok = self.record_bytes == self.block_bytes and all(map(_is_aligned, chunk))
@@ -320,6 +322,16 @@ class SegmentLog:
                 touched[seg.seg_id] = seg
                 i += take
         return segs, offs, list(touched.values())
+
+    def _header(self, n: int) -> memoryview:
+        """A zeroed, page-aligned buffer of n bytes for a chunk's header (_append_lock held).
+        One kept per log: a fresh anonymous mmap per write cost its mmap and munmap and, as
+        the O_DIRECT write pins every page of it, a page fault per 4 KiB (issue 17, fio6)."""
+        if self._head is None or len(self._head) < n:
+            self._head = _aligned(n)
+        view = memoryview(self._head)[:n]
+        view[:] = bytes(n) if n > len(self._zeros) else memoryview(self._zeros)[:n]
+        return view
 
     def sync(self, touched: Sequence[Segment]) -> None:
         """fdatasync the segments a write() went to: its records (and every record written
@@ -527,7 +539,14 @@ class SegmentLog:
         """Count records as live (sign=1) or dead (sign=-1)."""
         if len(segs) == 0:
             return
-        ids, counts = np.unique(np.asarray(segs), return_counts=True)
+        segs = np.asarray(segs)
+        first = segs[0]
+        if (segs == first).all():       # one segment (a put's batch, as a rule): no np.unique
+            seg = self.segments.get(int(first))
+            if seg is not None:
+                seg.live += sign * len(segs) * self.record_bytes
+            return
+        ids, counts = np.unique(segs, return_counts=True)
         for sid, cnt in zip(ids.tolist(), counts.tolist()):
             seg = self.segments.get(sid)
             if seg is not None:
