@@ -51,7 +51,8 @@ from typing import Sequence
 import numpy as np
 
 from kvtier.errors import DataDirError, StorageError
-from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared, release_shared
+from kvtier.tiers.aio import (IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared,
+                              buffer_address, release_shared)
 from kvtier.tiers.backend import Backend, PosixBackend, make_backend  # noqa: F401 (re-exported)
 from kvtier.tiers.batchlog import fit, header_slots, pack
 from kvtier.tiers.segfile import (  # noqa: F401 (re-exported: callers import them from here)
@@ -302,12 +303,18 @@ class SegmentLog:
                 head = self._header(header_slots(take, eb, rec) * rec)
                 slots = pack(memoryview(head), self.ns_id, seg.seg_id, seg.nonce, seg.size,
                              take, None if entries is None else entries[i: i + take], rec)
-                direct_ok = self.record_bytes == self.block_bytes and all(map(_is_aligned, chunk))
-                bufs = [memoryview(head)[k * rec:(k + 1) * rec] for k in range(slots)]
+                # Each block's address once: checked for O_DIRECT here, and the AIO's iocbs
+                # point at them (issue 17, fio6: they were taken twice per block).
+                at = [buffer_address(b) for b in chunk]
+                direct_ok = (self.record_bytes == self.block_bytes
+                             and all(a % ALIGN == 0 for a in at))
+                bufs = [head[k * rec:(k + 1) * rec] for k in range(slots)]
+                h0 = buffer_address(head)
+                addrs = [h0 + k * rec for k in range(slots)] + at if direct_ok else None
                 bufs += chunk if direct_ok else self._stage(chunk)
                 try:
                     if self._aio is not None and seg.direct and len(bufs) > 1:
-                        self._write_aio(seg, bufs)
+                        self._write_aio(seg, bufs, addrs)
                     else:
                         self._write_all(seg.fd, bufs, seg.size, seg.path)
                 except StorageError:
@@ -342,8 +349,10 @@ class SegmentLog:
             except OSError as exc:
                 raise StorageError(f"fdatasync of {seg.path} failed: {exc.strerror}") from None
 
-    def _write_aio(self, seg: Segment, bufs: Sequence[memoryview]) -> None:
-        """The chunk as up to 16 concurrent PWRITEVs of consecutive records."""
+    def _write_aio(self, seg: Segment, bufs: Sequence[memoryview],
+                   addrs: Sequence[int] | None = None) -> None:
+        """The chunk as up to 16 concurrent PWRITEVs of consecutive records (addrs: the
+        buffers' addresses, where the caller has them)."""
         per = max(1, -(-len(bufs) // 16))
         reqs = [(seg.fd, bufs[i: i + per], seg.size + i * self.record_bytes)
                 for i in range(0, len(bufs), per)]
@@ -358,7 +367,7 @@ class SegmentLog:
                 os.ftruncate(seg.fd, seg.size + len(bufs) * self.record_bytes)  # recycled file
         except OSError as exc:
             raise StorageError(f"cannot extend {seg.path}: {exc.strerror}") from None
-        res = self._aio.run(IOCB_CMD_PWRITEV, reqs)
+        res = self._aio.run(IOCB_CMD_PWRITEV, reqs, addrs=addrs)
         for (_fd, b, _off), got in zip(reqs, res.tolist()):
             if got != sum(len(x) for x in b):
                 hint = "; free space or raise nvme_capacity" if got == -errno.ENOSPC else ""
