@@ -37,6 +37,15 @@ def _direct_file(tmp_path: Path) -> int:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)    # a file system without O_DIRECT
 
 
+def _records(n: int) -> list[memoryview]:
+    """n page-aligned records of REC bytes in one mapping, record k holding byte k + 1."""
+    src = mmap.mmap(-1, n * REC)
+    recs = np.frombuffer(src, dtype=np.uint8).reshape(n, REC)
+    recs[:] = np.arange(n, dtype=np.uint8)[:, None] + 1
+    v = memoryview(src)
+    return [v[k * REC:(k + 1) * REC] for k in range(n)]
+
+
 @pytest.mark.parametrize("depth, window", [(4, 3), (8, 8), (256, None)])
 def test_long_batches_write_and_read_back_every_record(tmp_path: Path, depth: int, window):
     fd = _direct_file(tmp_path)
@@ -90,12 +99,9 @@ def test_vectored_requests_of_uneven_lengths_each_write_their_own_buffers(tmp_pa
     fd = _direct_file(tmp_path)
     aio = Aio(depth=4)
     try:
-        src = mmap.mmap(-1, 7 * REC)
-        recs = np.frombuffer(src, dtype=np.uint8).reshape(7, REC)
-        recs[:] = np.arange(7, dtype=np.uint8)[:, None] + 1     # record k holds byte k + 1
-        v = memoryview(src)
+        src = _records(7)
         order = [6, 2, 0, 5, 1, 4, 3]                           # file record j <- source order[j]
-        bufs = [v[k * REC:(k + 1) * REC] for k in order]
+        bufs = [src[k] for k in order]
         reqs, at = [], 0
         for count in (1, 3, 2, 1):
             reqs.append((fd, bufs[at: at + count], at * REC))
@@ -255,3 +261,27 @@ def test_a_set_that_cannot_make_a_fresh_context_fails_each_call_loudly_then_reco
     s.run_native(lambda ctx, depth: seen.append(ctx))
     assert seen[0] != 0
     s.close()
+
+
+def test_addresses_given_by_the_caller_are_the_ones_written_from(tmp_path: Path):
+    # SegmentLog.write passes the addresses it checked for O_DIRECT (fio6): the iocbs point
+    # at those, so the bytes written are the ones at the given addresses; a list that does
+    # not name every buffer is refused before anything is submitted.
+    from kvtier.tiers.aio import buffer_address
+    fd = _direct_file(tmp_path)
+    aio = Aio(depth=4)
+    try:
+        bufs = _records(4)
+        reqs = [(fd, bufs[:2], 0), (fd, bufs[2:], 2 * REC)]
+        # The addresses of records 3, 2, 1, 0: what is written follows them, not the views.
+        addrs = [buffer_address(b) for b in reversed(bufs)]
+        assert aio.run(IOCB_CMD_PWRITEV, reqs, addrs=addrs).tolist() == [2 * REC, 2 * REC]
+        back = mmap.mmap(-1, 4 * REC)
+        assert aio.run(IOCB_CMD_PREADV, [(fd, [memoryview(back)], 0)]).tolist() == [4 * REC]
+        got = np.frombuffer(back, dtype=np.uint8).reshape(4, REC)
+        assert got[:, 0].tolist() == [4, 3, 2, 1]
+        with pytest.raises(ValueError, match="3 addresses for 4 buffers"):
+            aio.run(IOCB_CMD_PWRITEV, reqs, addrs=addrs[:3])
+    finally:
+        aio.close()
+        os.close(fd)

@@ -208,3 +208,39 @@ def test_a_jobs_calls_in_flight_never_hold_more_than_iodepth_blocks(tmp_path: Pa
     assert res["error"] == 0 and res["read"]["total_ios"] > 0 and res["write"]["total_ios"] > 0
     assert res["kvtier"]["calls_in_flight"] == 2 and set(calls) == {4} and len(calls) > 20
     assert top[0] == 8                          # both lanes' calls overlapped, never more
+
+
+def test_an_nvme_get_copies_out_the_blocks_it_asked_for(tmp_path: Path):
+    # The bench's copy out of the pool (a checked take, fio6) lands each block asked for, in
+    # order, repeats and all: block b was filled with data[b % iodepth].
+    from kvtier.fio import _Target
+    job = Job(rw="randread", bs=4096, iodepth=4, size=64 * 4096, tier="nvme",
+              directory=str(tmp_path)).validate()
+    target = _Target(job, str(tmp_path))
+    try:
+        target.fill()
+        out = np.zeros((4, 4096), dtype=np.uint8)
+        for idx in ([5, 0, 63, 17], [9, 9, 2, 40], [1]):
+            idx = np.array(idx)
+            out[:] = 0
+            assert target.get(idx, owner=1, out=out)
+            assert np.array_equal(out[: idx.size], target.data[idx % job.iodepth])
+    finally:
+        target.close()
+
+
+def test_the_bench_s_buffers_start_on_a_page_boundary(tmp_path: Path):
+    # A get's copy out of the pool (page-aligned slots) into a buffer 16 bytes into a page ran
+    # the string copy's slow path, 10x the CPU (fio6): the lane's buffers and the put's source
+    # rows are page-aligned, as fio's are.
+    import mmap
+    from kvtier.fio import _Target, page_aligned
+    a = page_aligned(3, 4096 + 512)
+    assert a.shape == (3, 4608) and a.ctypes.data % mmap.PAGESIZE == 0 and a.flags.writeable
+    job = Job(rw="randread", bs=4096, iodepth=4, size=16 * 4096, tier="nvme",
+              directory=str(tmp_path)).validate()
+    target = _Target(job, str(tmp_path))
+    try:
+        assert target.data.ctypes.data % mmap.PAGESIZE == 0 and target.data.shape == (4, 4096)
+    finally:
+        target.close()

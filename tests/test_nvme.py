@@ -260,3 +260,30 @@ def test_a_process_killed_while_a_spare_becomes_a_segment_restarts(tmp_path: Pat
     out = [memoryview(bytearray(bb)) for _ in range(2)]
     assert again.read(segs, offs, out).all() and bytes(out[1]) == bytes([91]) * bb
     again.close()
+
+
+def test_a_short_header_after_a_long_one_is_zero_past_its_entries(tmp_path: Path):
+    # write() keeps one header buffer per log (fio6): a chunk's header must not carry the
+    # bytes of a longer header written before it, and both must scan back with their entries.
+    from kvtier.tiers.batchlog import FIXED_BYTES, scan
+    from kvtier.tiers.segfile import _aligned
+    log = SegmentLog(tmp_path, 1, 65536, 4 << 20)
+    long_e = np.full((8, 32), 0xAB, dtype=np.uint8)
+    short_e = np.full((1, 32), 0xCD, dtype=np.uint8)
+    segs1, offs1 = log.append(_blocks(8, 65536), long_e)
+    segs2, offs2 = log.append(_blocks(1, 65536), short_e)
+    seg = log.segments[int(segs2[0])]
+    head_off = int(offs2[0]) * 4096 - 65536          # the header slot right before the record
+    raw = os.pread(seg.fd, 65536, head_off) if not seg.direct else None
+    if raw is None:
+        buf = _aligned(65536)
+        os.preadv(seg.fd, [buf], head_off)
+        raw = bytes(buf)
+    assert raw[FIXED_BYTES: FIXED_BYTES + 32] == bytes([0xCD]) * 32
+    assert raw[FIXED_BYTES + 32:] == bytes(len(raw) - FIXED_BYTES - 32)
+    buf = _aligned(65536)
+    found = scan(seg.fd, 1, seg.seg_id, seg.nonce, seg.start, seg.size, 65536, memoryview(buf))
+    assert found.problem is None
+    assert [b.count for b in found.batches] == [8, 1]
+    assert (found.batches[0].entries == 0xAB).all() and (found.batches[1].entries == 0xCD).all()
+    log.close()

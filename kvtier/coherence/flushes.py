@@ -443,10 +443,13 @@ class Flushes:
         if rows is None:
             rows = np.flatnonzero(cols["state"][:n] == BlockState.DIRTY)
         else:
-            asked = rows.size
-            rows = np.unique(np.asarray(rows, dtype=np.int64))
-            distinct = rows.size == asked
-            rows = rows[(rows < n)]
+            # One sort tells whether the rows repeat (a put's never do): np.unique only then.
+            rows = np.sort(np.asarray(rows, dtype=np.int64))
+            distinct = rows.size < 2 or bool((rows[1:] != rows[:-1]).all())
+            if not distinct:
+                rows = np.unique(rows)
+            if rows.size and rows[-1] >= n:
+                rows = rows[rows < n]
             rows = rows[cols["state"][rows] == BlockState.DIRTY]
         if rows.size == 0:
             return None
@@ -455,24 +458,27 @@ class Flushes:
         on_host = cols["copy_ver"][rows, Tier.HOST] == versions
         on_hbm = ~on_host & (cols["copy_ver"][rows, Tier.HBM] == versions)
         keep = on_host | on_hbm            # a DIRTY row always has one; never trust it blindly
-        rows, versions, on_host, on_hbm = rows[keep], versions[keep], on_host[keep], on_hbm[keep]
-        if rows.size == 0:
-            return None
+        if not keep.all():
+            rows, versions, on_host, on_hbm = (rows[keep], versions[keep], on_host[keep],
+                                               on_hbm[keep])
+            if rows.size == 0:
+                return None
         pool = ns.slots[Tier.HOST].pool
         host_slots = np.where(on_host, cols["slot"][rows, Tier.HOST], -1).astype(np.int64)
         self.store.owner.pin_slots(ns, Tier.HOST, host_slots[on_host])
-        staging = None
-        if on_hbm.any():
+        views: list[memoryview]
+        if not on_hbm.any():                # every copy in host memory (a put's, as a rule)
+            views = [pool.slot_view(s) for s in host_slots.tolist()]
+        else:
             hbm = ns.slots[Tier.HBM].pool
             staging = to_numpy(hbm.read(cols["slot"][rows[on_hbm], Tier.HBM]))
-        views: list[memoryview] = []
-        k = 0
-        for i, r in enumerate(rows.tolist()):
-            if on_host[i]:
-                views.append(pool.slot_view(int(cols["slot"][r, Tier.HOST])))
-            else:
-                views.append(memoryview(staging[k]))
-                k += 1
+            views, k = [], 0
+            for i, s in enumerate(host_slots.tolist()):
+                if on_host[i]:
+                    views.append(pool.slot_view(s))
+                else:
+                    views.append(memoryview(staging[k]))
+                    k += 1
         sums = cols["checksum"][rows].copy()
         return _Batch(rows, cols["key"][rows].copy(), versions, sums,
                       records_of(ns, rows, versions, sums), views, host_slots,

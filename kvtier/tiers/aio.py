@@ -65,15 +65,16 @@ def buffer_address(buf: memoryview | bytearray) -> int:
         return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
-def _iocbs(opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]]
-           ) -> tuple[np.ndarray, list[np.ndarray]]:
+def _iocbs(opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]],
+           addrs: Sequence[int] | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """One iocb per request, its ``data`` its own index, and the iovec array they point into
     (which must outlive the requests). Requests of one buffer each become plain PREAD/PWRITE,
     with no iovec array to build.
 
     One iovec array for the whole batch, filled by a few numpy calls: an array and a
     structured-field write per request cost ~200 us for a put's 9 PWRITEVs of two records
-    (issue 17, fio3: a tenth of a put's CPU)."""
+    (issue 17, fio3: a tenth of a put's CPU). addrs: the buffers' addresses in request
+    order, where the caller has them already (SegmentLog.write: it checks them for O_DIRECT)."""
     n = len(requests)
     cb = np.zeros(n, dtype=_IOCB)
     cb["data"] = np.arange(n)
@@ -81,7 +82,10 @@ def _iocbs(opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]
     cb["offset"] = [r[2] for r in requests]
     counts = [len(r[1]) for r in requests]
     bufs = [b for r in requests for b in r[1]]
-    addrs = [buffer_address(b) for b in bufs]
+    if addrs is None:
+        addrs = [buffer_address(b) for b in bufs]
+    elif len(addrs) != len(bufs):
+        raise ValueError(f"{len(addrs)} addresses for {len(bufs)} buffers")
     if all(c == 1 for c in counts):
         cb["opcode"] = _PLAIN[opcode]
         cb["buf"] = addrs
@@ -121,12 +125,13 @@ class Aio:
             return False
 
     def run(self, opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]],
-            window: int | None = None) -> np.ndarray:
+            window: int | None = None, addrs: Sequence[int] | None = None) -> np.ndarray:
         """Each request is (fd, buffers, file offset): one PREADV or PWRITEV. Returns the bytes
         moved per request, or -errno. At most ``window`` (default: depth) are in flight; as
         each completes the next is submitted, so a long batch keeps the device's queue full
-        instead of draining it every ``depth`` requests."""
-        cbs, keep = _iocbs(opcode, requests)
+        instead of draining it every ``depth`` requests. addrs: the buffers' addresses, in
+        request order, where the caller has them (else they are taken from the buffers)."""
+        cbs, keep = _iocbs(opcode, requests, addrs)
         out = self._run_cbs(cbs, window, lambda i, o: self._sync_one(opcode, requests[i], o, i))
         del keep                            # the iovecs: alive until every request completed
         return out
@@ -256,11 +261,11 @@ class AioSet:
             return not self._closed
 
     def run(self, opcode: int, requests: Sequence[tuple[int, Sequence[memoryview], int]],
-            window: int | None = None) -> np.ndarray:
+            window: int | None = None, addrs: Sequence[int] | None = None) -> np.ndarray:
         """Aio.run on a free context of the set."""
         aio = self._take()
         try:
-            return aio.run(opcode, requests, window)
+            return aio.run(opcode, requests, window, addrs)
         finally:
             self._give(aio)
 

@@ -51,7 +51,8 @@ from typing import Sequence
 import numpy as np
 
 from kvtier.errors import DataDirError, StorageError
-from kvtier.tiers.aio import IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared, release_shared
+from kvtier.tiers.aio import (IOCB_CMD_PREADV, IOCB_CMD_PWRITEV, acquire_shared,
+                              buffer_address, release_shared)
 from kvtier.tiers.backend import Backend, PosixBackend, make_backend  # noqa: F401 (re-exported)
 from kvtier.tiers.batchlog import fit, header_slots, pack
 from kvtier.tiers.segfile import (  # noqa: F401 (re-exported: callers import them from here)
@@ -94,6 +95,8 @@ class SegmentLog:
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._io_threads = io_threads
         self._staging: mmap.mmap | None = None
+        self._head: mmap.mmap | None = None          # write()'s header buffer (_header)
+        self._zeros = bytes(1 << 16)
         # Native AIO keeps a whole batch in flight from one thread (see tiers/aio.py); only for
         # O_DIRECT files of the POSIX back-end, where it is truly asynchronous.
         self._aio = None
@@ -297,15 +300,21 @@ class SegmentLog:
                 eb = 0 if entries is None else entries.shape[1]
                 take = fit((self.segment_bytes - seg.size) // rec, min(n - i, IOV_MAX), eb, rec)
                 chunk = blocks[i: i + take]
-                head = _aligned(header_slots(take, eb, rec) * rec)
+                head = self._header(header_slots(take, eb, rec) * rec)
                 slots = pack(memoryview(head), self.ns_id, seg.seg_id, seg.nonce, seg.size,
                              take, None if entries is None else entries[i: i + take], rec)
-                direct_ok = self.record_bytes == self.block_bytes and all(map(_is_aligned, chunk))
-                bufs = [memoryview(head)[k * rec:(k + 1) * rec] for k in range(slots)]
+                # Each block's address once: checked for O_DIRECT here, and the AIO's iocbs
+                # point at them (issue 17, fio6: they were taken twice per block).
+                at = [buffer_address(b) for b in chunk]
+                direct_ok = (self.record_bytes == self.block_bytes
+                             and all(a % ALIGN == 0 for a in at))
+                bufs = [head[k * rec:(k + 1) * rec] for k in range(slots)]
+                h0 = buffer_address(head)
+                addrs = [h0 + k * rec for k in range(slots)] + at if direct_ok else None
                 bufs += chunk if direct_ok else self._stage(chunk)
                 try:
                     if self._aio is not None and seg.direct and len(bufs) > 1:
-                        self._write_aio(seg, bufs)
+                        self._write_aio(seg, bufs, addrs)
                     else:
                         self._write_all(seg.fd, bufs, seg.size, seg.path)
                 except StorageError:
@@ -321,6 +330,16 @@ class SegmentLog:
                 i += take
         return segs, offs, list(touched.values())
 
+    def _header(self, n: int) -> memoryview:
+        """A zeroed, page-aligned buffer of n bytes for a chunk's header (_append_lock held).
+        One kept per log: a fresh anonymous mmap per write cost its mmap and munmap and, as
+        the O_DIRECT write pins every page of it, a page fault per 4 KiB (issue 17, fio6)."""
+        if self._head is None or len(self._head) < n:
+            self._head = _aligned(n)
+        view = memoryview(self._head)[:n]
+        view[:] = bytes(n) if n > len(self._zeros) else memoryview(self._zeros)[:n]
+        return view
+
     def sync(self, touched: Sequence[Segment]) -> None:
         """fdatasync the segments a write() went to: its records (and every record written
         to them before this call) are then durable. Raises StorageError."""
@@ -330,8 +349,10 @@ class SegmentLog:
             except OSError as exc:
                 raise StorageError(f"fdatasync of {seg.path} failed: {exc.strerror}") from None
 
-    def _write_aio(self, seg: Segment, bufs: Sequence[memoryview]) -> None:
-        """The chunk as up to 16 concurrent PWRITEVs of consecutive records."""
+    def _write_aio(self, seg: Segment, bufs: Sequence[memoryview],
+                   addrs: Sequence[int] | None = None) -> None:
+        """The chunk as up to 16 concurrent PWRITEVs of consecutive records (addrs: the
+        buffers' addresses, where the caller has them)."""
         per = max(1, -(-len(bufs) // 16))
         reqs = [(seg.fd, bufs[i: i + per], seg.size + i * self.record_bytes)
                 for i in range(0, len(bufs), per)]
@@ -346,7 +367,7 @@ class SegmentLog:
                 os.ftruncate(seg.fd, seg.size + len(bufs) * self.record_bytes)  # recycled file
         except OSError as exc:
             raise StorageError(f"cannot extend {seg.path}: {exc.strerror}") from None
-        res = self._aio.run(IOCB_CMD_PWRITEV, reqs)
+        res = self._aio.run(IOCB_CMD_PWRITEV, reqs, addrs=addrs)
         for (_fd, b, _off), got in zip(reqs, res.tolist()):
             if got != sum(len(x) for x in b):
                 hint = "; free space or raise nvme_capacity" if got == -errno.ENOSPC else ""
@@ -527,7 +548,14 @@ class SegmentLog:
         """Count records as live (sign=1) or dead (sign=-1)."""
         if len(segs) == 0:
             return
-        ids, counts = np.unique(np.asarray(segs), return_counts=True)
+        segs = np.asarray(segs)
+        first = segs[0]
+        if (segs == first).all():       # one segment (a put's batch, as a rule): no np.unique
+            seg = self.segments.get(int(first))
+            if seg is not None:
+                seg.live += sign * len(segs) * self.record_bytes
+            return
+        ids, counts = np.unique(segs, return_counts=True)
         for sid, cnt in zip(ids.tolist(), counts.tolist()):
             seg = self.segments.get(sid)
             if seg is not None:
