@@ -263,11 +263,11 @@ def test_read_installable_and_lease_current_refuse_bad_input():
         gets._lease_current(version, key, leases, np.array([0, 9, 1], dtype=np.int64),
                             np.ones(3, dtype=np.uint64), key[[0, 0, 1]].copy(), out)
     assert not leases.any()                        # checked before any count was written
-    leases[1] = 65535
-    with pytest.raises(ValueError, match="65,535"):
-        gets._lease_current(version, key, leases, rows, version[rows].copy(),
-                            key[rows].copy(), out)
-    leases[1] = 0
+    leases[1] = 65535                              # a full count stays full (rev7)
+    assert gets._lease_current(version, key, leases, rows, version[rows].copy(),
+                               key[rows].copy(), out) == 2
+    assert leases.tolist() == [1, 65535, 0, 0] and out[:2].tolist() == [0, 1]
+    leases[:] = 0
     stale = version[rows].copy()
     stale[1] = 1                                   # row 1 moved on to version 2: not leased
     assert gets._lease_current(version, key, leases, rows, stale, key[rows].copy(), out) == 1
