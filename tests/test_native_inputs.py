@@ -15,6 +15,7 @@ import pytest
 from kvtier.coherence import fastpath, gets
 from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
+from kvtier.errors import BadRequest
 from kvtier.types import Tier
 from tests.conftest import blocks, keys
 
@@ -77,3 +78,28 @@ def test_lease_rows_saturates_a_full_reader_count_rather_than_wrap_it():
     assert _fast.lease_rows(version, copy_ver, slot, leases, zeros[0], zeros[1], zeros[2],
                             zeros[3], pool, np.array([0, 1, 0], np.int64), 2, 1, 9, *out)
     assert leases.tolist() == [65_535, 4] and pool.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("c_helper", [True, False], ids=["c", "numpy"])
+def test_lease_one_refuses_no_key_or_several(tmp_path: Path, monkeypatch, c_helper: bool):
+    # lease_one's outputs are one key's. With no key, lease_rows had nothing to refuse, and the
+    # reply was the previous call's slot, version and checksum, with a lease pinning nothing;
+    # without the C helper, no key was an IndexError and several leased the first alone.
+    if not c_helper:
+        monkeypatch.setattr(fastpath, "_fast", None)
+    eng = _host_engine(tmp_path)
+    eng.put("m", keys([1, 2]), blocks(2, 64, 1))
+    ns = eng.namespace("m")
+    with eng.lock:
+        hit = eng.lease_one(ns, keys([1]), 0)
+    assert hit is not None
+    eng.release(hit[0])
+    pins = ns.slots[Tier.HOST].leases.copy()
+    table = {k: v.copy() for k, v in ns.table.cols.items()}
+    for bad in (b"", keys([1, 2]), ns.table.keys_array(keys([2, 1]))):
+        with eng.lock, pytest.raises(BadRequest, match="one key"):
+            eng.lease_one(ns, bad, 0)
+    assert not eng.leases and np.array_equal(ns.slots[Tier.HOST].leases, pins)
+    for name, col in table.items():
+        assert np.array_equal(ns.table.cols[name], col), name
+    eng.close(flush=False)

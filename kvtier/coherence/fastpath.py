@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 
 from kvtier.coherence.namespace import GetResult, Lease, add_one
+from kvtier.errors import BadRequest
 from kvtier.types import Tier
 
 try:
@@ -53,6 +54,10 @@ _ONE = (np.empty(1, dtype=np.int32), np.empty(1, dtype=np.uint64), np.empty(1, d
 
 # numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
 _I32, _I64, _U64, _empty = np.int32, np.int64, np.uint64, np.empty
+
+
+def _not_one_key(n: int) -> None:
+    raise BadRequest(f"lease_one leases one key; {n} were given")
 
 
 class Ledger(Protocol):
@@ -83,14 +88,21 @@ class FastPath:
         GetResult; None (nothing changed) when the key is not found or not current in tier.
         key: one packed key (bytes, or a one-key array of the namespace's keys: the replay's).
         The checks and the touch are lease_rows' (one C call for a dozen numpy scalar
-        operations); without the module, get_one's."""
+        operations); without the module, get_one's. BadRequest for no key or several: the
+        outputs are one key's (with none, lease_rows had nothing to refuse, and the reply was
+        the previous call's slot, version and checksum, unpinned: rev7)."""
         if _fast is None:
-            res = self.get_one(ns, ns.table.keys_array(key), owner, tier)
+            karr = ns.table.keys_array(key)
+            if karr.shape[0] != 1:
+                _not_one_key(karr.shape[0])
+            res = self.get_one(ns, karr, owner, tier)
             if res is None:
                 return None
             return (res.lease_id, int(res.slots[0]), int(res.versions[0]),
                     int(res.checksums[0]))
         rows = ns.table.lookup(key)
+        if rows.shape[0] != 1:
+            _not_one_key(rows.shape[0])
         cols = ns.table.cols
         st = ns.slots[tier]
         ledger = self.ledger
