@@ -923,7 +923,8 @@ static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nar
  *     None, with nothing written, when some key has a row already, two keys share a hash,
  *     data overlaps the pool, or keys, parent keys or data are not C-contiguous: the caller
  *     takes the general path. Every argument, row,
- *     slot and state move is checked before anything is written (ValueError, TypeError);
+ *     slot (in range, given once, not holding a row's copy) and state move is checked before
+ *     anything is written (ValueError, TypeError);
  *     RuntimeError when the index and the table disagree. */
 #define PUT_COLS 14
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
@@ -1008,6 +1009,24 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
     for (Py_ssize_t i = 0; i < n && !bad; i++)
         if (slots[i] < 0 || slots[i] >= p || slots[i] >= nsr)
             bad = "a slot out of range";
+    if (!bad && n > 0) {
+        /* No slot given twice, and none that a row's copy in tier still sits in (its slot
+         * column names it, its copy_ver is set): either puts two rows on one slot's bytes,
+         * and one of them serves the other's block (rev7). */
+        RowSet seen;
+        if (rowset_init(&seen, n) < 0)
+            goto fail;
+        const int32_t *slotc = col[9];
+        const uint64_t *cver = col[10];
+        for (Py_ssize_t i = 0; i < n && !bad; i++) {
+            int64_t s = slots[i], o = slot_row[s];
+            if (!rowset_add(&seen, s))
+                bad = "a slot given twice";
+            else if (o >= 0 && o < n_rows && slotc[o * nsl + tier] == s && cver[o * nt + tier])
+                bad = "a slot that holds a row's copy";
+        }
+        PyMem_Free(seen.slot);
+    }
     if (bad) {
         PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
         goto fail;
