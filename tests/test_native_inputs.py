@@ -103,3 +103,169 @@ def test_lease_one_refuses_no_key_or_several(tmp_path: Path, monkeypatch, c_help
     for name, col in table.items():
         assert np.array_equal(ns.table.cols[name], col), name
     eng.close(flush=False)
+
+
+# ------------------------------------------------------------------ garbage at every argument
+
+def _variants(arg):
+    """Replacements for one argument: other kinds, signs and sizes; for an array, other item
+    sizes, lengths, dimensions, strides, a read-only copy, and every value -1 or its maximum."""
+    out = [None, "x", 1.5, -1, 2**64, []]
+    if isinstance(arg, tuple):
+        for c in range(len(arg)):
+            for col in (arg[c][:-1], _other_items(arg[c])):
+                out.append(arg[:c] + (col,) + arg[c + 1:])
+        return out + [arg[:-1], arg + (arg[0],)]
+    if isinstance(arg, int):
+        return out + [arg + 1, arg - 1, 0, -arg - 1, 2**62, 2**31]
+    if not isinstance(arg, np.ndarray):
+        return out
+    out += [_other_items(arg), arg[:0], arg[:1], np.concatenate([arg, arg]),
+            arg.reshape(-1, 1).copy() if arg.ndim == 1 else arg.reshape(-1),
+            np.concatenate([arg, arg])[::2],
+            np.asfortranarray(arg) if arg.ndim == 2 else arg[np.newaxis]]
+    ro = arg.copy()
+    ro.flags.writeable = False
+    out.append(ro)
+    if arg.dtype.kind in "iu":
+        out += [np.full(arg.shape, -1).astype(arg.dtype),       # (unsigned: the maximum)
+                np.full_like(arg, np.iinfo(arg.dtype).max // 2 + 1)]
+    return out
+
+
+def _other_items(a: np.ndarray) -> np.ndarray:
+    """a with items of another size (keys as bytes)."""
+    if a.dtype.kind == "V":
+        return a.view(np.uint8).copy()
+    return a.astype(np.int8 if a.dtype.itemsize != 1 else np.int64)
+
+
+def _arrays(args) -> list[np.ndarray]:
+    found = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            found.append(a)
+        elif isinstance(a, tuple):
+            found += [c for c in a if isinstance(c, np.ndarray)]
+    return found
+
+
+def _fuzz(build, fn, outputs: set[int], skip_ints: set[int] = frozenset()) -> int:
+    """fn(*args) with each argument of build()'s in turn replaced by each of its variants:
+    a typed error that leaves every array but the outputs as it was, or a result; never a
+    crash. Returns how many calls raised."""
+    raised = 0
+    for pos in range(len(build())):
+        for k in range(len(_variants(build()[pos]))):
+            args = build()
+            bad = _variants(args[pos])[k]
+            if pos in skip_ints and isinstance(bad, int):
+                continue                          # a raw function address: any int is one
+            args[pos] = bad
+            keep = [i for i, a in enumerate(args) if i not in outputs]
+            before = [a.copy() for a in _arrays([args[i] for i in keep])]
+            try:
+                fn(*args)
+            except (TypeError, ValueError, OverflowError, BufferError, RuntimeError):
+                raised += 1
+                after = _arrays([args[i] for i in keep])
+                for x, y in zip(before, after):
+                    assert np.array_equal(x, y, equal_nan=False), (pos, k)
+    return raised
+
+
+def _table_for_put():
+    from kvtier.pagetable.table import PageTable
+    t = PageTable(16)
+    rows, _ = t.insert(keys([1, 2, 3, 4]))
+    t.remove(rows[:2])
+    t._room_for_rows(4)
+    t._reset_rows(slice(t.n_rows, t.capacity))
+    return t
+
+
+def test_put_rows_survives_garbage_at_every_argument():
+    from kvtier.checksums import XXH3_ADDRESS
+    from kvtier.coherence.engine import _COMMIT_NEXT
+    from kvtier.pagetable import table
+    if table._native is None or XXH3_ADDRESS is None:
+        pytest.skip("kvtier.pagetable._native or libxxhash missing here")
+
+    def build():
+        t = _table_for_put()
+        karr = t.keys_array(keys([10, 11, 12]))
+        return [t._index, t._put_cols, 16, karr, t.keys_array(keys([3, 10, 0])), t._free,
+                t._nfree, t.n_rows, np.full(8, -1, np.int64), np.zeros((8, 3), np.uint8),
+                np.ones((3, 3), np.uint8), np.array([1, 5, 2], np.int64), XXH3_ADDRESS,
+                _COMMIT_NEXT, 1, t.version_floor, 7 << 32, 100, 3, np.empty(3, np.uint64),
+                np.empty(3, np.int64)]
+
+    assert table._native.put_rows(*build()) is not None
+    assert _fuzz(build, table._native.put_rows, {19, 20}, skip_ints={12}) > 100
+
+
+def _lease_columns():
+    n, nt, ns = 6, 4, 3
+    c = {"version": np.arange(10, 10 + n, dtype=np.uint64),
+         "copy_ver": np.zeros((n, nt), np.uint64), "slot": np.full((n, ns), -1, np.int32),
+         "key": np.arange(n * 16, dtype=np.uint8).view("V16"),
+         "leases": np.zeros(n, np.uint16), "last": np.zeros(n, np.uint64),
+         "prev": np.zeros(n, np.uint64), "freq": np.zeros(n, np.uint32),
+         "sums": np.arange(n, dtype=np.uint64), "pool": np.zeros(8, np.uint32),
+         "retired": np.zeros(8, bool), "csum": np.arange(n, dtype=np.uint64),
+         "off": np.arange(n, dtype=np.uint32)}
+    c["copy_ver"][:4, 1] = c["version"][:4]
+    c["slot"][:4, 1] = [5, 4, 3, 2]
+    c["copy_ver"][:, 3] = c["version"]
+    c["slot"][:, 2] = [0, 1, 0, 2, 1, 0]        # (the NVMe tier's segments, Tier.NVME = 2)
+    return c
+
+
+def test_the_lease_and_read_helpers_survive_garbage_at_every_argument():
+    rows = np.array([0, 3, 0, 2], np.int64)
+
+    def lease_rows():
+        c = _lease_columns()
+        return [c["version"], c["copy_ver"], c["slot"], c["leases"], c["last"], c["prev"],
+                c["freq"], c["sums"], c["pool"], rows.copy(), 6, 1, 7, np.empty(4, np.int32),
+                np.empty(4, np.uint64), np.empty(4, np.uint64)]
+
+    def unlease_one():
+        c = _lease_columns()
+        c["pool"][3], c["leases"][2] = 1, 1
+        return [c["pool"], c["retired"], c["version"], c["leases"], 6, 3, 2, 12]
+
+    def split_rows():
+        c = _lease_columns()
+        return [c["version"], c["copy_ver"], c["slot"], c["sums"], c["pool"],
+                np.array([0, -1, 4, 5, 4], np.int64), 6, 1, np.empty(5, bool),
+                np.empty(5, np.int64), np.empty(5, np.uint64), np.empty(5, np.uint64),
+                np.empty(5, np.int64)]
+
+    def read_installable():
+        c = _lease_columns()
+        r = np.array([4, 5], np.int64)
+        return [c["version"], c["copy_ver"], c["key"], 6, 1, np.ones(2, bool), r,
+                c["key"][r].copy(), c["version"][r].copy()]
+
+    def lease_current():
+        c = _lease_columns()
+        return [c["version"], c["key"], c["leases"], rows.copy(), c["version"][rows].copy(),
+                c["key"][rows].copy(), np.empty(4, np.int64)]
+
+    def plan_columns():
+        c = _lease_columns()
+        return [c["slot"], c["key"], c["copy_ver"], c["csum"], c["off"], rows.copy(), 2,
+                np.empty(4, np.int32), np.empty(4, "V16"), np.empty(4, np.uint64),
+                np.empty(4, np.uint64), np.empty(4, np.uint32), np.empty(4, np.int64)]
+
+    from kvtier.coherence import _gets
+    cases = [(lease_rows, _fast.lease_rows, {13, 14, 15}),
+             (unlease_one, _fast.unlease_one, set()),
+             (split_rows, _gets.split_rows, {8, 9, 10, 11, 12}),
+             (read_installable, _gets.read_installable, set()),
+             (lease_current, _gets.lease_current, {6}),
+             (plan_columns, _gets.plan_columns, {7, 8, 9, 10, 11, 12})]
+    for build, fn, outputs in cases:
+        fn(*build())                              # the valid call first
+        assert _fuzz(build, fn, outputs) > 20, fn.__name__

@@ -919,7 +919,8 @@ static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nar
  *     batch). columns: the table's (key, version, leases, size, checksum, state,
  *     last_access, prev_access, freq, slot, copy_ver, parent, first_child, next_sib), as
  *     PageTable keeps them in _put_cols. The rows past n_rows it may take are reset by the
- *     caller first, and the index has room (at most half full after the batch).
+ *     caller first, and the index has room (at most half full after the batch:
+ *     checked, with the live rows n_rows - nfree).
  *     None, with nothing written, when some key has a row already, two keys share a hash,
  *     data overlaps the pool, or keys, parent keys or data are not C-contiguous: the caller
  *     takes the general path. Every argument, row,
@@ -1006,6 +1007,10 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         bad = "one parent key, data row, slot and output per key, data rows of the pool's width";
     else if (tier >= nsl || tier >= nt || nfree > nfl || n_rows > cap)
         bad = "a tier inside the columns, nfree inside the free stack, n_rows inside the columns";
+    else if (nfree > n_rows || 2 * (n_rows - nfree + n) > isz)
+        /* the live rows and the batch's: an index too small for them ran full mid-batch,
+         * after the first keys were written (rev7) */
+        bad = "no room made in the index (at most half full after the batch)";
     for (Py_ssize_t i = 0; i < n && !bad; i++)
         if (slots[i] < 0 || slots[i] >= p || slots[i] >= nsr)
             bad = "a slot out of range";
