@@ -17,7 +17,7 @@ from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
 from kvtier.errors import BadRequest
 from kvtier.types import Tier
-from tests.conftest import blocks, keys
+from tests.conftest import blocks, drive_get, keys
 
 _fast = fastpath._fast
 pytestmark = pytest.mark.skipif(_fast is None or gets._lease_current is None,
@@ -269,3 +269,100 @@ def test_the_lease_and_read_helpers_survive_garbage_at_every_argument():
     for build, fn, outputs in cases:
         fn(*build())                              # the valid call first
         assert _fuzz(build, fn, outputs) > 20, fn.__name__
+
+
+# ------------------------------------------------------------------ what a get serves
+
+def _served_while_rows_move(tmp: Path, seed: int) -> list:
+    """Random puts, flushes, evictions, deletes and gets; between an NVMe read and its install
+    (where the server's loop runs other requests), the get's keys are rewritten (then maybe
+    flushed and evicted), deleted and
+    their rows reused by other keys (delete, then new keys: the free rows are taken again; then
+    flushed and evicted, so that no host copy tells the install that the row moved on), or
+    deleted and put back (new rows, new versions). Every block served must be the bytes put at
+    the version served, under the checksum served; once its lease ends nothing stays pinned.
+    Returns what a C-or-numpy comparison needs: results, columns, slot arrays, counters."""
+    from kvtier.checksums import block_checksums
+    from kvtier.errors import CapacityError
+
+    bb = 4096
+    eng = Engine(make_settings({"data_dir": str(tmp), "host_capacity": "64KiB",
+                                "hbm_capacity": "0", "nvme_capacity": "4MiB",
+                                "segment_bytes": "1MiB", "write_policy": "write_back"}))
+    eng.create_namespace("m", bb)
+    ns = eng.namespace("m")
+    pool, pins = ns.slots[Tier.HOST].pool.array, ns.slots[Tier.HOST].leases
+    rng = np.random.default_rng(seed)
+    made: dict[tuple[int, int], bytes] = {}
+    fresh = iter(range(10_000, 1_000_000))
+    seen: list = []
+
+    def put(ids: list[int], salt: int) -> None:
+        ids = list(dict.fromkeys(ids))
+        data = blocks(len(ids), bb, salt)
+        try:
+            versions = eng.put("m", keys(ids), data)
+        except CapacityError:
+            seen.append("put full")
+            return
+        for i, v, d in zip(ids, versions.tolist(), data):
+            made[(i, v)] = d.tobytes()
+
+    for step in range(160):
+        op = int(rng.integers(0, 10))
+        ids = [int(i) for i in rng.integers(0, 30, int(rng.integers(1, 9)))]
+        if op < 3:
+            put(ids, step)
+        elif op < 4:
+            eng.flush()
+            seen.append(eng.evict(Tier.HOST, int(rng.integers(1, 12))))
+        elif op < 5:
+            seen.append(eng.delete("m", keys(ids)))
+        else:
+            steps = eng.get_steps("m", keys(ids), 0, room_first=bool(rng.integers(0, 2)))
+
+            def meanwhile(p, ids=ids, step=step) -> None:
+                some = ids[: int(rng.integers(1, len(ids) + 1))]
+                what = int(rng.integers(0, 6))
+                if what in (0, 4):
+                    put(some, 1000 + step)
+                elif what in (1, 3):                # their rows taken by other keys
+                    eng.delete("m", keys(some))
+                    put([next(fresh) for _ in some], 2000 + step)
+                elif what == 2:                     # gone and back: new rows, new versions
+                    eng.delete("m", keys(some))
+                    put(some, 3000 + step)
+                if what in (3, 4):                  # and the new copies only on NVMe
+                    eng.flush()
+                    eng.evict(Tier.HOST, 16)
+
+            out = drive_get(eng, steps, meanwhile)
+            for i, key_id in enumerate(ids):
+                if out.found[i]:
+                    got = pool[int(out.slots[i])]
+                    assert got.tobytes() == made[(key_id, int(out.versions[i]))], (step, i)
+                    assert int(block_checksums(got[np.newaxis])[0]) == int(out.checksums[i])
+            seen.append([out.found.tolist(), out.versions.tolist(), out.checksums.tolist()])
+            eng.release(out.lease_id)
+        assert not eng.leases and int(pins.sum()) == 0, step
+        t = ns.table
+        seen.append({name: col[: t.n_rows].tolist() for name, col in t.cols.items()
+                     if name != "key"})
+        seen.append((ns.slots[Tier.HOST].slot_row.tolist(), ns.slots[Tier.HOST].pool.free_count))
+    seen.append({k.label: v.as_dict() for k, v in eng.counters.tiers.items()})
+    eng.close(flush=False)
+    return seen
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_gets_serve_the_bytes_of_the_version_they_name_while_rows_move(tmp_path: Path,
+                                                                       seed: int, monkeypatch):
+    # The C install (read_installable, lease_current, plan_columns) and the numpy one, each
+    # checked against the bytes put, then against each other.
+    from kvtier.coherence import persist
+
+    with_c = _served_while_rows_move(tmp_path / "c", seed)
+    monkeypatch.setattr(gets, "_read_installable", None)
+    monkeypatch.setattr(gets, "_lease_current", None)
+    monkeypatch.setattr(persist, "_plan_columns", None)
+    assert _served_while_rows_move(tmp_path / "numpy", seed) == with_c
