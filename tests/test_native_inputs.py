@@ -366,3 +366,35 @@ def test_gets_serve_the_bytes_of_the_version_they_name_while_rows_move(tmp_path:
     monkeypatch.setattr(gets, "_lease_current", None)
     monkeypatch.setattr(persist, "_plan_columns", None)
     assert _served_while_rows_move(tmp_path / "numpy", seed) == with_c
+
+
+def test_lease_one_answers_its_own_engine_s_block_beside_another_engine(tmp_path: Path):
+    # lease_one's scratch outputs were one set per process: another engine's lease_one, run
+    # between this one's C call and its reads of them (another thread, at a GIL switch), made
+    # this one answer that engine's slot, version and checksum. The other call is made where
+    # a switch may fall (the lease id's draw), so that the test needs no thread.
+    a, b = _host_engine(tmp_path / "a"), _host_engine(tmp_path / "b")
+    a.put("m", keys([1]), blocks(1, 64, 1))
+    b.put("m", keys([7, 8, 9]), blocks(3, 64, 2))
+    b.put("m", keys([9]), blocks(1, 64, 3))
+    na, nb = a.namespace("m"), b.namespace("m")
+    theirs: list = []
+    draw = a.fast._new_id
+
+    def new_id() -> int:
+        with b.lock:
+            theirs.append(b.lease_one(nb, keys([9]), 0))
+        return draw()
+
+    a.fast._new_id = new_id
+    with a.lock:
+        hit = a.lease_one(na, keys([1]), 0)
+    row = int(na.table.lookup(keys([1]))[0])
+    c = na.table.cols
+    assert hit[1:] == (int(c["slot"][row, Tier.HOST]), int(c["version"][row]),
+                       int(c["checksum"][row]))
+    assert theirs[0][1:] != hit[1:]
+    a.release(hit[0])
+    b.release(theirs[0][0])
+    a.close(flush=False)
+    b.close(flush=False)

@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from kvtier.config import Settings
 
 _TRUE = np.ones(1, dtype=bool)
-# lease_one's outputs, read at once (the caller holds the engine lock).
-_ONE = (np.empty(1, dtype=np.int32), np.empty(1, dtype=np.uint64), np.empty(1, dtype=np.uint64))
 
 
 # numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
@@ -81,6 +79,11 @@ class FastPath:
         self.settings = settings
         self.ledger = ledger
         self._new_id = ledger.new_id         # bound once: one lookup less per lease
+        # lease_one's outputs, read under this engine's lock. One set per engine, not per
+        # module: another engine's lease_one (another thread, a GIL switch between the C call
+        # and the reads) wrote its slot, version and checksum into a shared set (rev7).
+        self._one = (np.empty(1, dtype=np.int32), np.empty(1, dtype=np.uint64),
+                     np.empty(1, dtype=np.uint64))
 
     def lease_one(self, ns: Namespace, key: bytes | np.ndarray, owner: int,
                   tier: Tier = Tier.HOST) -> tuple[int, int, int, int] | None:
@@ -106,7 +109,7 @@ class FastPath:
         cols = ns.table.cols
         st = ns.slots[tier]
         ledger = self.ledger
-        o_slot, o_ver, o_sum = _ONE
+        o_slot, o_ver, o_sum = self._one
         if not _fast.lease_rows(cols["version"], cols["copy_ver"], cols["slot"], cols["leases"],
                                 cols["last_access"], cols["prev_access"], cols["freq"],
                                 cols["checksum"], st.leases, rows, ns.table.n_rows, int(tier),
