@@ -948,6 +948,7 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         "state", "last_access", "prev_access", "freq", "slot", "copy_ver", "parent",
         "first_child", "next_sib"};
     Views v = {.n = 0};
+    uint64_t *h = NULL;                            /* the scratch, past the argument checks */
     void *col[PUT_COLS];
     Py_ssize_t clen[PUT_COLS], nsl = 1, nt = 1, isz, n, pn, nfl, nsr, p, pw, dn, dw, ns_, nnext;
     Py_ssize_t nov, nor;
@@ -1014,23 +1015,38 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
     for (Py_ssize_t i = 0; i < n && !bad; i++)
         if (slots[i] < 0 || slots[i] >= p || slots[i] >= nsr)
             bad = "a slot out of range";
-    if (!bad && n > 0) {
-        /* No slot given twice, and none that a row's copy in tier still sits in (its slot
-         * column names it, its copy_ver is set): either puts two rows on one slot's bytes,
-         * and one of them serves the other's block (rev7). */
-        RowSet seen;
-        if (rowset_init(&seen, n) < 0)
-            goto fail;
-        const int32_t *slotc = col[9];
-        const uint64_t *cver = col[10];
-        for (Py_ssize_t i = 0; i < n && !bad; i++) {
-            int64_t s = slots[i], o = slot_row[s];
-            if (!rowset_add(&seen, s))
-                bad = "a slot given twice";
-            else if (o >= 0 && o < n_rows && slotc[o * nsl + tier] == s && cver[o * nt + tier])
-                bad = "a slot that holds a row's copy";
-        }
-        PyMem_Free(seen.slot);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
+        goto fail;
+    }
+    /* The scratch: the keys' hashes (kept for the insert), a set of them, a set of the slots. */
+    Py_ssize_t scap = 16;
+    while (scap < 2 * n)
+        scap *= 2;
+    h = PyMem_Malloc((size_t)(n + 3 * scap + 1) * sizeof(uint64_t));
+    if (h == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    uint64_t *set = h + n, *used = set + scap;
+    int64_t *sset = (int64_t *)(used + scap);
+    memset(used, 0, (size_t)scap * sizeof(uint64_t));
+    memset(sset, 0xff, (size_t)scap * sizeof(int64_t));
+    /* No slot given twice, and none that a row's copy in tier still sits in (its slot column
+     * names it, its copy_ver is set): either puts two rows on one slot's bytes, and one of
+     * them serves the other's block (rev7). */
+    const int32_t *slotc = col[9];
+    const uint64_t *cver = col[10];
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        int64_t sl = slots[i], o = slot_row[sl];
+        uint64_t at = ((uint64_t)sl * MIX1) & (uint64_t)(scap - 1);
+        while (sset[at] >= 0 && sset[at] != sl)
+            at = (at + 1) & (uint64_t)(scap - 1);
+        if (sset[at] == sl)
+            bad = "a slot given twice";
+        else if (o >= 0 && o < n_rows && slotc[o * nsl + tier] == sl && cver[o * nt + tier])
+            bad = "a slot that holds a row's copy";
+        sset[at] = sl;
     }
     if (bad) {
         PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
@@ -1058,18 +1074,8 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
         goto fail;
     }
-    /* Every key absent (else None), none repeated (a small set of hashes), data outside the
+    /* Every key absent (else None), none repeated (the set of hashes), data outside the
      * pool; the hashes kept for the insert. */
-    Py_ssize_t scap = 16;
-    while (scap < 2 * n)
-        scap *= 2;
-    uint64_t *h = PyMem_Malloc((size_t)(n + 2 * scap + 1) * sizeof(uint64_t));
-    if (h == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    uint64_t *set = h + n, *used = set + scap;
-    memset(used, 0, (size_t)scap * sizeof(uint64_t));
     uint64_t mask = (uint64_t)isz - 1;
     const uint8_t *keycol = col[0];
     int handled = 1, corrupt = 0;
@@ -1154,6 +1160,7 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;                              /* link_each's MemoryError */
     return Py_BuildValue("nnK", nr, nf, (unsigned long long)top);
 fail:
+    PyMem_Free(h);
     views_release(&v);
     return NULL;
 }
