@@ -398,3 +398,69 @@ def test_lease_one_answers_its_own_engine_s_block_beside_another_engine(tmp_path
     b.release(theirs[0][0])
     a.close(flush=False)
     b.close(flush=False)
+
+
+# ------------------------------------------------------------------ releases, C against numpy
+
+def _holds_workload(tmp: Path, seed: int) -> list:
+    """Gets whose leases are held across steps (one key, through lease_one or get, and
+    several), rewrites and deletes of leased blocks (their slots retired until the last
+    release), evictions, and releases in any order, whole or in part: after every step the
+    leases' state, the table's reader counts and the slot arrays."""
+    eng = _host_engine(tmp, host="4KiB")
+    ns = eng.namespace("m")
+    st = ns.slots[Tier.HOST]
+    rng = np.random.default_rng(seed)
+    held: list[int] = []
+    seen: list = []
+    for step in range(300):
+        op = int(rng.integers(0, 10))
+        ids = list(dict.fromkeys(int(i) for i in rng.integers(0, 40, int(rng.integers(1, 5)))))
+        try:
+            if op < 3:
+                eng.put("m", keys(ids), blocks(len(ids), 64, step))
+            elif op < 5:
+                if len(ids) == 1 and op == 3:
+                    with eng.lock:
+                        hit = eng.lease_one(ns, keys(ids), 0)
+                    if hit is not None:
+                        held.append(hit[0])
+                    seen.append(hit)
+                else:
+                    res = eng.get("m", keys(ids + ids[:1]))     # a repeat: two pins of one slot
+                    held.append(res.lease_id)
+                    seen.append([res.found.tolist(), res.slots.tolist()])
+            elif op < 8 and held:
+                lid = held.pop(int(rng.integers(0, len(held))))
+                lease = eng.leases[lid]
+                if lease.slots.size > 1 and op == 7:            # a part first, then the rest
+                    eng.release(lid, slots=lease.slots[:1])
+                eng.release(lid)
+            elif op == 8:
+                seen.append(eng.delete("m", keys(ids)))
+            else:
+                seen.append(eng.evict(Tier.HOST, int(rng.integers(1, 6))))
+        except Exception as exc:                          # full, and such: the same both ways
+            seen.append(type(exc).__name__)
+        t = ns.table
+        seen.append([t.cols["leases"][: t.n_rows].tolist(), t.cols["version"][: t.n_rows].tolist(),
+                     st.leases.tolist(), st.retired.tolist(), st.slot_row.tolist(),
+                     st.pool.free_count, sorted(eng.leases)])
+    for lid in held:
+        eng.release(lid)
+    assert int(st.leases.sum()) == 0 and not st.retired.any()
+    eng.close(flush=False)
+    return seen
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_the_c_releases_leave_what_the_numpy_releases_leave(tmp_path: Path, seed: int,
+                                                           monkeypatch):
+    # unlease_one (a one-slot lease), unlease_rows (the others), lease_rows (lease_one's and
+    # the resident get's) and the get's C split and lease, against their numpy versions.
+    from kvtier.coherence import leases
+    with_c = _holds_workload(tmp_path / "c", seed)
+    for mod, name in ((leases, "_fast"), (fastpath, "_fast"), (gets, "_split"),
+                      (gets, "_lease_current"), (gets, "_read_installable")):
+        monkeypatch.setattr(mod, name, None)
+    assert _holds_workload(tmp_path / "numpy", seed) == with_c
