@@ -39,6 +39,32 @@ def blocks(n: int, block_bytes: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
 
 
+def drive_get(eng: Engine, steps: Any, before_install: Callable[[Any], None] | None = None
+              ) -> Any:
+    """A get's steps (Engine.get_steps) run as the server's loop runs them: the locked ones
+    under the engine lock, a CapacityError thrown back into the steps; before_install(pending)
+    just before its install step (where the loop answers other requests). Its GetResult."""
+    from kvtier.coherence.gets import advance
+    from kvtier.errors import CapacityError
+
+    s, out = advance(steps, None, None)
+    while s is not None:
+        try:
+            if s.locked:
+                with eng.lock:
+                    value = s.fn()
+            else:
+                value = s.fn()
+        except CapacityError as exc:
+            s, out = advance(steps, None, exc)
+            continue
+        s, out = advance(steps, value, None)
+        if (before_install is not None and s is not None
+                and getattr(s.fn, "func", None) == eng.gets._finish_get):
+            before_install(s.fn.args[0])
+    return out
+
+
 @pytest.fixture
 def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []

@@ -13,7 +13,7 @@ from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
 from kvtier.errors import BadRequest, CapacityError
 from kvtier.types import Tier
-from tests.conftest import blocks, hbm_standin, keys
+from tests.conftest import blocks, drive_get, hbm_standin, keys
 
 BB = 4096
 
@@ -128,8 +128,6 @@ def _state_after_interleaved_gets(tmp: Path, seed: int, hbm: bool) -> list:
     copy current already: shared), a record fails its verdict (dropped), or nothing (the
     usual install). After every step: the get's result, the page table, the slot arrays,
     the leases and the counters."""
-    from kvtier.coherence.gets import advance
-
     eng = _small_engine(tmp, hbm)
     rng = np.random.default_rng(seed)
     seen: list = []
@@ -147,41 +145,31 @@ def _state_after_interleaved_gets(tmp: Path, seed: int, hbm: bool) -> list:
             seen.append(eng.evict(Tier.HOST, int(rng.integers(1, 12))))
         else:
             steps = eng.get_steps("m", keys(ids), 0, room_first=bool(rng.integers(0, 2)))
-            s, out = advance(steps, None, None)
             later: list = []
+
+            def meanwhile(p, ids=ids, step=step, later=later) -> None:
+                what = int(rng.integers(0, 5))
+                some = ids[: int(rng.integers(1, len(ids) + 1))]
+                try:
+                    if what == 0:
+                        some = list(dict.fromkeys(some))
+                        eng.put("m", keys(some), blocks(len(some), BB, 1000 + step))
+                    elif what == 1:
+                        later.append(eng.get("m", keys(some)).lease_id)
+                    elif what == 3:             # rewritten, and its new copy gone
+                        some = list(dict.fromkeys(some))       # down to NVMe again
+                        eng.put("m", keys(some), blocks(len(some), BB, 2000 + step))
+                        eng.flush()
+                        eng.evict(Tier.HOST, 12)
+                except CapacityError:
+                    seen.append("full")
+                if what == 2 and p.plan is not None and p.plan.ok is not None:
+                    ok = np.array(p.plan.ok, dtype=bool)
+                    ok[int(rng.integers(0, ok.size))] = False
+                    p.plan.ok = ok
+
             try:
-                while s is not None:
-                    try:
-                        if s.locked:
-                            with eng.lock:
-                                value = s.fn()
-                        else:
-                            value = s.fn()
-                    except CapacityError as exc:
-                        s, out = advance(steps, None, exc)
-                        continue
-                    s, out = advance(steps, value, None)
-                    if s is not None and getattr(s.fn, "func", None) == eng.gets._finish_get:
-                        p = s.fn.args[0]
-                        what = int(rng.integers(0, 5))
-                        some = ids[: int(rng.integers(1, len(ids) + 1))]
-                        try:
-                            if what == 0:
-                                some = list(dict.fromkeys(some))
-                                eng.put("m", keys(some), blocks(len(some), BB, 1000 + step))
-                            elif what == 1:
-                                later.append(eng.get("m", keys(some)).lease_id)
-                            elif what == 3:             # rewritten, and its new copy gone
-                                some = list(dict.fromkeys(some))       # down to NVMe again
-                                eng.put("m", keys(some), blocks(len(some), BB, 2000 + step))
-                                eng.flush()
-                                eng.evict(Tier.HOST, 12)
-                        except CapacityError:
-                            seen.append("full")
-                        if what == 2 and p.plan is not None and p.plan.ok is not None:
-                            ok = np.array(p.plan.ok, dtype=bool)
-                            ok[int(rng.integers(0, ok.size))] = False
-                            p.plan.ok = ok
+                out = drive_get(eng, steps, meanwhile)
             except CapacityError:
                 seen.append("get full")
             else:
@@ -263,11 +251,11 @@ def test_read_installable_and_lease_current_refuse_bad_input():
         gets._lease_current(version, key, leases, np.array([0, 9, 1], dtype=np.int64),
                             np.ones(3, dtype=np.uint64), key[[0, 0, 1]].copy(), out)
     assert not leases.any()                        # checked before any count was written
-    leases[1] = 65535
-    with pytest.raises(ValueError, match="65,535"):
-        gets._lease_current(version, key, leases, rows, version[rows].copy(),
-                            key[rows].copy(), out)
-    leases[1] = 0
+    leases[1] = 65535                              # a full count stays full (rev7)
+    assert gets._lease_current(version, key, leases, rows, version[rows].copy(),
+                               key[rows].copy(), out) == 2
+    assert leases.tolist() == [1, 65535, 0, 0] and out[:2].tolist() == [0, 1]
+    leases[:] = 0
     stale = version[rows].copy()
     stale[1] = 1                                   # row 1 moved on to version 2: not leased
     assert gets._lease_current(version, key, leases, rows, stale, key[rows].copy(), out) == 1

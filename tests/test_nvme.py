@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -287,3 +288,49 @@ def test_a_short_header_after_a_long_one_is_zero_past_its_entries(tmp_path: Path
     assert [b.count for b in found.batches] == [8, 1]
     assert (found.batches[0].entries == 0xAB).all() and (found.batches[1].entries == 0xCD).all()
     log.close()
+
+
+def test_a_spare_whose_rename_is_refused_stays_a_spare(tmp_path: Path, monkeypatch):
+    # The rename of a spare to the next segment's name sat outside the block that puts the
+    # spare back: refused, the spare was lost (its fd open and its file unused until a
+    # restart), and the next segment was a new file.
+    from kvtier.checksums import block_checksums
+    from kvtier.coherence.journal import entries_of
+    from kvtier.errors import StorageError
+    from kvtier.pagetable.store import record_dtype
+
+    bb = 4096
+    lg = SegmentLog(tmp_path, 1, bb, 64 << 10, index_bytes=16 + record_dtype(16).itemsize)
+
+    def append(ids: list[int]):
+        data = np.stack([np.full(bb, i % 251, np.uint8) for i in ids])
+        r = np.zeros(len(ids), dtype=record_dtype(16))
+        r["size"], r["version"], r["checksum"] = bb, 1, block_checksums(data)
+        k = np.frombuffer(b"".join((i + 1).to_bytes(16, "big") for i in ids), dtype="V16")
+        return lg.append([memoryview(d) for d in data], entries_of(k, r))
+
+    for gen in range(3):                          # seg 1: three batches of 4
+        append(list(range(gen * 4, gen * 4 + 4)))
+    segs, offs = append([90, 91])                 # seg 2
+    lg.remove(1)
+    spare = lg.spares[0]
+    real = os.rename
+
+    def refused(src, dst, *a, **kw):
+        if "spare-" in str(src):
+            raise OSError(errno.EIO, "refused")
+        return real(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "rename", refused)
+    with pytest.raises(StorageError):
+        while lg.active_id == 2:                  # fill seg 2 so that a segment is opened
+            append([95])
+    monkeypatch.undo()
+    assert lg.spares == [spare] and (tmp_path / "spare-00000001.kvt").exists()
+    while lg.active_id in (None, 2):
+        append([96])
+    assert not lg.spares and not list(tmp_path.glob("spare-*.kvt"))
+    assert lg.segments[lg.active_id].recycled
+    out = [memoryview(bytearray(bb)) for _ in range(2)]
+    assert lg.read(segs, offs, out).all() and bytes(out[1]) == bytes([91]) * bb
+    lg.close()

@@ -449,7 +449,7 @@ def test_c_put_rows_declines_a_key_with_a_row_and_strided_data_writing_nothing()
 
 @pytest.mark.parametrize("bad", ["nargs", "tuple", "slot_past", "slot_negative", "dtype",
                                  "n_rows", "free_row", "fn", "tier", "width", "data_rows",
-                                 "state"])
+                                 "state", "slot_twice", "slot_held", "index_full"])
 def test_c_put_rows_refuses_bad_input_writing_nothing(bad):
     if table._native is None:
         pytest.skip("kvtier.pagetable._native was not built here")
@@ -484,12 +484,20 @@ def test_c_put_rows_refuses_bad_input_writing_nothing(bad):
         args[2] = 8
     elif bad == "data_rows":
         args[10] = np.ones((3, 3), np.uint8)
+    elif bad == "slot_twice":                   # two rows on one slot's bytes (rev7)
+        args[11] = np.array([2, 2], np.int64)
+    elif bad == "index_full":                   # ran full at the second key, the first written
+        args[0] = t._index = np.full(1, -1, np.int32)
+    elif bad == "slot_held":                    # slot 2 still holds row 2's host copy
+        t.cols["slot"][rows[2], 1], slot_row[2] = 2, rows[2]
+        t.cols["copy_ver"][rows[2], 1] = t.cols["version"][rows[2]] = 5
     else:
         t.cols["state"][t._free[t._nfree - 1]] = 250        # a state with no COMMIT move
     before = {k: v.copy() for k, v in t.cols.items()}
-    index = t._index.copy()
+    index, owners = t._index.copy(), slot_row.copy()
     with pytest.raises((TypeError, ValueError)):
         table._native.put_rows(*args)
-    assert np.array_equal(t._index, index) and not pool.any() and (slot_row == -1).all()
+    assert np.array_equal(t._index, index) and not pool.any()
+    assert np.array_equal(slot_row, owners)
     for name, col in before.items():
         assert np.array_equal(t.cols[name], col), name

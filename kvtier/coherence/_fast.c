@@ -18,7 +18,7 @@
  *              out_slots i32[n], out_versions u64[n], out_checksums u64[n]) -> bool
  *       When every row holds a current copy in tier (version > 0, copy_ver == version):
  *       pins the slots (pool_leases += 1 per occurrence), counts the readers (leases += 1 per
- *       occurrence), touches the rows as Engine._touch does (prev_access = the last_access
+ *       occurrence, staying at 65,535 rather than wrap to 0), touches the rows as Engine._touch does (prev_access = the last_access
  *       before this batch; last_access = clock + i + 1, the last occurrence winning; freq + 1
  *       once per distinct row, as numpy's fancy += does), fills the outputs and returns True.
  *       Otherwise returns False and writes nothing: the caller takes the general path.
@@ -145,7 +145,8 @@ static PyObject *lease_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         int64_t r = rows[i];
         int32_t s = slot[r * ns + tier];
         pool[s] += 1;
-        leases[r] += 1;
+        if (leases[r] < UINT16_MAX)                 /* saturates, as _gets.lease_current */
+            leases[r] += 1;
         if (last[r] == prev[r])
             freq[r] += 1;                           /* the first occurrence of r */
         last[r] = clock + (uint64_t)i + 1;

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 
 from kvtier.coherence.namespace import GetResult, Lease, add_one
+from kvtier.errors import BadRequest
 from kvtier.types import Tier
 
 try:
@@ -47,12 +48,14 @@ if TYPE_CHECKING:
     from kvtier.config import Settings
 
 _TRUE = np.ones(1, dtype=bool)
-# lease_one's outputs, read at once (the caller holds the engine lock).
-_ONE = (np.empty(1, dtype=np.int32), np.empty(1, dtype=np.uint64), np.empty(1, dtype=np.uint64))
 
 
 # numpy names the hot paths read as globals (why: kvtier.pagetable.table, at _empty).
 _I32, _I64, _U64, _empty = np.int32, np.int64, np.uint64, np.empty
+
+
+def _not_one_key(n: int) -> None:
+    raise BadRequest(f"lease_one leases one key; {n} were given")
 
 
 class Ledger(Protocol):
@@ -76,6 +79,11 @@ class FastPath:
         self.settings = settings
         self.ledger = ledger
         self._new_id = ledger.new_id         # bound once: one lookup less per lease
+        # lease_one's outputs, read under this engine's lock. One set per engine, not per
+        # module: another engine's lease_one (another thread, a GIL switch between the C call
+        # and the reads) wrote its slot, version and checksum into a shared set (rev7).
+        self._one = (np.empty(1, dtype=np.int32), np.empty(1, dtype=np.uint64),
+                     np.empty(1, dtype=np.uint64))
 
     def lease_one(self, ns: Namespace, key: bytes | np.ndarray, owner: int,
                   tier: Tier = Tier.HOST) -> tuple[int, int, int, int] | None:
@@ -83,18 +91,25 @@ class FastPath:
         GetResult; None (nothing changed) when the key is not found or not current in tier.
         key: one packed key (bytes, or a one-key array of the namespace's keys: the replay's).
         The checks and the touch are lease_rows' (one C call for a dozen numpy scalar
-        operations); without the module, get_one's."""
+        operations); without the module, get_one's. BadRequest for no key or several: the
+        outputs are one key's (with none, lease_rows had nothing to refuse, and the reply was
+        the previous call's slot, version and checksum, unpinned: rev7)."""
         if _fast is None:
-            res = self.get_one(ns, ns.table.keys_array(key), owner, tier)
+            karr = ns.table.keys_array(key)
+            if karr.shape[0] != 1:
+                _not_one_key(karr.shape[0])
+            res = self.get_one(ns, karr, owner, tier)
             if res is None:
                 return None
             return (res.lease_id, int(res.slots[0]), int(res.versions[0]),
                     int(res.checksums[0]))
         rows = ns.table.lookup(key)
+        if rows.shape[0] != 1:
+            _not_one_key(rows.shape[0])
         cols = ns.table.cols
         st = ns.slots[tier]
         ledger = self.ledger
-        o_slot, o_ver, o_sum = _ONE
+        o_slot, o_ver, o_sum = self._one
         if not _fast.lease_rows(cols["version"], cols["copy_ver"], cols["slot"], cols["leases"],
                                 cols["last_access"], cols["prev_access"], cols["freq"],
                                 cols["checksum"], st.leases, rows, ns.table.n_rows, int(tier),

@@ -919,11 +919,13 @@ static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nar
  *     batch). columns: the table's (key, version, leases, size, checksum, state,
  *     last_access, prev_access, freq, slot, copy_ver, parent, first_child, next_sib), as
  *     PageTable keeps them in _put_cols. The rows past n_rows it may take are reset by the
- *     caller first, and the index has room (at most half full after the batch).
+ *     caller first, and the index has room (at most half full after the batch:
+ *     checked, with the live rows n_rows - nfree).
  *     None, with nothing written, when some key has a row already, two keys share a hash,
  *     data overlaps the pool, or keys, parent keys or data are not C-contiguous: the caller
  *     takes the general path. Every argument, row,
- *     slot and state move is checked before anything is written (ValueError, TypeError);
+ *     slot (in range, given once, not holding a row's copy) and state move is checked before
+ *     anything is written (ValueError, TypeError);
  *     RuntimeError when the index and the table disagree. */
 #define PUT_COLS 14
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
@@ -946,6 +948,7 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         "state", "last_access", "prev_access", "freq", "slot", "copy_ver", "parent",
         "first_child", "next_sib"};
     Views v = {.n = 0};
+    uint64_t *h = NULL;                            /* the scratch, past the argument checks */
     void *col[PUT_COLS];
     Py_ssize_t clen[PUT_COLS], nsl = 1, nt = 1, isz, n, pn, nfl, nsr, p, pw, dn, dw, ns_, nnext;
     Py_ssize_t nov, nor;
@@ -1005,9 +1008,46 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         bad = "one parent key, data row, slot and output per key, data rows of the pool's width";
     else if (tier >= nsl || tier >= nt || nfree > nfl || n_rows > cap)
         bad = "a tier inside the columns, nfree inside the free stack, n_rows inside the columns";
+    else if (nfree > n_rows || 2 * (n_rows - nfree + n) > isz)
+        /* the live rows and the batch's: an index too small for them ran full mid-batch,
+         * after the first keys were written (rev7) */
+        bad = "no room made in the index (at most half full after the batch)";
     for (Py_ssize_t i = 0; i < n && !bad; i++)
         if (slots[i] < 0 || slots[i] >= p || slots[i] >= nsr)
             bad = "a slot out of range";
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
+        goto fail;
+    }
+    /* The scratch: the keys' hashes (kept for the insert), a set of them, a set of the slots. */
+    Py_ssize_t scap = 16;
+    while (scap < 2 * n)
+        scap *= 2;
+    h = PyMem_Malloc((size_t)(n + 3 * scap + 1) * sizeof(uint64_t));
+    if (h == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    uint64_t *set = h + n, *used = set + scap;
+    int64_t *sset = (int64_t *)(used + scap);
+    memset(used, 0, (size_t)scap * sizeof(uint64_t));
+    memset(sset, 0xff, (size_t)scap * sizeof(int64_t));
+    /* No slot given twice, and none that a row's copy in tier still sits in (its slot column
+     * names it, its copy_ver is set): either puts two rows on one slot's bytes, and one of
+     * them serves the other's block (rev7). */
+    const int32_t *slotc = col[9];
+    const uint64_t *cver = col[10];
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        int64_t sl = slots[i], o = slot_row[sl];
+        uint64_t at = ((uint64_t)sl * MIX1) & (uint64_t)(scap - 1);
+        while (sset[at] >= 0 && sset[at] != sl)
+            at = (at + 1) & (uint64_t)(scap - 1);
+        if (sset[at] == sl)
+            bad = "a slot given twice";
+        else if (o >= 0 && o < n_rows && slotc[o * nsl + tier] == sl && cver[o * nt + tier])
+            bad = "a slot that holds a row's copy";
+        sset[at] = sl;
+    }
     if (bad) {
         PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
         goto fail;
@@ -1034,18 +1074,8 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_Format(PyExc_ValueError, "put_rows: %s", bad);
         goto fail;
     }
-    /* Every key absent (else None), none repeated (a small set of hashes), data outside the
+    /* Every key absent (else None), none repeated (the set of hashes), data outside the
      * pool; the hashes kept for the insert. */
-    Py_ssize_t scap = 16;
-    while (scap < 2 * n)
-        scap *= 2;
-    uint64_t *h = PyMem_Malloc((size_t)(n + 2 * scap + 1) * sizeof(uint64_t));
-    if (h == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    uint64_t *set = h + n, *used = set + scap;
-    memset(used, 0, (size_t)scap * sizeof(uint64_t));
     uint64_t mask = (uint64_t)isz - 1;
     const uint8_t *keycol = col[0];
     int handled = 1, corrupt = 0;
@@ -1130,6 +1160,7 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;                              /* link_each's MemoryError */
     return Py_BuildValue("nnK", nr, nf, (unsigned long long)top);
 fail:
+    PyMem_Free(h);
     views_release(&v);
     return NULL;
 }

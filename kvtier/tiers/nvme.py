@@ -192,10 +192,10 @@ class SegmentLog:
                 try:
                     self._write_all(fd, [memoryview(header)], 0, spare.path)
                     self.backend.sync(fd)
-                except BaseException:
+                    os.rename(spare.path, path)   # (a refused rename left the spare lost:
+                except BaseException:             # its fd open, its file unused: rev7)
                     self.spares.append(spare)     # still a spare: its next use writes again
                     raise
-                os.rename(spare.path, path)
                 _sync_dir(self.dir)       # the file's new name is durable before its records
         except OSError as exc:
             raise StorageError(f"cannot create segment {path}: {exc.strerror}") from None
