@@ -197,7 +197,79 @@ def test_the_c_install_leaves_the_state_the_numpy_install_leaves(tmp_path: Path,
     monkeypatch.setattr(gets, "_read_installable", None)
     monkeypatch.setattr(gets, "_lease_current", None)
     monkeypatch.setattr(persist, "_plan_columns", None)
+    monkeypatch.setattr(gets, "_room_rows", None)
     assert _state_after_interleaved_gets(tmp_path / "numpy", seed, hbm) == with_c
+
+
+def _room_table(rng: np.random.Generator, n: int = 12, nt: int = 4, pool: int = 10):
+    """Columns as a page table holds them (rows without a version, copies current or
+    stale in tier 1, slots in a pool of ten), and a lookup's rows: misses, repeats."""
+    version = rng.integers(0, 4, n).astype(np.uint64)          # 0: a row without a version
+    copy_ver = np.zeros((n, nt), dtype=np.uint64)
+    copy_ver[:, 1] = np.where(rng.integers(0, 2, n) == 1, version, version + 1)
+    copy_ver[rng.integers(0, n, 2), 1] = 0
+    slot = np.full((n, nt), -1, dtype=np.int32)
+    cur = (copy_ver[:, 1] == version) & (version > 0)
+    slot[cur, 1] = rng.integers(0, pool, int(cur.sum()))
+    leases = rng.integers(0, 3, pool).astype(np.uint32)
+    rows = rng.integers(-1, n, int(rng.integers(1, 20))).astype(np.int64)
+    return version, copy_ver, slot, leases, rows
+
+
+class _RoomNs:
+    def __init__(self, version, copy_ver, slot, leases):
+        from types import SimpleNamespace
+        self.table = SimpleNamespace(cols={"version": version, "copy_ver": copy_ver,
+                                           "slot": slot}, n_rows=version.size)
+        self.slots = {Tier(1): SimpleNamespace(leases=leases)}
+
+
+def test_the_room_steps_c_count_and_pins_match_the_numpy_ones(monkeypatch):
+    # coherence/_gets.c room_rows against _room_count's numpy path, on random tables: the
+    # same want, the same slots kept (in batch order) and the same pins; none when nothing
+    # is wanted. A row without a version is neither wanted nor pinned by either (the numpy
+    # path pinned its slot, -1: the pool's last slot, when its copy_ver was 0 too).
+    rng = np.random.default_rng(11)
+    c_only = gets._room_rows
+    seen_want = seen_none = 0
+    for _ in range(400):
+        version, copy_ver, slot, leases, rows = _room_table(rng)
+        got = []
+        for fn in (c_only, None):
+            monkeypatch.setattr(gets, "_room_rows", fn)
+            pins = leases.copy()
+            want, keep = gets._room_count(_RoomNs(version, copy_ver, slot, pins), rows,
+                                          Tier(1))
+            got.append((want, keep.tolist(), pins.tolist()))
+        assert got[0] == got[1]
+        seen_want += got[0][0] > 0 and len(got[0][1]) > 0
+        seen_none += got[0][0] == 0 and got[0][2] == leases.tolist()
+    assert seen_want > 50 and seen_none > 20
+
+
+def test_room_rows_refuses_a_broken_table_before_it_pins():
+    version, copy_ver, slot, leases, _ = _room_table(np.random.default_rng(2))
+    version[:3], copy_ver[:3, 1], slot[:3, 1] = 1, 1, [0, 1, 99]    # 99: past the pool
+    version[3], copy_ver[3, 1] = 2, 1                              # row 3 must come up
+    before = leases.copy()
+    keep = np.empty(5, dtype=np.int64)
+    for rows, n_rows, match in (([0, 1, 2, 3], 12, "outside the pool"),
+                                ([0, 1, 3, 12], 12, "past the table"),
+                                ([0, 1, 3], 13, "shorter than n_rows")):
+        with pytest.raises(ValueError, match=match):
+            gets._room_rows(version, copy_ver, slot, leases, np.array(rows, dtype=np.int64),
+                            n_rows, 1, keep)
+        assert (leases == before).all()
+    with pytest.raises(ValueError, match="out_keep"):
+        gets._room_rows(version, copy_ver, slot, leases, np.zeros(6, dtype=np.int64), 12, 1,
+                        keep)
+    with pytest.raises(ValueError, match="tier past"):
+        gets._room_rows(version, copy_ver, slot, leases, np.zeros(2, dtype=np.int64), 12, 4,
+                        keep)
+    assert (leases == before).all()
+    assert gets._room_rows(version, copy_ver, slot, leases, np.array([0, 3, 0], np.int64), 12,
+                           1, keep) == (1, 2)
+    assert keep[:2].tolist() == [0, 0] and leases[0] == before[0] + 2
 
 
 def test_the_interleavings_reach_every_install_path(tmp_path: Path, monkeypatch):

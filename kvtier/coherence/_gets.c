@@ -49,6 +49,19 @@
  *       out_ids[:k] the distinct segment ids, ascending (np.unique's, for the log's pin). A
  *       row outside the columns or a nvme_tier past them raises ValueError before any write.
  *
+ *   room_rows(version u64[c], copy_ver u64[c, t], slot i32[c, s], pool_leases u32[p],
+ *             rows i64[n], n_rows, tier, out_keep i64[n]) -> (want, k)
+ *       The room step's count before make_room (Gets._room_for_get, stall7: its lookup, two
+ *       gathers, a comparison, a sum, a selection, a gather of slots, a cast and ufunc.at, ~50 us
+ *       of the step's ~190 on the dev VM, for a few hundred nanoseconds of work): want = the
+ *       positions of rows (a lookup's result, -1 where missing) whose row has a version (> 0)
+ *       and no current copy in tier (copy_ver != version), the blocks the decide will bring
+ *       up (a repeated key counts once a position, as the numpy count did). When want > 0 the
+ *       slots of the positions whose copy in tier is current are pinned (pool_leases += 1 per
+ *       occurrence) and written to out_keep[:k], for the caller's unpin after make_room; when
+ *       want is 0 nothing is written and k is 0. A row at or past n_rows, or a current copy's
+ *       slot outside the pool, raises ValueError before anything is written.
+ *
  * No reference to any argument is kept. The GIL is held (under the engine lock; microseconds).
  */
 #define PY_SSIZE_T_CLEAN
@@ -361,6 +374,75 @@ done:
     return result;
 }
 
+static PyObject *room_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "room_rows takes 8 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[3], nt, ns, np_, n, n_keep, n_rows, tier;
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &cap[1], &nt, "copy_ver") : NULL;
+    int32_t *slot = copy_ver ? view(&v, args[2], 4, 0, &cap[2], &ns, "slot") : NULL;
+    uint32_t *pool = slot ? view(&v, args[3], 4, 1, &np_, NULL, "pool_leases") : NULL;
+    int64_t *rows = pool ? view(&v, args[4], 8, 0, &n, NULL, "rows") : NULL;
+    int64_t *keep = rows ? view(&v, args[7], 8, 1, &n_keep, NULL, "out_keep") : NULL;
+    PyObject *result = NULL;
+    if (keep == NULL || as_index(args[5], &n_rows, "n_rows") < 0
+            || as_index(args[6], &tier, "tier") < 0)
+        goto done;
+    for (int i = 0; i < 3; i++)
+        if (cap[i] < n_rows) {
+            PyErr_SetString(PyExc_ValueError, "room_rows: a column is shorter than n_rows");
+            goto done;
+        }
+    if (n_keep < n) {
+        PyErr_SetString(PyExc_ValueError, "room_rows: out_keep is shorter than rows");
+        goto done;
+    }
+    if (tier >= nt || tier >= ns) {
+        PyErr_SetString(PyExc_ValueError, "room_rows: tier past the columns");
+        goto done;
+    }
+    /* Check and count before writing anything. */
+    Py_ssize_t want = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (r >= n_rows) {
+            PyErr_SetString(PyExc_ValueError, "room_rows: a row past the table");
+            goto done;
+        }
+        if (r < 0 || version[r] == 0)
+            continue;
+        if (copy_ver[r * nt + tier] != version[r]) {
+            want++;
+            continue;
+        }
+        int32_t s = slot[r * ns + tier];
+        if (s < 0 || s >= np_) {
+            PyErr_SetString(PyExc_ValueError, "room_rows: a current copy's slot is outside "
+                            "the pool");
+            goto done;
+        }
+    }
+    Py_ssize_t k = 0;
+    if (want)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t r = rows[i];
+            if (r >= 0 && version[r] && copy_ver[r * nt + tier] == version[r]) {
+                int32_t s = slot[r * ns + tier];
+                pool[s] += 1;
+                keep[k++] = s;
+            }
+        }
+    result = Py_BuildValue("(nn)", want, k);
+done:
+    views_release(&v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_rows", (PyCFunction)(void (*)(void))split_rows, METH_FASTCALL,
      "split_rows(...): a get's batch split into found, ready (pinned) and to bring up."},
@@ -370,6 +452,8 @@ static PyMethodDef methods[] = {
      "lease_current(...): a get's lease on the rows still at the versions served."},
     {"plan_columns", (PyCFunction)(void (*)(void))plan_columns, METH_FASTCALL,
      "plan_columns(...): an NVMe read plan's columns and its distinct segments."},
+    {"room_rows", (PyCFunction)(void (*)(void))room_rows, METH_FASTCALL,
+     "room_rows(...): the room step's count of blocks to bring up, and its pins."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -42,9 +42,10 @@ from kvtier.tiers.reads import record_batch, run_batch, verdicts
 try:
     from kvtier.coherence._gets import lease_current as _lease_current
     from kvtier.coherence._gets import read_installable as _read_installable
+    from kvtier.coherence._gets import room_rows as _room_rows
     from kvtier.coherence._gets import split_rows as _split
 except ImportError:             # not built: the numpy split in Gets._get, the numpy install
-    _split = _read_installable = _lease_current = None
+    _split = _read_installable = _lease_current = _room_rows = None
 if _fast_built is None:
     _split = None               # (the split follows lease_native's refusal: both in C or neither)
 from kvtier.types import Tier
@@ -222,17 +223,12 @@ class Gets:
         if tier not in ns.slots:
             return                              # the decide raises the error
         rows = ns.table.lookup(self.check_keys(ns, keys, zero_check=False))
-        cols = ns.table.cols
-        r = rows[rows >= 0]
-        here = cols["copy_ver"][r, tier] == cols["version"][r]
-        want = int(r.size - here.sum())
-        if not want:
-            return
         # The batch's own copies in tier are pinned while the room is made: evicting one
         # would only make the decide bring it up again and evict once more (bench/stall.py
         # in process: half the decides evicted a second time without the pins).
-        keep = cols["slot"][r[here], tier].astype(np.int64)
-        add_one(ns.slots[tier].leases, keep)
+        want, keep = _room_count(ns, rows, tier)
+        if not want:
+            return
         try:
             self.owner.make_room(ns, tier, want)
         finally:
@@ -477,6 +473,33 @@ class Gets:
         finally:
             self.release(res.lease_id)
         return res.found, out
+
+
+def _room_count(ns: Namespace, rows: np.ndarray, tier: Tier) -> tuple[int, np.ndarray]:
+    """(want, keep) for the room step: want, the positions of rows (a lookup's) whose row has a
+    version and no current copy in tier (what the decide brings up); keep, the slots of the
+    current ones, pinned here when want > 0 (else nothing is pinned, keep is empty). One C call
+    (coherence/_gets.c room_rows, stall7: ~50 us of numpy calls before) or the numpy count,
+    which it must match (tests/test_gets.py)."""
+    cols = ns.table.cols
+    leases = ns.slots[tier].leases
+    if _room_rows is not None:
+        keep = np.empty(rows.size, dtype=np.int64)
+        want, k = _room_rows(cols["version"], cols["copy_ver"], cols["slot"], leases, rows,
+                             ns.table.n_rows, int(tier), keep)
+        return want, keep[:k]
+    r = rows[rows >= 0]
+    v = cols["version"][r]
+    here = cols["copy_ver"][r, tier] == v
+    want = int(((~here) & (v > 0)).sum())       # a row without a version is not brought up
+    if not want:
+        return 0, _NO_SLOTS
+    keep = cols["slot"][r[here & (v > 0)], tier].astype(np.int64)
+    add_one(leases, keep)
+    return want, keep
+
+
+_NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 def _refuse_zero_key(karr: np.ndarray) -> None:
