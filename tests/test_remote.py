@@ -313,3 +313,41 @@ def test_a_remote_version_past_uint64_is_a_miss_and_the_get_leaks_no_pin(tmp_pat
         assert not leases.any()
     finally:
         e.close(flush=False)
+
+
+def test_a_remote_fill_that_raises_ends_the_gets_pins_and_gives_its_slots_back(
+        tmp_path: Path, redis_server, monkeypatch):
+    # Injected faults: get_many no longer raises for anything a Redis can do (errors and
+    # timeouts are misses, damaged values too, above), and the fill's own steps fail only
+    # without memory; so both are made to raise here. Before rev8 the batch's resident pin
+    # (and the fill's new slots) were never released.
+    e = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "1MiB",
+                              "nvme_capacity": "16MiB", "redis": redis_server.url}))
+    try:
+        e.create_namespace("m", BB)
+        e.put("m", keys([0]), blocks(1, BB))
+        data = blocks(1, BB, seed=3)
+        assert e.remote.put_many("m", [key(1)], np.array([1], np.uint64), _sums(data),
+                                 list(data))[0]
+        st = e.namespace("m").slots[Tier.HOST]
+        free = st.pool.free_count
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("injected")
+        with monkeypatch.context() as m:
+            m.setattr(e.remote, "get_many", fails)
+            with pytest.raises(RuntimeError, match="injected"):
+                e.get("m", keys([0, 1]))
+        assert not st.leases.any()
+        with monkeypatch.context() as m:
+            m.setattr(e, "drop_copies", fails)
+            with pytest.raises(RuntimeError, match="injected"):
+                e.get("m", keys([0, 1]))
+        assert not st.leases.any() and st.pool.free_count == free
+        res = e.get("m", keys([0, 1]))                      # and the next get is whole
+        assert res.found.all()
+        assert e.read("m", keys([1]))[1].tobytes() == data.tobytes()
+        e.release(res.lease_id)
+        assert not st.leases.any()
+    finally:
+        e.close(flush=False)
