@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, cast
 import numpy as np
 
 from kvtier.coherence.fastpath import _fast as _fast_built
+from kvtier.coherence.leases import count_readers
 from kvtier.coherence.namespace import GetResult, Lease, Namespace, add_one
 from kvtier.coherence.persist import ReadPlan
 from kvtier.errors import BadRequest
@@ -445,7 +446,7 @@ class Gets:
                                       versions, karr, cur)]
         else:
             cur = srows[(cols["version"][srows] == versions) & (cols["key"][srows] == karr)]
-            add_one(cols["leases"], cur)
+            count_readers(cols["leases"], cur)     # saturating, as lease_current
         self.owner.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
         self.counters.gets += p.karr.size
         self.counters.get_hits += int(srows.size)
