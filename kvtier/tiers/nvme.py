@@ -186,6 +186,10 @@ class SegmentLog:
                 fd, length = self.backend.open(path, create=True, direct=self.direct), 0
                 try:
                     self._write_all(fd, [memoryview(header)], 0, path)
+                    # Its name durable before its records (a record's fdatasync does not
+                    # make a new file's directory entry durable: POSIX asks the directory's
+                    # fsync, which no path made for a new file before rev8).
+                    _sync_dir(self.dir)
                 except BaseException:
                     # Not a segment: closed and gone (it was left untracked, its fd open
                     # until a restart: rev8). Killed here instead, the file holds no record
