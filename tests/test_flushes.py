@@ -270,3 +270,42 @@ def test_a_commit_begin_whose_install_raises_leaves_no_slot_pinned(tmp_path: Pat
     _, handle = begin_put(eng, range(10, 14), 2)  # the engine goes on
     assert handle.wait(10) == 4
     eng.close(flush=False)
+
+
+@pytest.mark.parametrize("begin", [False, True], ids=["commit", "commit_begin"])
+@pytest.mark.parametrize("ks", [range(4), [0, 1, 0, 2]], ids=["distinct", "repeated"])
+def test_an_install_that_raises_gives_its_reserved_slots_back(tmp_path: Path, monkeypatch,
+                                                               ks, begin):
+    # Injected: every block state has a COMMIT move, so only an allocation failure (the page
+    # table's insert out of memory) makes the install raise. Before rev8 the reserved slots
+    # were neither installed nor freed: the pool lost them until a restart.
+    eng = engine(tmp_path)
+    st = eng.namespace("m").slots[Tier.HOST]
+    free = st.pool.free_count
+    table = eng.namespace("m").table
+
+    def commit_failing_in(name: str, rid: int) -> None:
+        def fails(*args, **kw):
+            raise MemoryError(f"injected: no memory in {name}")
+        with monkeypatch.context() as m:
+            m.setattr(table, name, fails)
+            with pytest.raises(MemoryError, match="injected"):
+                eng.puts.commit_begin(rid) if begin else eng.commit(rid)
+
+    res = eng.reserve("m", keys(ks))
+    st.pool.write(res.slots, blocks(len(ks), BB, 1))
+    commit_failing_in("insert_counted", res.rid)
+    assert not st.leases.any() and st.pool.free_count == free
+    # A failure after the copies were placed (the parents' links) frees none of them: the
+    # rows serve their blocks.
+    res = eng.reserve("m", keys(ks), parents=keys(range(100, 100 + len(ks))))
+    data = blocks(len(ks), BB, 2)
+    st.pool.write(res.slots, data)
+    commit_failing_in("link_keys", res.rid)
+    assert not st.leases.any()
+    distinct = len(set(ks))
+    assert st.pool.free_count == free - distinct
+    last = {k: data[i] for i, k in enumerate(ks)}
+    found, got = eng.read("m", keys(list(last)))
+    assert found.all() and got.tobytes() == b"".join(d.tobytes() for d in last.values())
+    eng.close(flush=False)

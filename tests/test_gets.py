@@ -376,3 +376,38 @@ def test_plan_read_in_c_plans_what_the_numpy_gathers_plan(tmp_path: Path, monkey
                          cols["nvme_off"], bad, int(Tier.NVME), *outs)
     finally:
         eng.close(flush=False)
+
+
+def _reader_counts_near_the_top(tmp: Path, monkeypatch, numpy: bool) -> list[list[int]]:
+    """Reader counts of keys 0 and 1 through general-path gets (a missing key in each batch)
+    that take them past 65,535, and releases that take them below 0 (a count set at 1 under
+    a lease of the row twice: what a saturated count meets), in C or in numpy."""
+    from kvtier.coherence import leases
+    if numpy:
+        monkeypatch.setattr(gets, "_lease_current", None)
+        monkeypatch.setattr(leases, "_fast", None)
+    eng = _small_engine(tmp, hbm=False)
+    eng.put("m", keys([0, 1]), blocks(2, BB))
+    ns = eng.namespace("m")
+    counts = ns.table.cols["leases"]
+    r0, r1 = ns.table.lookup(keys([0, 1])).tolist()
+    seen = []
+    counts[r0], counts[r1] = 65_533, 65_535
+    res = eng.get("m", keys([0, 0, 0, 1, 9]))
+    seen.append([int(counts[r0]), int(counts[r1])])
+    counts[r0], counts[r1] = 1, 0
+    eng.release(res.lease_id)
+    seen.append([int(counts[r0]), int(counts[r1])])
+    assert not ns.slots[Tier.HOST].leases.any()
+    eng.close(flush=False)
+    return seen
+
+
+def test_numpy_reader_counts_saturate_and_stop_at_zero_as_the_c_ones_do(tmp_path: Path,
+                                                                        monkeypatch):
+    # Without the C helpers the counts wrapped: 65,533 + 3 was 0, and 1 - 3 was 65,534 (an
+    # admin eviction takes rows whose count is 0; a wrapped count keeps a row off it).
+    c = _reader_counts_near_the_top(tmp_path / "c", monkeypatch, numpy=False)
+    with monkeypatch.context() as m:
+        n = _reader_counts_near_the_top(tmp_path / "n", m, numpy=True)
+    assert c == n == [[65_535, 65_535], [0, 0]]

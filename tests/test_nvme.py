@@ -247,10 +247,15 @@ def test_a_process_killed_while_a_spare_becomes_a_segment_restarts(tmp_path: Pat
     lg.remove(1)
     assert [p.name for p in tmp_path.glob("spare-*.kvt")] == ["spare-00000001.kvt"]
 
-    def killed(path):                             # the process dies right after the rename
-        raise KeyboardInterrupt("killed")
+    real = os.rename
 
-    monkeypatch.setattr(nvme, "_sync_dir", killed)
+    def killed(src, dst, *a, **kw):               # the process dies right after the rename
+        real(src, dst, *a, **kw)
+        if "seg-" in str(dst):
+            raise KeyboardInterrupt("killed")
+
+    assert nvme.os is os
+    monkeypatch.setattr(os, "rename", killed)
     with pytest.raises(KeyboardInterrupt):
         while lg.active_id == 2:                  # fill seg 2 so that seg 3 is opened
             append(lg, [95])
@@ -294,25 +299,9 @@ def test_a_spare_whose_rename_is_refused_stays_a_spare(tmp_path: Path, monkeypat
     # The rename of a spare to the next segment's name sat outside the block that puts the
     # spare back: refused, the spare was lost (its fd open and its file unused until a
     # restart), and the next segment was a new file.
-    from kvtier.checksums import block_checksums
-    from kvtier.coherence.journal import entries_of
     from kvtier.errors import StorageError
-    from kvtier.pagetable.store import record_dtype
-
     bb = 4096
-    lg = SegmentLog(tmp_path, 1, bb, 64 << 10, index_bytes=16 + record_dtype(16).itemsize)
-
-    def append(ids: list[int]):
-        data = np.stack([np.full(bb, i % 251, np.uint8) for i in ids])
-        r = np.zeros(len(ids), dtype=record_dtype(16))
-        r["size"], r["version"], r["checksum"] = bb, 1, block_checksums(data)
-        k = np.frombuffer(b"".join((i + 1).to_bytes(16, "big") for i in ids), dtype="V16")
-        return lg.append([memoryview(d) for d in data], entries_of(k, r))
-
-    for gen in range(3):                          # seg 1: three batches of 4
-        append(list(range(gen * 4, gen * 4 + 4)))
-    segs, offs = append([90, 91])                 # seg 2
-    lg.remove(1)
+    lg, append, segs, offs = _spare_log(tmp_path)
     spare = lg.spares[0]
     real = os.rename
 
@@ -334,3 +323,153 @@ def test_a_spare_whose_rename_is_refused_stays_a_spare(tmp_path: Path, monkeypat
     out = [memoryview(bytearray(bb)) for _ in range(2)]
     assert lg.read(segs, offs, out).all() and bytes(out[1]) == bytes([91]) * bb
     lg.close()
+
+
+def _spare_log(tmp_path: Path):
+    """A log of 64 KiB segments whose seg 1 was reclaimed as a spare (seg 2 active), with
+    its append(ids) and the (segs, offs) of keys 90 and 91 in seg 2."""
+    from kvtier.checksums import block_checksums
+    from kvtier.coherence.journal import entries_of
+    from kvtier.pagetable.store import record_dtype
+
+    bb = 4096
+    lg = SegmentLog(tmp_path, 1, bb, 64 << 10, index_bytes=16 + record_dtype(16).itemsize)
+
+    def append(ids: list[int]):
+        data = np.stack([np.full(bb, i % 251, np.uint8) for i in ids])
+        r = np.zeros(len(ids), dtype=record_dtype(16))
+        r["size"], r["version"], r["checksum"] = bb, 1, block_checksums(data)
+        k = np.frombuffer(b"".join((i + 1).to_bytes(16, "big") for i in ids), dtype="V16")
+        return lg.append([memoryview(d) for d in data], entries_of(k, r))
+
+    for gen in range(3):                          # seg 1: three batches of 4
+        append(list(range(gen * 4, gen * 4 + 4)))
+    segs, offs = append([90, 91])                 # seg 2
+    lg.remove(1)
+    return lg, append, segs, offs
+
+
+def _files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in tmp_path.glob("*.kvt"))
+
+
+def test_a_failed_directory_sync_after_the_spares_rename_names_it_back(tmp_path: Path,
+                                                                        monkeypatch):
+    # Injected OS errors (a directory fsync that fails cannot be made for real here). The
+    # sync after the rename failed and seg-3 stayed on disk, untracked, its fd open until a
+    # restart; now the file is named back and stays the spare.
+    import kvtier.tiers.nvme as nvme
+    from kvtier.errors import StorageError
+    lg, append, segs, offs = _spare_log(tmp_path)
+    spare = lg.spares[0]
+    calls = []
+    real = nvme._sync_dir
+
+    def fails_after_the_rename(path):
+        calls.append(path)
+        if (tmp_path / "seg-00000003.kvt").exists():
+            raise OSError(errno.EIO, "injected")
+        real(path)
+    monkeypatch.setattr(nvme, "_sync_dir", fails_after_the_rename)
+    with pytest.raises(StorageError):
+        while lg.active_id == 2:
+            append([95])
+    monkeypatch.undo()
+    assert _files(tmp_path) == ["seg-00000002.kvt", "spare-00000001.kvt"]
+    assert lg.spares == [spare] and 3 not in lg.segments
+    assert len(calls) == 2                        # before the header write, after the rename
+    while lg.active_id in (None, 2):
+        append([96])
+    assert lg.segments[lg.active_id].recycled and not lg.spares
+    lg.close()
+    again = SegmentLog(tmp_path, 1, 4096, 64 << 10, index_bytes=lg.index_bytes)
+    out = [memoryview(bytearray(4096)) for _ in range(2)]
+    assert again.read(segs, offs, out).all() and bytes(out[1]) == bytes([91]) * 4096
+    again.close()
+
+
+def test_a_failed_header_write_of_a_new_segment_leaves_no_file(tmp_path: Path, monkeypatch):
+    # Injected: the header write of a new file fails (ENOSPC). seg-3 stayed on disk,
+    # untracked, its fd open until a restart; now it is closed and deleted.
+    from kvtier.errors import StorageError
+    lg, append, segs, offs = _spare_log(tmp_path)
+    lg.drop_spares()                              # so that the next segment is a new file
+    real = lg.backend.pwritev
+
+    def full(fd, bufs, offset):
+        if offset == 0:
+            raise OSError(errno.ENOSPC, "injected")
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(lg.backend, "pwritev", full)
+    with pytest.raises(StorageError):
+        while lg.active_id == 2:
+            append([95])
+    monkeypatch.undo()
+    assert _files(tmp_path) == ["seg-00000002.kvt"] and 3 not in lg.segments
+    while lg.active_id == 2:
+        append([96])
+    assert lg.active_id == 4
+    lg.close()
+
+
+def test_a_reclaimed_files_spare_name_is_durable_before_its_header_changes(tmp_path: Path,
+                                                                           monkeypatch):
+    # remove() renames seg-1 to spare-1 without a directory sync; the spare's next use
+    # rewrote its header (seg-3's) and synced the file before any directory sync. A crash
+    # then could bring back the name seg-1 over seg-3's header: a restart refused the
+    # directory. The order is recorded (a crash's lost rename cannot be made for real).
+    import kvtier.tiers.nvme as nvme
+    lg, append, _, _ = _spare_log(tmp_path)
+    spare_fd = lg.spares[0].fd
+    order = []
+    real_sync, real_write = nvme._sync_dir, lg.backend.pwritev
+
+    def sync_dir(path):
+        order.append("dir")
+        real_sync(path)
+
+    def pwritev(fd, bufs, offset):
+        if fd == spare_fd and offset == 0:
+            order.append("header")
+        return real_write(fd, bufs, offset)
+    monkeypatch.setattr(nvme, "_sync_dir", sync_dir)
+    monkeypatch.setattr(lg.backend, "pwritev", pwritev)
+    while lg.active_id == 2:
+        append([95])
+    assert order[:2] == ["dir", "header"]
+    lg.close()
+
+
+def test_a_segment_file_of_a_zero_header_and_no_record_is_deleted_at_start(tmp_path: Path):
+    # A crash after a new file's header write, before any record was synced, may leave the
+    # file's length without its bytes: the restart refused the directory (bad header).
+    (tmp_path / "seg-00000007.kvt").write_bytes(bytes(HEADER_BYTES))
+    log = SegmentLog(tmp_path, 1, 4096, 1 << 20)
+    assert not log.segments and not (tmp_path / "seg-00000007.kvt").exists()
+    log.close()
+    (tmp_path / "seg-00000007.kvt").write_bytes(bytes(2 * HEADER_BYTES))   # more: refused
+    with pytest.raises(DataDirError):
+        SegmentLog(tmp_path, 1, 4096, 1 << 20)
+
+
+def test_a_new_segment_files_name_is_synced_before_its_records(tmp_path: Path, monkeypatch):
+    # A new file's directory entry was never synced: a record's fdatasync does not make it
+    # durable (POSIX), so a crash could lose a flushed version's whole file. The order is
+    # recorded (a lost directory entry cannot be made for real here).
+    import kvtier.tiers.nvme as nvme
+    order = []
+    real_sync, real_write = nvme._sync_dir, nvme.SegmentLog._write_all
+
+    def sync_dir(path):
+        order.append("dir")
+        real_sync(path)
+
+    def write_all(self, fd, bufs, offset, path):
+        order.append("header" if offset == 0 else "record")
+        return real_write(self, fd, bufs, offset, path)
+    monkeypatch.setattr(nvme, "_sync_dir", sync_dir)
+    monkeypatch.setattr(nvme.SegmentLog, "_write_all", write_all)
+    log = SegmentLog(tmp_path, 1, 4096, 1 << 20)
+    log.append(_blocks(2, 4096))
+    assert order[:2] == ["header", "dir"]
+    log.close()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import xxhash
 
 import kvtier
@@ -19,6 +20,7 @@ from kvtier.tiers.remote.breaker import (TRANSITIONS, BreakerEvent, BreakerState
                                          CircuitBreaker)
 from kvtier.tiers.remote.ring import HashRing
 from kvtier.tiers.remote.store import redis_key
+from kvtier.types import Tier
 from tests.conftest import blocks, key, keys
 from tests.redis_servers import RedisServer, start_cluster
 from tests.service import Service
@@ -286,3 +288,66 @@ def test_write_back_reaches_redis_at_flush_and_write_through_at_once(tmp_path: P
     assert through.delete("wt", keys([0])) == 1
     assert int(redis_server.cli("DBSIZE")) == 6            # a delete reaches Redis too
     through.close(flush=False)
+
+
+def test_a_remote_version_past_uint64_is_a_miss_and_the_get_leaks_no_pin(tmp_path: Path,
+                                                                         redis_server):
+    # A real fault: a value set in Redis by hand (KVT1 has no binding to check) whose version
+    # needs more than 64 bits. get_many raised OverflowError into the get's finish step, after
+    # the batch's resident block was pinned: the pin never ended.
+    e = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "1MiB",
+                              "nvme_capacity": "16MiB", "redis": redis_server.url}))
+    try:
+        e.create_namespace("m", BB)
+        e.put("m", keys([0]), blocks(1, BB))
+        data = bytes(BB)
+        for i, version in ((1, 1 << 64), (2, 10 ** 20 - 1)):
+            value = b"KVT1%020d%020d" % (version, xxhash.xxh3_64_intdigest(data)) + data
+            redis.Redis(port=redis_server.port).set(redis_key("m", key(i)), value)
+        res = e.get("m", keys([0, 1, 2]))
+        assert res.found.tolist() == [True, False, False]
+        assert e.remote.stats()["foreign"] == 2
+        leases = e.namespace("m").slots[Tier.HOST].leases
+        assert leases.sum() == 1
+        e.release(res.lease_id)
+        assert not leases.any()
+    finally:
+        e.close(flush=False)
+
+
+def test_a_remote_fill_that_raises_ends_the_gets_pins_and_gives_its_slots_back(
+        tmp_path: Path, redis_server, monkeypatch):
+    # Injected faults: get_many no longer raises for anything a Redis can do (errors and
+    # timeouts are misses, damaged values too, above), and the fill's own steps fail only
+    # without memory; so both are made to raise here. Before rev8 the batch's resident pin
+    # (and the fill's new slots) were never released.
+    e = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "1MiB",
+                              "nvme_capacity": "16MiB", "redis": redis_server.url}))
+    try:
+        e.create_namespace("m", BB)
+        e.put("m", keys([0]), blocks(1, BB))
+        data = blocks(1, BB, seed=3)
+        assert e.remote.put_many("m", [key(1)], np.array([1], np.uint64), _sums(data),
+                                 list(data))[0]
+        st = e.namespace("m").slots[Tier.HOST]
+        free = st.pool.free_count
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("injected")
+        with monkeypatch.context() as m:
+            m.setattr(e.remote, "get_many", fails)
+            with pytest.raises(RuntimeError, match="injected"):
+                e.get("m", keys([0, 1]))
+        assert not st.leases.any()
+        with monkeypatch.context() as m:
+            m.setattr(e, "drop_copies", fails)
+            with pytest.raises(RuntimeError, match="injected"):
+                e.get("m", keys([0, 1]))
+        assert not st.leases.any() and st.pool.free_count == free
+        res = e.get("m", keys([0, 1]))                      # and the next get is whole
+        assert res.found.all()
+        assert e.read("m", keys([1]))[1].tobytes() == data.tobytes()
+        e.release(res.lease_id)
+        assert not st.leases.any()
+    finally:
+        e.close(flush=False)

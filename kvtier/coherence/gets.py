@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, cast
 import numpy as np
 
 from kvtier.coherence.fastpath import _fast as _fast_built
+from kvtier.coherence.leases import count_readers
 from kvtier.coherence.namespace import GetResult, Lease, Namespace, add_one
 from kvtier.coherence.persist import ReadPlan
 from kvtier.errors import BadRequest
@@ -396,8 +397,7 @@ class Gets:
             finally:
                 segs, held[:] = list(held), []
                 p.ns.log.unpin(segs)
-        ns, tier, rows, found, slots = p.ns, p.tier, p.rows, p.found, p.slots
-        cols = ns.table.cols
+        ns, tier, found, slots = p.ns, p.tier, p.found, p.slots
         st = ns.slots[tier]
         if p.plan is not None:
             self._install_read(p)
@@ -406,6 +406,20 @@ class Gets:
             found[p.repeats] = found[p.repeat_src]
             ok = p.repeats[found[p.repeats]]
             add_one(st.leases, slots[ok])
+        try:
+            return self._lease_get(p)
+        except BaseException:
+            # No lease was made: the get's pins (one a served position: copies already here,
+            # installed, shared with a repeat or filled from the remote tier) end here, or
+            # nobody would ever end them (from_remote raising, rev8).
+            self.owner.unpin_slots(ns, tier, slots[found])
+            raise
+
+    def _lease_get(self, p: "_PendingGet") -> GetResult:
+        """_finish_get's end: the remote tier's fills, then the lease. Every served position
+        holds one pin on its slot in p.tier, which the lease takes over."""
+        ns, tier, rows, found, slots = p.ns, p.tier, p.rows, p.found, p.slots
+        cols = ns.table.cols
         if self.remote is not None and not found.all():
             before = found.copy()
             self.transfers.from_remote(ns, p.karr, rows, found, slots, tier)
@@ -428,7 +442,7 @@ class Gets:
                                       versions, karr, cur)]
         else:
             cur = srows[(cols["version"][srows] == versions) & (cols["key"][srows] == karr)]
-            add_one(cols["leases"], cur)
+            count_readers(cols["leases"], cur)     # saturating, as lease_current
         self.owner.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
         self.counters.gets += p.karr.size
         self.counters.get_hits += int(srows.size)

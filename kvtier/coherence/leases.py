@@ -35,6 +35,18 @@ except ImportError:
     _fast = None
 
 
+def count_readers(counts: np.ndarray, rows: np.ndarray, delta: int = 1) -> None:
+    """counts[rows] += delta (1 or -1) per occurrence, held within 0 and the type's top: the
+    numpy twin of the C helpers' reader counts (lease_current, lease_rows, unlease_rows:
+    exact, saturating at 65,535, never below 0). add_one on the uint16 column wrapped at
+    65,536, and a release of a row given twice at a count of 1 wrapped it to 65,535 (rev8)."""
+    if rows.size == 0:
+        return
+    u, n = np.unique(rows, return_counts=True)
+    c = counts[u].astype(np.int64) + (n if delta > 0 else -n)
+    counts[u] = np.clip(c, 0, np.iinfo(counts.dtype).max)
+
+
 class SlotOps(Protocol):
     """What ending a hold needs of the engine's slot tiers (the caller holds the lock)."""
 
@@ -135,8 +147,7 @@ class Holds:
         live = (lease.rows < ns.table.n_rows)
         rows = lease.rows[live]
         same = cols["version"][rows] == lease.versions[live]
-        r = rows[same]
-        np.subtract.at(cols["leases"], r, np.minimum(cols["leases"][r], 1))
+        count_readers(cols["leases"], rows[same], -1)
 
     def _end_native(self, lease: Lease) -> None:
         """end_lease's unpinning and reader counts in one C call."""

@@ -313,6 +313,13 @@ class Puts:
                 # before its install (rev5's review).
                 if pinned is not None:
                     self.owner.unpin_slots(ns, pinned[0], pinned[1])
+                # The kept slots (and a GPU write's host copies) that no row names at its
+                # version go back to their pool; before rev8 they were neither installed nor
+                # free until a restart. One the install placed before it raised stays.
+                kk = karr if keep is None else karr[keep]
+                self._unnamed_back(ns, kk, tier, slots if keep is None else slots[keep])
+                if host_slots is not None:
+                    self._unnamed_back(ns, kk, Tier.HOST, host_slots)
                 raise
             if keep is None:
                 versions_by_pos = ns.table.cols["version"][rows]
@@ -327,6 +334,17 @@ class Puts:
             if write_through and self.remote is not None:
                 self.transfers.push_remote(ns, rows)
         return versions_by_pos, ns, rows, write_through and ns.log is not None, pinned
+
+    def _unnamed_back(self, ns: Namespace, karr: np.ndarray, tier: Tier,
+                      slots: np.ndarray) -> None:
+        """Free those of slots (karr's, by position) that karr's row does not hold as its
+        current copy in tier: a failed install's reserved slots."""
+        cols = ns.table.cols
+        rows = ns.table.lookup(karr)
+        r = np.maximum(rows, 0)
+        named = ((rows >= 0) & (cols["version"][r] > 0) & (cols["slot"][r, tier] == slots)
+                 & (cols["copy_ver"][r, tier] == cols["version"][r]))
+        self.owner.free_slots(ns, tier, slots[~named].astype(np.int64))
 
     def put(self, namespace: str, keys: Any, blocks: Any, parents: Any = None,
             tier: Tier = Tier.HOST, owner: int = 0) -> np.ndarray:

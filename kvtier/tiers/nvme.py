@@ -138,8 +138,11 @@ class SegmentLog:
                                    "link, or wrong permissions?)") from None
             buf = _aligned(HEADER_BYTES)
             got = os.preadv(fd, [memoryview(buf)], 0)   # aligned, so O_DIRECT accepts it
-            if got < _HEADER_V1.size:
-                # A segment whose header never reached the disk holds nothing LMDB points to.
+            if got < _HEADER_V1.size or (not any(bytes(buf[:_HEADER_V1.size]))
+                                         and os.fstat(fd).st_size <= HEADER_BYTES):
+                # A segment whose header never reached the disk holds nothing LMDB points to
+                # (nor does a header's length of zeros: a crash after a new file's header
+                # write, before any record's sync, may leave its length and not its bytes).
                 self.backend.close(fd)
                 if not self.readonly:
                     path.unlink()
@@ -181,7 +184,19 @@ class SegmentLog:
         try:
             if spare is None:
                 fd, length = self.backend.open(path, create=True, direct=self.direct), 0
-                self._write_all(fd, [memoryview(header)], 0, path)
+                try:
+                    self._write_all(fd, [memoryview(header)], 0, path)
+                    # Its name durable before its records (a record's fdatasync does not
+                    # make a new file's directory entry durable: POSIX asks the directory's
+                    # fsync, which no path made for a new file before rev8).
+                    _sync_dir(self.dir)
+                except BaseException:
+                    # Not a segment: closed and gone (it was left untracked, its fd open
+                    # until a restart: rev8). Killed here instead, the file holds no record
+                    # and a short or all-zero header, which the start deletes.
+                    self.backend.close(fd)
+                    path.unlink(missing_ok=True)
+                    raise
             else:
                 # The new header first, durable, then the name: a process killed between
                 # the rename and the header write left seg-N holding the spare's old header
@@ -189,14 +204,31 @@ class SegmentLog:
                 # bench/fio_crash.py). Killed before the rename, the spare-*.kvt is deleted
                 # at the next start.
                 fd, length = spare.fd, spare.file_bytes
+                renamed = False
                 try:
+                    # remove()'s rename to spare-M durable before the file's header changes:
+                    # otherwise a crash could bring back seg-M's name over seg-N's header,
+                    # and the restart refused the directory (rev8).
+                    _sync_dir(self.dir)
                     self._write_all(fd, [memoryview(header)], 0, spare.path)
                     self.backend.sync(fd)
                     os.rename(spare.path, path)   # (a refused rename left the spare lost:
-                except BaseException:             # its fd open, its file unused: rev7)
-                    self.spares.append(spare)     # still a spare: its next use writes again
+                    renamed = True                # its fd open, its file unused: rev7)
+                    _sync_dir(self.dir)   # the file's new name is durable before its records
+                except BaseException:
+                    # Still a spare: its next use writes again. A failed sync after the
+                    # rename names it back (seg-N was left untracked, its fd open: rev8);
+                    # either name is sound after a crash (seg-N's own header, no record;
+                    # a spare-*.kvt is deleted at start).
+                    if renamed:
+                        try:
+                            os.rename(path, spare.path)
+                        except OSError:
+                            self.backend.close(fd)
+                            path.unlink(missing_ok=True)
+                            raise
+                    self.spares.append(spare)
                     raise
-                _sync_dir(self.dir)       # the file's new name is durable before its records
         except OSError as exc:
             raise StorageError(f"cannot create segment {path}: {exc.strerror}") from None
         seg = Segment(seg_id, path, fd, self.data_start, direct=_is_direct(fd),
