@@ -123,3 +123,20 @@ def test_try_get_resident_refuses_a_block_the_tier_does_not_hold(tmp_path: Path,
     assert eng.try_get_resident("m", key(0) + key(9), 1, Tier.HBM) is None
     assert _hbm_state(eng, key(0)) == before
     eng.close(flush=False)
+
+
+def test_a_full_reader_count_stays_full_on_both_paths(tmp_path: Path, native: bool):
+    # The page table's reader count is uint16: a lease at 65,535 keeps it there (the C
+    # helpers saturate; the numpy fallback wrapped to 0, and an admin eviction could then
+    # take a row that still had readers). Slot pins are uint32 and keep the bytes regardless.
+    eng = _engine(tmp_path)
+    eng.put("m", keys(range(3)), blocks(3, BB, 1))
+    ns = eng.namespace("m")
+    rows = ns.table.lookup(ns.table.keys_array(keys(range(3))))
+    ns.table.cols["leases"][rows] = [65_535, 65_535, 7]
+    lid = eng.lease_one(ns, key(0), 1)[0]
+    res = eng.try_get_resident("m", keys([1, 2]), 1, Tier.HOST)
+    assert res is not None and res.found.all()
+    assert ns.table.cols["leases"][rows].tolist() == [65_535, 65_535, 8]
+    eng.release_many([lid, res.lease_id], 1)
+    eng.close(flush=False)

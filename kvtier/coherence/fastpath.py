@@ -34,9 +34,12 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
+from kvtier.coherence.leases import count_readers
 from kvtier.coherence.namespace import GetResult, Lease, add_one
 from kvtier.errors import BadRequest
 from kvtier.types import Tier
+
+LEASE_COUNT_MAX = 65535             # the page table's uint16 reader count
 
 try:
     from kvtier.coherence import _fast
@@ -142,7 +145,8 @@ class FastPath:
         slot = int(cols["slot"][row, tier])
         st = ns.slots[tier]
         st.leases[slot] += 1
-        cols["leases"][row] += 1
+        if cols["leases"][row] < LEASE_COUNT_MAX:   # saturating, as the C helpers' counts
+            cols["leases"][row] += 1
         ledger = self.ledger
         ledger.clock += 1
         cols["prev_access"][row] = cols["last_access"][row]
@@ -195,7 +199,7 @@ class FastPath:
         slots = cols["slot"][rows, tier]
         slots64 = slots.astype(np.int64)
         add_one(ns.slots[tier].leases, slots64)
-        add_one(cols["leases"], rows)
+        count_readers(cols["leases"], rows)        # saturating, as lease_rows
         self.ledger.touch(ns, rows)
         self.count_hits(ns, n, tier)
         lid = self._new_id()
