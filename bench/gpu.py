@@ -760,6 +760,8 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="comma-separated subset of the cases (rows2m, "
                     "layers, rows64k, rows16k, diagnosis, staging (after rows64k and rows16k), "
                     "single, hbm); default: all")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the transfer "
+                    "policy variants run after each rows case (default: all; '' for none)")
     args = ap.parse_args()
     reps = 3 if args.quick else args.reps
     m = header("bench/gpu.py")
@@ -783,6 +785,9 @@ def main() -> None:
     # Whole gets (one request, then Mover.stage_sorted; off by default, measured slower) and
     # puts that commit only from wait() (before early commits).
     whole = {"whole_gets": TP(whole_onboard_keys=4096), "chunked_gets": TP(whole_onboard_keys=0),
+             "sorted_512": TP(whole_onboard_keys=4096, sorted_piece_keys=512),
+             "sorted_2048": TP(whole_onboard_keys=4096, sorted_piece_keys=2048),
+             "whole_one_reply": TP(whole_onboard_keys=4096, sorted_piece_keys=1 << 20),
              "late_commits": TP(early_commits=False)}
     v64k = {"kernel_onboard": TP(**k64),
             "direct_kernel": TP(staged=False, **k64),
@@ -795,6 +800,9 @@ def main() -> None:
     v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
             "prepared": TP(prepare_launch=True), "staged_offload": TP(staged_out_bytes=0),
             "copy_engines_only": TP(copy_engine_bytes=0), **whole}
+    if args.variants is not None:
+        pick = set(filter(None, args.variants.split(",")))
+        v2m, v64k, v16k = ({k: v for k, v in d.items() if k in pick} for d in (v2m, v64k, v16k))
     cases = [("rows2m", lambda c: rows_case(c, "rows2m", 2 << 20, 1024, reps, out, mm,
                                             mm_alone, v2m)),
              ("layers", lambda c: layers_case(c, reps, out, 1024)),

@@ -566,15 +566,18 @@ def test_a_chunked_get_moves_exactly_its_blocks_and_records_its_timeline(
         transfer.set_policy(None)
 
 
-@pytest.mark.parametrize("bb,piece", [(65536, 1 << 20), (16384, 16 << 20), (4096, 64 << 10)],
-                         ids=["64k-small-pieces", "16k", "4k-tiny-pieces"])
-def test_a_dense_batch_asked_in_any_key_order_moves_in_slot_order(gpu_service, bb, piece):
+@pytest.mark.parametrize("bb,piece,keys_per", [(65536, 1 << 20, 1024), (16384, 16 << 20, 64),
+                                               (4096, 64 << 10, 100)],
+                         ids=["64k-small-pieces", "16k-many-replies", "4k-tiny-pieces"])
+def test_a_dense_batch_asked_in_any_key_order_moves_in_slot_order(gpu_service, bb, piece,
+                                                                  keys_per):
     # A batch put together (dense slots) asked in another key order, into scattered rows, some
-    # keys missing: one request, then the slot range piece by piece (copy engine into staging,
-    # the kernel from there; small pieces so that both staging buffers are reused many times).
-    # Every found row holds its block, every other row keeps its poison. (Whole gets are off
-    # by default: measured slower on the H200.)
-    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096, stage_piece_bytes=piece))
+    # keys missing: leased in the service's slot order (one reply, or many of keys_per keys:
+    # api.sortedgets), each reply's slot range piece by piece (copy engine into staging, the
+    # kernel from there; small pieces so that the staging ring is reused many times, across
+    # replies too). Every found row holds its block, every other row keeps its poison.
+    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096, stage_piece_bytes=piece,
+                                       sorted_piece_keys=keys_per))
     try:
         with kvtier.Client(gpu_service.socket) as c:
             ns = c.namespace(f"sorted{bb}", block_bytes=bb)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from kvtier.errors import KvtierError, ServiceUnavailable
+from kvtier.errors import KvtierError, ProtocolError, ServiceUnavailable
 
 if TYPE_CHECKING:
     from kvtier.api.client import GetReply, Namespace
@@ -124,6 +124,64 @@ def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", in
             try:
                 moving = True
                 on_reply(rep, lo)
+            except BaseException as exc:      # keep reading: the other replies hold leases
+                error = exc
+    return found, leases, error, moving
+
+
+def lease_sorted(ns: "Namespace", kb: bytes, n: int,
+                 on_reply: Callable[["GetReply", np.ndarray], None],
+                 extra: dict[str, Any] | None = None, size: int | None = None
+                 ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
+    """lease() in the service's slot order (kvtier.api.sortedgets): one request carries every
+    key and the pieces' ends (chunks(n, size)), each later one names it and its piece; all
+    are sent before the first reply is read. on_reply(reply, at) gets the positions in kb of
+    the piece's keys. The positions of all pieces must make a permutation of the keys, each
+    piece's as many as its reply's blocks: anything else is a ProtocolError (a block put in
+    another key's place would be a wrong block), raised once every reply is read. Returns
+    what lease() returns."""
+    from kvtier.api.client import GetReply
+    c = ns._client
+    parts = chunks(n, size)
+    last = len(parts) - 1
+    ends = np.array([hi for _lo, hi in parts], dtype="<u4").tobytes()
+    head = c._send("get", {"ns": ns.name, "keys": kb, "sort": ends, **(extra or {})},
+                   piggyback=last == 0)
+    ids = [head] + [c._send("get", {"ns": ns.name, "of": head, "piece": i, **(extra or {})},
+                            piggyback=i == last)
+                    for i in range(1, len(parts))]
+    found = np.zeros(n, dtype=bool)
+    seen = np.zeros(n, dtype=bool)
+    count = 0                              # positions seen so far
+    leases: list[int] = []
+    error: BaseException | None = None
+    moving = False
+    for (lo, hi), rid in zip(parts, ids):
+        try:
+            raw = c._reply(rid)
+            rep = GetReply.decode(raw)
+        except ServiceUnavailable:
+            raise                    # the connection is gone, and its leases with it
+        except KvtierError as exc:
+            error = error or exc
+            continue
+        leases.append(rep.lease)
+        at = np.frombuffer(raw.get("order", b""), "<u4")
+        ok = at.size == hi - lo == rep.found.size and (not at.size or int(at.max()) < n)
+        if ok:
+            seen[at] = True
+            now = int(np.count_nonzero(seen))
+            ok, count = now - count == at.size, now
+        if not ok:
+            error = error or ProtocolError(
+                f"a sorted get's piece came back with {at.size} positions for {hi - lo} keys "
+                "(or positions outside the batch, or repeated): nothing of it is used")
+            continue
+        found[at] = rep.found
+        if error is None:
+            try:
+                moving = True
+                on_reply(rep, at)
             except BaseException as exc:      # keep reading: the other replies hold leases
                 error = exc
     return found, leases, error, moving

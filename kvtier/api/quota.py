@@ -78,6 +78,7 @@ class ClientInfo:
     errors: int = 0
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2048))
     pins: Pins = field(default_factory=Pins)     # host slots held (api.quota)
+    sorted_gets: dict = field(default_factory=dict)   # id -> SortedGet (api.sortedgets)
 
     def record(self, seconds: float, ok: bool) -> None:
         self.ops += 1

@@ -45,6 +45,7 @@ from kvtier.api.connection import Connection, Later, Reply, failed_reply, ok_rep
 from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
 from kvtier.api.resident import NEEDS_DISK, ResidentGets
+from kvtier.api.sortedgets import SortedGets
 from kvtier.api.steps import LOOP_WAIT_S, StepRunner
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
@@ -64,7 +65,7 @@ INLINE_PUT_KEYS = 4096
 _PEERCRED = struct.Struct("3i")
 
 
-class Server(ResidentGets):
+class Server(ResidentGets, SortedGets):
     """Serve one engine on a Unix socket. start(), then serve until stop()."""
 
     def __init__(self, engine: Engine, settings: Settings,
@@ -253,6 +254,8 @@ class Server(ResidentGets):
         socket, one zero-timeout epoll): a lone worker's batches (a GPU put's reserve and
         commit, chunk by chunk) keep their inline dispatch, with no loop iteration added."""
         keys, name = req.get("keys"), req.get("ns")
+        if "piece" in req:
+            return True                 # a sorted get's later piece (kvtier.api.sortedgets)
         if type(keys) is bytes:
             ns = self.engine.namespaces.get(name) if type(name) is str else None
             return len(keys) > SHORT_KEYS * (ns.key_width if ns is not None else 16)
@@ -262,6 +265,8 @@ class Server(ResidentGets):
     def _dispatch_req(self, client: ClientInfo, req: dict[str, Any], req_id: Any,
                       op: str) -> Reply | Awaitable[Reply]:
         try:
+            if op == "get" and ("sort" in req or "of" in req):
+                return self._sorted_get(client, req, req_id)      # kvtier.api.sortedgets
             if "release_first" in req and op == "get":
                 out = self._get_resident_first(client, req)
                 if out is not None:

@@ -133,6 +133,8 @@ class Mover:
         self._turn = 0
         self._out_ring: list[list[Any]] = []    # the same for GPU->host: [.., last copy out]
         self._out_turn = 0
+        self._sorted_ring: list[list[Any]] = []   # stage_sorted's: [address, bytes, last placement]
+        self._sorted_turn = 0
         self._gather: Stream | None = None      # the stream of offload gathers (_staged_out)
         self._vectors: dict[tuple[int, int, int, int], int] = {}    # vector_bytes, per launch
         # bench/gpu.py's timeline: where a list, each staged piece appends its timing events
@@ -293,36 +295,45 @@ class Mover:
 
     def _sorted(self, rng: SlotRange, sl: np.ndarray, r: np.ndarray, lo: int, hi: int,
                 width: int, pieces: list[tuple[int, int]]) -> None:
-        """stage_sorted's pieces (positions in the sorted slots sl, rows r), copies first."""
+        """stage_sorted's pieces (positions in the sorted slots sl, rows r), copies first.
+
+        The staging ring (SORTED_RING_BYTES in buffers of stage_piece_bytes) is the Mover's,
+        kept across calls: a get leased in slot order (kvtier.api.sortedgets) calls this once
+        a reply, and each copy into a buffer waits for the placement that last read it,
+        whichever call enqueued that one."""
         import cupy
         self.staged = True
         self.methods.update((Method.COPY_ENGINE, Method.KERNEL))
         firsts = sl[[p0 for p0, _p1 in pieces]]
         spans = [int(sl[p1 - 1]) - int(sl[p0]) + 1 for p0, p1 in pieces]
-        widest = max(spans) * width
-        ring: list[int] = []
-        depth = min(len(pieces), max(2, SORTED_RING_BYTES // widest))     # copies ahead
+        need = max(max(spans) * width, self.policy.stage_piece_bytes)
+        ring = self._sorted_ring
+        if ring and ring[0][1] < need:
+            ring = []                    # wider pieces than the ring's buffers: a ring apart
+        size = ring[0][1] if ring else need
+        depth = max(2, SORTED_RING_BYTES // size)             # copies ahead
+        start = self._sorted_turn if ring is self._sorted_ring else 0
         off, bb = int(self.table.offset[lo]), self.slots.block_bytes
         st = own(self.table.device, "kernel-0", high_priority=True) if (
             self.policy.kernel_priority) else own(self.table.device, "place")
         if st not in self._pending:
             self._pending.append(st)
         copied: list[Any] = []
-        placed: list[Any] = []
         marks: list[list[Any]] = []
 
         def copy(k: int) -> None:
-            if k < depth:
-                ring.append(self.staging.device(-(-widest // 8)))
-            else:
-                self.stream.wait(placed[k - depth])     # its buffer's last placement
+            b = (start + k) % depth
+            if b == len(ring):
+                ring.append([self.staging.device(-(-size // 8)), size, None])
+            elif ring[b][2] is not None:
+                self.stream.wait(ring[b][2])     # its buffer's last placement
             m = [] if self.trace is None else [_timed(self.stream)]
             src = rng.base + int(firsts[k]) * bb + off
             if width == bb:
-                cupy.cuda.runtime.memcpyAsync(ring[k % len(ring)], src, spans[k] * bb,
+                cupy.cuda.runtime.memcpyAsync(ring[b][0], src, spans[k] * bb,
                                               _DEFAULT, self.stream.ptr)
             else:
-                cupy.cuda.runtime.memcpy2DAsync(ring[k % len(ring)], width, src, bb, width,
+                cupy.cuda.runtime.memcpy2DAsync(ring[b][0], width, src, bb, width,
                                                 spans[k], _DEFAULT, self.stream.ptr)
             if self.trace is not None:
                 m.append(_timed(self.stream))
@@ -337,19 +348,23 @@ class Mover:
         idx = self.staging.upload(np.concatenate(
             [part for p0, p1 in pieces for part in (rel[p0:p1], r[p0:p1])]))
         st.wait(self.stream.event())
-        for k in range(1, depth):
+        ahead = min(len(pieces), depth)
+        for k in range(1, ahead):
             copy(k)
         for k, (p0, p1) in enumerate(pieces):
             st.wait(copied[k])
             m = marks[k] if self.trace is not None else None
+            b = (start + k) % depth
             # The kernel's slot i at buffer + rel[i] * width + (page offset - off).
-            self._launch(ring[k % len(ring)] - off, width, rel[p0:p1], r[p0:p1], lo, hi,
+            self._launch(ring[b][0] - off, width, rel[p0:p1], r[p0:p1], lo, hi,
                          False, False, on=st, idx=idx + 16 * p0, place=True, marks=m)
-            placed.append(st.event())
+            ring[b][2] = st.event()
             if m is not None:
                 self.trace.append(m)
-            if k + depth < len(pieces):
-                copy(k + depth)
+            if k + ahead < len(pieces):
+                copy(k + ahead)
+        if ring is self._sorted_ring:
+            self._sorted_turn = (start + len(pieces)) % depth
 
     def _staged_out(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int,
                     b: int) -> bool:

@@ -73,6 +73,11 @@ class TransferPolicy:
     # hidden: end to end 64 KiB 0.798 against 0.783 alone and 0.721 against 0.842 beside the
     # matmul, 16 KiB 0.543 against 0.561 (docs/DESIGN-NOTES.md, round 4), so still off.
     whole_onboard_keys: int = 0
+    # A whole get is leased in the service's slot order (kvtier.api.sortedgets), a first piece
+    # of a quarter of this many keys and then pieces of this many (pipeline.chunks), each
+    # moved by stage_sorted as its reply arrives: the control path of one piece, not of the
+    # whole batch, before the first copy.
+    sorted_piece_keys: int = 1024
     stage_piece_bytes: int = 16 << 20
     # A staged placement (device staging to the engine's pages) by place_items16, a thread
     # group per page (False: move_pages16, two divisions and four table loads per vector).
@@ -95,11 +100,13 @@ class TransferPolicy:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
                 or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0
                 or self.whole_onboard_keys < 0 or self.stage_piece_bytes < 1
+                or self.sorted_piece_keys < 1
                 or (self.staged_out_bytes is not None and self.staged_out_bytes < 0)):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
                              "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
-                             "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0 "
-                             "and stage_piece_bytes >= 1, staged_out_bytes >= 0")
+                             "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0, "
+                             "sorted_piece_keys and stage_piece_bytes >= 1, "
+                             "staged_out_bytes >= 0")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":

@@ -306,32 +306,39 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
             trace = {"t0": time.perf_counter(), "start": mover.mark(), "chunks": []}
             TRACE.append(trace)
 
-        def launch(rep: "GetReply", lo: int) -> None:
+        def launch(rep: "GetReply", at: Any) -> None:
             if trace is not None:
                 import time
                 t_reply, before = time.perf_counter(), mover.mark()
-                _launch(rep, lo)
+                _launch(rep, at)
                 trace["chunks"].append((t_reply, before, mover.mark(), time.perf_counter()))
             else:
-                _launch(rep, lo)
+                _launch(rep, at)
 
-        def _launch(rep: "GetReply", lo: int) -> None:
+        def _launch(rep: "GetReply", at: Any) -> None:
+            # at: the chunk's first key (lease), or its keys' positions (lease_sorted).
             if len(groups) == 1:             # one event: move each chunk as its reply arrives
+                rows_at = (dst_rows[at:at + rep.slots.size] if type(at) is int
+                           else dst_rows[at])
                 if rep.found.all():
-                    slots, rows_ = rep.slots, dst_rows[lo:lo + rep.slots.size]
+                    slots, rows_ = rep.slots, rows_at
                 else:
                     idx = np.flatnonzero(rep.found)
-                    slots, rows_ = rep.slots[idx], dst_rows[lo + idx]
+                    slots, rows_ = rep.slots[idx], rows_at[idx]
                 if not (whole and mover.stage_sorted(slots, rows_, 0, table.pages)):
                     if whole and slots.size:
                         ns._whole_skip = SPARSE_RETRY   # sparse: the next gets in chunks
                     mover.move(slots, rows_, 0, table.pages, False)
             else:
-                replies.append((rep, lo))
+                replies.append((rep, at))
         extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
-        found, leases, error, _moved = pipeline.lease(
-            ns, kb, n, launch, extra, n if whole else None,
-            (lambda: mover.prepare(0, table.pages, n)) if len(groups) == 1 and not whole else None)
+        if whole:        # in the service's slot order, piece by piece (api.sortedgets)
+            found, leases, error, _moved = pipeline.lease_sorted(
+                ns, kb, n, launch, extra, pol.sorted_piece_keys)
+        else:
+            found, leases, error, _moved = pipeline.lease(
+                ns, kb, n, launch, extra, None,
+                (lambda: mover.prepare(0, table.pages, n)) if len(groups) == 1 else None)
         try:
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]

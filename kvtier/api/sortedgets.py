@@ -1,0 +1,173 @@
+"""Gets answered in slot order, piece by piece, as a part of the Server (a mixin).
+
+Why (issue 16's small-page onboards). A GPU get of thousands of 16 or 64 KiB blocks moves
+fastest as a few large copies: one copy-engine copy of a range of consecutive slots into device
+staging, and a placement kernel from there (gpu.device.Mover.stage_sorted: 0.96 of H2D for
+64 KiB blocks alone on the H200, against 0.87 for one copy per block). That needs each reply's
+slots dense, and a worker asks in its own order (a request's blocks, not the service's slots),
+so a chunk of its keys is a scatter over the whole pool. Leasing the whole batch in one request
+and sorting it on the client put all of the control path (~0.7 ms for 4,096 keys) before the
+first byte moved. Here the first request carries every key and the cuts of its pieces; the
+service orders the keys by their host slot (one lookup, no lease) and answers the first piece,
+each later request (already sent, no keys) the next piece of that order. So the pieces are
+dense ranges of slots and the first copy starts after one short lease.
+
+Protocol (a "get" with these fields; every other field as a get's):
+
+- first request: ``keys`` (all of them), ``sort`` (the pieces' ends, "<u4", strictly
+  increasing, the last the number of keys); its reply is piece 0.
+- later requests: ``of`` (the first request's id) and ``piece`` (1, 2, ... in order), no keys.
+- every reply is a get's reply for its piece's keys, plus ``order`` ("<u4"): the positions in
+  the first request's keys of the piece's keys, in the order of found, slots and the rest.
+
+The order is a hint taken under the engine lock, or the keys' own order when the lock is busy:
+each piece is leased by the get path as any get, so a block moved or rewritten between the
+order and its piece is served from where it is then (its piece is less dense, never wrong). The
+state of a sorted get lives on the connection until its last piece is asked (at most
+MAX_SORTED at once), and goes with the connection.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Awaitable
+
+import numpy as np
+
+from kvtier.api import protocol as P
+from kvtier.api.connection import Reply, failed_reply
+from kvtier.api.quota import ClientInfo
+from kvtier.errors import BadRequest
+from kvtier.types import Tier
+
+MAX_SORTED = 8          # sorted gets in flight on one connection
+
+
+@dataclass(slots=True)
+class SortedGet:
+    """A sorted get between its first and its last piece."""
+
+    name: str
+    keys: np.ndarray        # the first request's keys (V{key_width})
+    order: np.ndarray       # uint32 positions in keys, by host slot
+    ends: list[int]         # 0 and the pieces' ends: piece i is order[ends[i]:ends[i + 1]]
+    next: int = 1           # the piece the connection must ask next
+
+
+def slot_order(engine: Any, name: str, karr: np.ndarray) -> np.ndarray:
+    """Positions of karr's keys by their host slot: the keys with a current host copy first,
+    by slot, then the others in their own order. Under the engine lock (the caller's)."""
+    ns = engine.namespace(name)
+    table = ns.table
+    rows = table.lookup(karr)
+    n = rows.size
+    cols = table.cols
+    live = np.flatnonzero(rows >= 0)
+    r = rows[live]
+    ver = cols["version"][r]
+    cur = (ver > 0) & (cols["copy_ver"][r, Tier.HOST] == ver)
+    at, r = live[cur], r[cur]
+    slot = cols["slot"][r, Tier.HOST].astype(np.int64)
+    rest = np.setdiff1d(np.arange(n), at, assume_unique=True) if at.size < n else at[:0]
+    if slot.size == 0:
+        return np.arange(n, dtype=np.uint32)
+    smin = int(slot.min())
+    span = int(slot.max()) - smin + 1
+    if span <= 4 * slot.size:
+        # Dense (a batch put together): the order by one scatter over the span, O(n), unless
+        # a slot repeats (a key asked twice), which the scatter would drop.
+        by = np.full(span, -1, np.int64)
+        by[slot - smin] = np.arange(slot.size)
+        pick = by[by >= 0]
+        if pick.size != slot.size:
+            pick = np.argsort(slot, kind="stable")
+    else:
+        pick = np.argsort(slot, kind="stable")
+    return np.concatenate([at[pick], rest]).astype(np.uint32)
+
+
+class SortedGets:
+    """Server's sorted gets (self is the Server: engine, _fast, _dispatch_req)."""
+
+    def _sorted_get(self, client: ClientInfo, req: dict[str, Any], req_id: Any
+                    ) -> Reply | Awaitable[Reply]:
+        """A get of a sorted get's piece: its keys put into req, the get dispatched as any,
+        and its positions added to the reply."""
+        try:
+            at = self._sorted_piece(client, req, req_id)
+        except Exception as exc:
+            return failed_reply(exc, req_id, "get")
+        out = self._dispatch_req(client, req, req_id, "get")
+        order = P.arr(at, "<u4")
+        if inspect.isawaitable(out):
+            return _with_order_later(out, order)
+        return _with_order(out, order)
+
+    def _sorted_piece(self, client: ClientInfo, req: dict[str, Any], req_id: Any
+                      ) -> np.ndarray:
+        """Put this piece's keys into req (and pop the sorted get's fields); its positions."""
+        name = P.arg(req, "ns", str)
+        if req.get("inline") or req.get("tier", "host") != "host":
+            raise BadRequest("a sorted get is served from the host tier, not inline")
+        gets = client.sorted_gets
+        if "of" in req:
+            head = req.pop("of")
+            piece = req.pop("piece", None)
+            if type(head) is not int or type(piece) is not int:
+                raise BadRequest("a sorted get's later piece needs integers 'of' and 'piece'")
+            if "keys" in req or "sort" in req:
+                raise BadRequest("a sorted get's later piece carries no keys and no sort")
+            st = gets.get(head)
+            if st is None:
+                raise BadRequest(f"no sorted get {head} in flight on this connection (its "
+                                 "first request failed, or its last piece was asked)")
+            if piece != st.next or st.name != name:
+                del gets[head]
+                raise BadRequest(f"sorted get {head}: piece {piece} of {name!r} asked where "
+                                 f"piece {st.next} of {st.name!r} was next; the get is ended")
+            lo, hi = st.ends[piece], st.ends[piece + 1]
+            st.next += 1
+            if st.next == len(st.ends) - 1:
+                del gets[head]
+            at = st.order[lo:hi]
+            req["keys"] = st.keys[at].tobytes()
+            return at
+        keys = P.arg(req, "keys", bytes)
+        ends = P.array_arg(req, "sort", "<u4")
+        req.pop("sort")
+        if "piece" in req:
+            raise BadRequest("a sorted get's first request has no 'piece'")
+        ns = self.engine.namespace(name)
+        karr = ns.table.keys_array(keys)
+        n = karr.shape[0]
+        cuts = ends.astype(np.int64)
+        if cuts.size == 0 or cuts[-1] != n or (cuts[0] <= 0) or (np.diff(cuts) <= 0).any():
+            raise BadRequest(f"sort: the pieces' ends must rise strictly from above 0 to the "
+                             f"number of keys ({n})")
+        if cuts.size > 1:
+            if type(req_id) is not int or req_id in gets:
+                raise BadRequest("a sorted get of several pieces needs an integer request id "
+                                 "not in use by another sorted get of this connection")
+            if len(gets) >= MAX_SORTED:
+                raise BadRequest(f"{MAX_SORTED} sorted gets are in flight on this connection: "
+                                 "ask their pieces first")
+        done, order = self._fast(slot_order, self.engine, name, karr)
+        if not done:
+            order = np.arange(n, dtype=np.uint32)     # the lock is busy: the keys' own order
+        ends_l = [0, *cuts.tolist()]
+        if cuts.size > 1:
+            gets[req_id] = SortedGet(name, karr, order, ends_l)
+        at = order[:ends_l[1]]
+        req["keys"] = karr[at].tobytes()
+        return at
+
+
+def _with_order(out: Reply, order: bytes) -> Reply:
+    if out[0].get("ok"):
+        out[0]["order"] = order
+    return out
+
+
+async def _with_order_later(out: Awaitable[Reply], order: bytes) -> Reply:
+    return _with_order(await out, order)
