@@ -286,6 +286,9 @@ def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) ->
             f"onboard_enqueue_ms_{tag}": round(float(np.median(enq)) * 1e3, 3),
             f"onboard_profile_{tag}": profile(get, 30, 10),
             f"onboard_timeline_{tag}": chunk_timeline(get_async, reps),
+            **timeline_variant(get_async, tag, reps, "sorted", whole_onboard_keys=4096),
+            **timeline_variant(get_async, tag, reps, "sorted_64m", whole_onboard_keys=4096,
+                               stage_piece_bytes=64 << 20),
             **({} if tag != "16k" else timeline_variant(get_async, tag, reps, "prepared",
                                                         prepare_launch=True))}
 
@@ -787,7 +790,9 @@ def main() -> None:
     whole = {"whole_gets": TP(whole_onboard_keys=4096), "chunked_gets": TP(whole_onboard_keys=0),
              "sorted_512": TP(whole_onboard_keys=4096, sorted_piece_keys=512),
              "sorted_2048": TP(whole_onboard_keys=4096, sorted_piece_keys=2048),
-             "whole_one_reply": TP(whole_onboard_keys=4096, sorted_piece_keys=1 << 20),
+             "sorted_64m": TP(whole_onboard_keys=4096, stage_piece_bytes=64 << 20),
+             "sorted_2048_64m": TP(whole_onboard_keys=4096, sorted_piece_keys=2048,
+                                   stage_piece_bytes=64 << 20),
              "late_commits": TP(early_commits=False)}
     v64k = {"kernel_onboard": TP(**k64),
             "direct_kernel": TP(staged=False, **k64),

@@ -135,11 +135,12 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
                  ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
     """lease() in the service's slot order (kvtier.api.sortedgets): one request carries every
     key and the pieces' ends (chunks(n, size)), each later one names it and its piece; all
-    are sent before the first reply is read. on_reply(reply, at) gets the positions in kb of
-    the piece's keys. The positions of all pieces must make a permutation of the keys, each
-    piece's as many as its reply's blocks: anything else is a ProtocolError (a block put in
-    another key's place would be a wrong block), raised once every reply is read. Returns
-    what lease() returns."""
+    are sent before the first reply is read. on_reply(reply, at) gets 0 for piece 0 (the first
+    keys in their order, as lease's first chunk) and the positions in kb of the keys of each
+    later piece. The positions of all pieces must make a permutation of the keys, each piece's
+    as many as its reply's blocks, piece 0's the first keys: anything else is a ProtocolError
+    (a block put in another key's place would be a wrong block), raised once every reply is
+    read. Returns what lease() returns."""
     from kvtier.api.client import GetReply
     c = ns._client
     parts = chunks(n, size)
@@ -167,7 +168,8 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
             continue
         leases.append(rep.lease)
         at = np.frombuffer(raw.get("order", b""), "<u4")
-        ok = at.size == hi - lo == rep.found.size and (not at.size or int(at.max()) < n)
+        ok = at.size == hi - lo == rep.found.size and (not at.size or int(at.max()) < n) and (
+            lo or (at == np.arange(hi, dtype=np.uint32)).all())
         if ok:
             seen[at] = True
             now = int(np.count_nonzero(seen))
@@ -181,7 +183,7 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
         if error is None:
             try:
                 moving = True
-                on_reply(rep, at)
+                on_reply(rep, at if lo else 0)
             except BaseException as exc:      # keep reading: the other replies hold leases
                 error = exc
     return found, leases, error, moving

@@ -325,8 +325,10 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
                 else:
                     idx = np.flatnonzero(rep.found)
                     slots, rows_ = rep.slots[idx], rows_at[idx]
-                if not (whole and mover.stage_sorted(slots, rows_, 0, table.pages)):
-                    if whole and slots.size:
+                # A sorted get's piece 0 is its first keys in their order (at 0: a chunk).
+                sorted_piece = whole and type(at) is not int
+                if not (sorted_piece and mover.stage_sorted(slots, rows_, 0, table.pages)):
+                    if sorted_piece and slots.size:
                         ns._whole_skip = SPARSE_RETRY   # sparse: the next gets in chunks
                     mover.move(slots, rows_, 0, table.pages, False)
             else:
