@@ -566,16 +566,17 @@ def test_a_chunked_get_moves_exactly_its_blocks_and_records_its_timeline(
         transfer.set_policy(None)
 
 
-@pytest.mark.parametrize("bb,piece,keys_per", [(65536, 1 << 20, 1024), (16384, 16 << 20, 64),
+@pytest.mark.parametrize("bb,piece,keys_per", [(65536, 1 << 20, 256), (16384, 16 << 20, 64),
                                                (4096, 64 << 10, 100)],
                          ids=["64k-small-pieces", "16k-many-replies", "4k-tiny-pieces"])
 def test_a_dense_batch_asked_in_any_key_order_moves_in_slot_order(gpu_service, bb, piece,
                                                                   keys_per):
     # A batch put together (dense slots) asked in another key order, into scattered rows, some
-    # keys missing: leased in the service's slot order (one reply, or many of keys_per keys:
-    # api.sortedgets), each reply's slot range piece by piece (copy engine into staging, the
-    # kernel from there; small pieces so that the staging ring is reused many times, across
-    # replies too). Every found row holds its block, every other row keeps its poison.
+    # keys missing: leased in the service's slot order (api.sortedgets: piece 0, a quarter of
+    # keys_per keys, as a chunk; then pieces of keys_per in slot order), each later reply's
+    # slot range piece by piece (copy engine into staging, the kernel from there; small pieces
+    # so that the staging ring is reused many times, across replies too). Every found row
+    # holds its block, every other row keeps its poison.
     transfer.set_policy(TransferPolicy(whole_onboard_keys=4096, stage_piece_bytes=piece,
                                        sorted_piece_keys=keys_per))
     try:
@@ -606,9 +607,9 @@ def test_a_dense_batch_asked_in_any_key_order_moves_in_slot_order(gpu_service, b
 
 
 def test_a_sparse_whole_get_moves_as_before_and_the_next_ones_go_in_chunks(gpu_service):
-    # Every other key of a batch: its slots span twice their count, so the whole get is not
-    # staged; its bytes are still right, and the namespace's next gets go in chunks.
-    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096))
+    # Every other key of a batch: its slots span twice their count, so the sorted pieces are
+    # not staged; its bytes are still right, and the namespace's next gets go in chunks.
+    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096, sorted_piece_keys=64))
     try:
         _sparse_whole_get(gpu_service)
     finally:
