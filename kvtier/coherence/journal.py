@@ -87,8 +87,7 @@ class Journal:
     def checkpoint(self, logs: dict[int, SegmentLog]) -> None:
         """Commit every waiting operation and the marks of logs (by namespace id) in one
         synced LMDB transaction. Raises StorageError; the operations then stay waiting."""
-        marks = {ns_id: {sid: seg.size for sid, seg in lg.segments.items()}
-                 for ns_id, lg in logs.items()}
+        marks = {ns_id: lg.marks() for ns_id, lg in logs.items()}
         self.catalog.commit(self.ops, marks)
         self.ops, self.waiting = [], 0
         self.since = time.monotonic()

@@ -86,6 +86,9 @@ class SegmentLog:
         self.backend = backend or PosixBackend()
         self.segments: dict[int, Segment] = {}
         self.doomed: dict[int, Segment] = {}     # reclaimed, waiting for their readers
+        # Files unlinked or renamed away (to spares) so far, and how many of those a synced
+        # directory covers (marks()).
+        self._removals = self._removals_synced = 0
         self.spares: list[Segment] = []          # reclaimed files the next segments reuse
         self._last_id = 0
         self.bytes_written = 0       # device bytes, padding and compaction included
@@ -659,6 +662,7 @@ class SegmentLog:
                 else:
                     seg.path, seg.size = spare, 0
                     self.spares.append(seg)
+                    self._removals += 1           # seg-N is gone once the directory syncs
         if not keep:
             self._delete(seg)
         return seg.file_bytes
@@ -677,6 +681,31 @@ class SegmentLog:
             seg.path.unlink()
         except FileNotFoundError:
             pass
+        with self._lock:
+            self._removals += 1
+
+    def marks(self) -> dict[int, int]:
+        """What a checkpoint may record as complete, per segment id: the size of every segment
+        and of every reclaimed one still on disk for its readers (doomed), after the removals
+        so far are durable (the directory synced). A file that a restart finds without a mark
+        is replayed from its start: a reclaimed one would bring back every record it ever
+        held, deleted and evicted keys with their oldest bytes. So a mark goes only once its
+        file cannot come back: not while doomed (a crash before its reader ends leaves it),
+        nor before its unlink or rename reached the disk (on file systems where another
+        file's fsync does not carry it). Raises StorageError when the directory's sync fails
+        (the checkpoint then fails and its operations wait)."""
+        with self._lock:
+            out = {sid: seg.size for sid, seg in self.segments.items()}
+            out.update((sid, seg.size) for sid, seg in self.doomed.items())
+            removals = self._removals
+        if removals != self._removals_synced:
+            try:
+                _sync_dir(self.dir)
+            except OSError as exc:
+                raise StorageError(f"cannot sync NVMe directory {self.dir}: "
+                                   f"{exc.strerror}") from None
+            self._removals_synced = removals
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
