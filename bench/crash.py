@@ -21,6 +21,13 @@ root) under an nvme_capacity far above it, so appends meet ENOSPC: a put or flus
 refused (StorageError, counted as refused_puts / refused_flushes, never as acks), and what was
 acknowledged must still be there after the kill.
 
+With --deletes N each client also owns N keys of its own (no other client touches them, so
+their order is the client's): some of its puts go there, and deletes of 1-4 of them, each
+durable when it returns. A deleted key must stay missing until it is put again; served after
+the restart with a version the delete had removed (no newer put acked), it counts as
+resurrected, which must be 0 too (a reclaimed segment whose mark a checkpoint dropped once
+brought deleted keys back with their oldest bytes: tests/test_journal.py).
+
 recovery_s is from the restart's exec to the first answered get. Both must-be-zero figures are
 checked by the harness itself (a mutation that acknowledges without flushing makes it report
 losses: see RELIABILITY.md).
@@ -82,6 +89,9 @@ class Model:
         self.by_bytes: dict[int, dict[bytes, int]] = {}  # key -> {block digest: seed}
         self.refusals = {"puts": 0, "flushes": 0}         # StorageError answers (disk full)
         self.missing = self.older = 0                     # acked_lost: not served / older
+        self.floor: dict[int, int] = {}     # a deleted key: versions up to this were deleted
+        self.resurrected = 0                # served at or below its floor after a restart
+        self.deletes = 0
 
     def refused(self, what: str) -> None:
         with self.lock:
@@ -99,6 +109,22 @@ class Model:
             self.acked.setdefault(k, []).append((self.seq, version, seed))
             if durable and (k not in self.durable or self.durable[k][0] <= version):
                 self.durable[k] = (version, seed)
+
+    def deleting(self, ks: list[int]) -> dict[int, int]:
+        """A delete is sent: until its acknowledgement the keys may be missing after a kill.
+        Returns each key's highest version acknowledged so far (what the delete removes)."""
+        with self.lock:
+            top = {k: max([v for _q, v, _s in self.acked.pop(k, [])] +
+                          [self.durable.pop(k, (0, 0))[0], self.floor.get(k, 0)]) for k in ks}
+        return top
+
+    def deleted(self, top: dict[int, int]) -> None:
+        """An acknowledged delete of keys only this caller writes (so every put of them was
+        acknowledged before it; top: deleting()'s): their versions so far are gone, durably."""
+        with self.lock:
+            self.deletes += 1
+            for k, v in top.items():
+                self.floor[k] = v
 
     def flush_sent(self) -> int:
         with self.lock:
@@ -124,7 +150,7 @@ class Model:
 
 
 def load(sock: str, model: Model, stop: threading.Event, keyspace: int, cid: int,
-         write_back: bool) -> None:
+         write_back: bool, own: int = 0) -> None:
     import kvtier
     from kvtier.errors import KvtierError, StorageError
     rng = random.Random(cid * 7919 + int(time.time() * 1e6))
@@ -134,10 +160,20 @@ def load(sock: str, model: Model, stop: threading.Event, keyspace: int, cid: int
     except KvtierError:
         return
     try:
+        mine = range(keyspace + cid * own, keyspace + (cid + 1) * own)   # --deletes
         while not stop.is_set():
             op = rng.random()
+            ks = None
+            if own and rng.random() < 0.15:      # this client's own keys
+                ks = rng.sample(mine, rng.randint(1, 4))
+                if rng.random() < 0.3:
+                    top = model.deleting(ks)
+                    ns.delete(b"".join(key(k) for k in ks))
+                    model.deleted(top)
+                    continue
+                op = 0.0                           # a put of them
             if op < 0.55:
-                ks = rng.sample(range(keyspace), rng.randint(1, 8))
+                ks = ks or rng.sample(range(keyspace), rng.randint(1, 8))
                 seeds = [rng.getrandbits(48) for _ in ks]
                 data = np.stack([block_of(k, s) for k, s in zip(ks, seeds)])
                 for k, s, d in zip(ks, seeds, data):
@@ -170,7 +206,8 @@ def load(sock: str, model: Model, stop: threading.Event, keyspace: int, cid: int
 
 
 def verify(sock: str, model: Model, keyspace: int) -> list[int]:
-    """Read every key back (versions included). Returns the keys acked and lost."""
+    """Read every key back (versions included; keyspace counts the clients' own keys too).
+    Returns the keys acked and lost."""
     import kvtier
     lost: list[int] = []
     with kvtier.Client(sock, timeout=30) as c:
@@ -188,6 +225,8 @@ def verify(sock: str, model: Model, keyspace: int) -> list[int]:
                             model.missing += 1
                         continue
                     seed = model.served(k, np.array(view))
+                    if want is None and v <= model.floor.get(k, 0):
+                        model.resurrected += 1          # a deleted version came back
                     if want is not None and (v < want[0] or (v == want[0] and seed != want[1])):
                         lost.append(k)
                         model.older += 1
@@ -291,7 +330,8 @@ def iteration(svc, model: Model, args: argparse.Namespace, rng: random.Random,
               stats: dict) -> tuple[int, float]:
     stop = threading.Event()
     threads = [threading.Thread(target=load, args=(str(svc.socket), model, stop, args.keys, i,
-                                                   args.write_policy == "write_back"))
+                                                   args.write_policy == "write_back",
+                                                   args.deletes))
                for i in range(args.clients)]
     for t in threads:
         t.start()
@@ -313,7 +353,7 @@ def iteration(svc, model: Model, args: argparse.Namespace, rng: random.Random,
     with kvtier.Client(svc.socket, timeout=30) as c:
         c.namespace("crash", block_bytes=BB).get(key(0))
     recovery = time.perf_counter() - t0
-    lost_keys = verify(str(svc.socket), model, args.keys)
+    lost_keys = verify(str(svc.socket), model, args.keys + args.clients * args.deletes)
     lost = len(lost_keys)
     if args.damage:
         with model.lock:                    # gone with the damage: no longer expected
@@ -407,6 +447,8 @@ def main() -> None:
     ap.add_argument("--checkpoint-interval", type=float, default=1.0,
                     help="the service's checkpoint_interval: how far LMDB may lag the log's "
                          "batch headers (a kill within it makes the restart replay them)")
+    ap.add_argument("--deletes", type=int, default=0, metavar="N",
+                    help="each client also puts and deletes N keys of its own (0: no deletes)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -465,6 +507,8 @@ def main() -> None:
             out["max_recovery_s"] = round(max(recoveries), 3)
             out["median_recovery_s"] = round(float(np.median(recoveries)), 3)
             out["acked_puts_checked"] = len(model.durable)
+            if args.deletes:
+                out["deletes"], out["resurrected"] = model.deletes, model.resurrected
         if args.recovery_entries:
             out.update(recovery_at(args.recovery_entries, base))
     finally:
@@ -473,7 +517,8 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     out["machine"] = m
     emit(out, args.json)
-    if (out.get("acked_lost") or out["wrong_served"] or stats["crashes"] or stats["unrepaired"]) \
+    if (out.get("acked_lost") or out["wrong_served"] or out.get("resurrected")
+            or stats["crashes"] or stats["unrepaired"]) \
             and not args.mutant:
         sys.exit(1)
 

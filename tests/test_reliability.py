@@ -17,10 +17,11 @@ def _bench(*args: str, timeout: float = 600) -> tuple[int, dict]:
 
 
 def test_crash_harness_short_run_loses_nothing_and_serves_nothing_wrong():
-    rc, res = _bench("bench/crash.py", "--iterations", "4", "--max-run", "0.5")
+    # With deletes of keys each client owns: a deleted key stays deleted across the kills.
+    rc, res = _bench("bench/crash.py", "--iterations", "4", "--max-run", "0.5", "--deletes", "16")
     assert rc == 0
     assert res["iterations"] == 4 and res["acked_lost"] == 0 and res["wrong_served"] == 0
-    assert res["acked_puts_checked"] > 0
+    assert res["acked_puts_checked"] > 0 and res["deletes"] > 0 and res["resurrected"] == 0
 
 
 def test_crash_harness_catches_acks_that_were_not_durable():
