@@ -790,6 +790,8 @@ def main() -> None:
     whole = {"whole_gets": TP(whole_onboard_keys=4096), "chunked_gets": TP(whole_onboard_keys=0),
              "sorted_512": TP(whole_onboard_keys=4096, sorted_piece_keys=512),
              "sorted_2048": TP(whole_onboard_keys=4096, sorted_piece_keys=2048),
+             "ramp_64_256": TP(get_ramp=(64, 256)), "ramp_32_128_512": TP(get_ramp=(32, 128, 512)),
+             "ramp_128": TP(get_ramp=(128,)), "ramp_64": TP(get_ramp=(64,)),
              "sorted_64m": TP(whole_onboard_keys=4096, stage_piece_bytes=64 << 20),
              "sorted_2048_64m": TP(whole_onboard_keys=4096, sorted_piece_keys=2048,
                                    stage_piece_bytes=64 << 20),

@@ -70,23 +70,29 @@ def cuda_put_chunks(n: int, block_bytes: int) -> list[tuple[int, int]]:
     return chunks(n, size)
 
 
-def chunks(n: int, size: int | None = None) -> list[tuple[int, int]]:
+def chunks(n: int, size: int | None = None, ramp: tuple[int, ...] = ()
+           ) -> list[tuple[int, int]]:
     """[lo, hi) ranges covering n keys: one range up to 2 x size keys (default CHUNK), else a
-    first range of size / 4 and then ranges of size. The first is short because nothing moves
-    until its reply is in: on the H200 a first chunk of 1,024 keys came back 0.5 ms into a
-    2.0 ms onboard get (bench/gpu.py onboard_timeline_ms)."""
+    first range of size / 4 (or the ranges of ramp's sizes) and then ranges of size. The
+    first is short because nothing moves until its reply is in: on the H200 a first chunk of
+    1,024 keys came back 0.5 ms into a 2.0 ms onboard get (bench/gpu.py onboard_timeline_ms)."""
     size = size or CHUNK
     if n <= 2 * size:
         return [(0, n)]
-    first = max(1, size // 4)
-    return [(0, first)] + [(lo, min(lo + size, n)) for lo in range(first, n, size)]
+    out, lo = [], 0
+    for k in ramp or (max(1, size // 4),):
+        if lo + k >= n:
+            break
+        out.append((lo, lo + k))
+        lo += k
+    return out + [(a, min(a + size, n)) for a in range(lo, n, size)]
 
 
 def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", int], None],
           extra: dict[str, Any] | None = None, size: int | None = None,
-          prepare: Callable[[], None] | None = None
+          prepare: Callable[[], None] | None = None, ramp: tuple[int, ...] = ()
           ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
-    """Lease keys' blocks chunk by chunk (chunks(n, size)), calling on_reply(reply, lo) as
+    """Lease keys' blocks chunk by chunk (chunks(n, size, ramp)), calling on_reply(reply, lo) as
     each reply arrives (until something fails). Every reply is read, so no lease is left
     unknown. prepare() runs once every request is sent, before the first reply is read (the
     caller's set-up, while the service answers; a failure there is the get's failure, after
@@ -96,7 +102,7 @@ def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", in
     from kvtier.api.client import GetReply
     c = ns._client
     w = ns.key_width
-    parts = chunks(n, size)
+    parts = chunks(n, size, ramp)
     last = len(parts) - 1
     ids = [c._send("get", {"ns": ns.name, "keys": kb[lo * w:hi * w], **(extra or {})},
                    piggyback=i == last)

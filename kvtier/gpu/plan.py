@@ -78,6 +78,10 @@ class TransferPolicy:
     # moved by stage_sorted as its reply arrives: the control path of one piece, not of the
     # whole batch, before the first copy.
     sorted_piece_keys: int = 1024
+    # A chunked get's first chunks (pipeline.chunks' ramp; empty: one of a quarter of a chunk):
+    # smaller first requests come back sooner, and each next one's reply arrives while the GPU
+    # moves the one before.
+    get_ramp: tuple[int, ...] = ()
     stage_piece_bytes: int = 16 << 20
     # A staged placement (device staging to the engine's pages) by place_items16, a thread
     # group per page (False: move_pages16, two divisions and four table loads per vector).
@@ -100,12 +104,12 @@ class TransferPolicy:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
                 or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0
                 or self.whole_onboard_keys < 0 or self.stage_piece_bytes < 1
-                or self.sorted_piece_keys < 1
+                or self.sorted_piece_keys < 1 or any(k < 1 for k in self.get_ramp)
                 or (self.staged_out_bytes is not None and self.staged_out_bytes < 0)):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
                              "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
                              "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0, "
-                             "sorted_piece_keys and stage_piece_bytes >= 1, "
+                             "sorted_piece_keys, get_ramp and stage_piece_bytes >= 1, "
                              "staged_out_bytes >= 0")
 
     @classmethod

@@ -340,7 +340,8 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
         else:
             found, leases, error, _moved = pipeline.lease(
                 ns, kb, n, launch, extra, None,
-                (lambda: mover.prepare(0, table.pages, n)) if len(groups) == 1 else None)
+                (lambda: mover.prepare(0, table.pages, n)) if len(groups) == 1 else None,
+                pol.get_ramp)
         try:
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
