@@ -45,6 +45,8 @@ def _name(e: tuple) -> str:
     kind = e[0]
     if kind in ("step", "fast"):
         return f"{kind}:{e[3]}"
+    if kind == "gc":
+        return f"gc:{e[3]}"
     if kind in ("dr", "write", "reply", "endl"):
         return f"{kind}:{'probe' if e[3] == 'stall-probe' else 'reader'}"
     return kind
@@ -53,7 +55,9 @@ def _name(e: tuple) -> str:
 def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     # Only the loop's outermost pieces of work (an inline engine call, reply or write inside a
     # data_received is part of it; the nested ones are in loop_work_us).
-    side = ("read", "pin", "unpin")         # on the I/O threads, or inside a step
+    # On the I/O threads, or inside a step; a collection is in whatever work set it off (its
+    # share of the tail is told apart below: tail_gc_overlap_us).
+    side = ("read", "pin", "unpin", "gc")
     loop, end = [], -1.0
     for e in sorted((e for e in events if e[0] not in side), key=lambda e: e[1]):
         if e[1] >= end:
@@ -63,6 +67,7 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     cpu: dict[str, list[float]] = collections.defaultdict(list)
     switches: dict[str, list[tuple]] = collections.defaultdict(list)
     reads = sorted((e for e in events if e[0] == "read"), key=lambda e: e[1])
+    gcs = [e for e in events if e[0] == "gc"]
     starts = np.array([e[1] for e in loop])
     lo_t, hi_t = beside[0, 0], beside[-1, 1]
     pdr = [e for e in loop if e[0] == "dr" and e[3] == "stall-probe"]
@@ -71,7 +76,7 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     thr = np.percentile(lat, 100 - tail)
     agg: collections.Counter = collections.Counter()
     cnt: collections.Counter = collections.Counter()
-    waits, ins, overl = [], [], []
+    waits, ins, overl, gc_overl = [], [], [], []
     for i in np.flatnonzero(lat >= thr):
         t0, t1 = beside[i]
         j = int(np.searchsorted(pdr_t, t0))
@@ -91,6 +96,8 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
         agg["untraced"] += (e[1] - t0) - busy
         overl.append(sum(max(0.0, min(r[2], e[1]) - max(r[1], t0)) for r in reads
                          if r[1] < e[1] and r[2] > t0))
+        gc_overl.append(sum(max(0.0, min(g[2], e[1]) - max(g[1], t0)) for g in gcs
+                            if g[1] < e[1] and g[2] > t0))
     n = max(1, len(waits))
     durs: dict[str, list[float]] = collections.defaultdict(list)
     for e in nested:
@@ -123,6 +130,11 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
         "tail_wait_to_data_received_us": round(float(np.mean(waits)) * 1e6, 1) if waits else None,
         "tail_in_data_received_us": round(float(np.mean(ins)) * 1e6, 1) if ins else None,
         "tail_nvme_read_overlap_us": round(float(np.mean(overl)) * 1e6, 1) if overl else None,
+        # The garbage collector's runs inside the tail's waits (in any kind of work above), and
+        # the share of the tail gets that waited through one.
+        "tail_gc_overlap_us": round(float(np.mean(gc_overl)) * 1e6, 1) if gc_overl else None,
+        "tail_gets_with_gc": (round(float(np.mean([x > 0 for x in gc_overl])), 3)
+                              if gc_overl else None),
         "tail_wait_by_kind_us": {k: {"us": round(v / n * 1e6, 1), "events": round(cnt[k] / n, 2)}
                                  for k, v in agg.most_common()},
         "loop_work_us": {k: {"n": len(v), "p50": round(float(np.percentile(v, 50)) * 1e6, 1),

@@ -6,7 +6,8 @@ data_received: wall time beyond it is waiting, for the GIL, a lock or a core), e
 on the I/O threads, and the NVMe log's pin (in the decide) and unpin (after each read); the
 list is pickled at exit. Perf counters are CLOCK_MONOTONIC, the probe's clock too. For
 measuring only: it wraps methods of kvtier.api.server, kvtier.api.steps,
-kvtier.coherence.persist and kvtier.tiers.nvme. STALL_SWITCH_INTERVAL: see below.
+kvtier.coherence.persist and kvtier.tiers.nvme, and adds a gc callback (each collection
+timed, by generation). STALL_SWITCH_INTERVAL: see below.
 """
 import os, atexit, time
 
@@ -40,6 +41,17 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
         with open(_path, "wb") as f:
             pickle.dump(EV, f)
     atexit.register(_dump)
+    # CPython's cyclic garbage collector, in whichever thread an allocation set it off: the
+    # GIL is held throughout, so every thread's Python waits for it ("gc:<generation>",
+    # with what it collected; stall8).
+    import gc
+    _gc_t0 = [0.0]
+    def _gc_cb(phase, info):
+        if phase == "start":
+            _gc_t0[0] = pc()
+        else:
+            EV.append(("gc", _gc_t0[0], pc(), info.get("generation"), info.get("collected")))
+    gc.callbacks.append(_gc_cb)
     import kvtier.api.steps as S
     import kvtier.api.server as SV
     _next = S.StepRunner._next
