@@ -75,6 +75,14 @@
  *       path then decides (and raises) as before. Writes nothing; a tier or a lower tier
  *       past copy_ver's columns raises ValueError.
  *
+ *   must_bring(version u64[c], copy_ver u64[c, t], rows i64[n], n_rows, tier) -> bool
+ *       Whether any position of rows (a lookup's result, -1 where missing) has a row with a
+ *       version (> 0) and no current copy in tier: try_get's refusal of a batch that must read
+ *       the disk (Gets._get, io=False: an NVMe reader's get tried on the loop before its steps,
+ *       stall8; eight numpy calls before, a mask, two selections, two gathers, two comparisons
+ *       and an any). Writes nothing; a row at or past n_rows, or a column shorter than n_rows,
+ *       raises ValueError.
+ *
  * No reference to any argument is kept. The GIL is held (under the engine lock; microseconds).
  */
 #define PY_SSIZE_T_CLEAN
@@ -498,6 +506,46 @@ done:
     return result;
 }
 
+static PyObject *must_bring(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "must_bring takes 5 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[2], nt, n, n_rows, tier;
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &cap[1], &nt, "copy_ver") : NULL;
+    int64_t *rows = copy_ver ? view(&v, args[2], 8, 0, &n, NULL, "rows") : NULL;
+    PyObject *result = NULL;
+    if (rows == NULL || as_index(args[3], &n_rows, "n_rows") < 0
+            || as_index(args[4], &tier, "tier") < 0)
+        goto done;
+    if (cap[0] < n_rows || cap[1] < n_rows) {
+        PyErr_SetString(PyExc_ValueError, "must_bring: a column is shorter than n_rows");
+        goto done;
+    }
+    if (tier >= nt) {
+        PyErr_SetString(PyExc_ValueError, "must_bring: tier past the columns");
+        goto done;
+    }
+    int bring = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (r >= n_rows) {
+            PyErr_SetString(PyExc_ValueError, "must_bring: a row past the table");
+            goto done;
+        }
+        if (r >= 0 && version[r] && copy_ver[r * nt + tier] != version[r])
+            bring = 1;              /* (every row is still checked against the table) */
+    }
+    result = PyBool_FromLong(bring);
+done:
+    views_release(&v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_rows", (PyCFunction)(void (*)(void))split_rows, METH_FASTCALL,
      "split_rows(...): a get's batch split into found, ready (pinned) and to bring up."},
@@ -511,6 +559,8 @@ static PyMethodDef methods[] = {
      "room_rows(...): the room step's count of blocks to bring up, and its pins."},
     {"victims_covered", (PyCFunction)(void (*)(void))victims_covered, METH_FASTCALL,
      "victims_covered(...): whether a lower tier holds every victim's version."},
+    {"must_bring", (PyCFunction)(void (*)(void))must_bring, METH_FASTCALL,
+     "must_bring(...): whether a batch has a block to bring up into the tier."},
     {NULL, NULL, 0, NULL},
 };
 
