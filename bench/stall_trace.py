@@ -14,7 +14,10 @@ it reports the wait from the send to the service's data_received of that frame, 
 loop's traced work in that interval by kind and the rest ("untraced": the loop idle, waiting for
 the GIL, or in work not traced: task steps, thread callbacks, the poll itself); and the
 duration percentiles of each kind of loop work over the whole beside phase. The hooks cost a
-few microseconds per event: the figures are not bench/stall.py's.
+few microseconds per event: the figures are not bench/stall.py's. Their events also set off
+the garbage collector (gc:0, gc:1 in loop_work_us; tail_gc_overlap_us): nearly all of those
+collections are the tracer's own (bench/stall_trace_hooks); --no-gc turns the collector off in
+the traced service.
 """
 
 from __future__ import annotations
@@ -156,6 +159,9 @@ def main() -> None:
     ap.add_argument("--host-capacity", default="64MiB")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--tail", type=float, default=2.0, help="percent of slowest probe gets")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="the garbage collector off in the traced service (its runs there are "
+                         "mostly the tracer's own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/stall_trace.py")
@@ -164,8 +170,10 @@ def main() -> None:
     bb = 64 << 10
     base = tempfile.mkdtemp(prefix="kvtier-stall-trace-", dir=os.getcwd())
     trace = os.path.join(base, "events.pkl")
-    env = {k: os.environ.get(k) for k in ("STALL_TRACE", "STALL_TRACE_ROLE", "PYTHONPATH")}
+    env = {k: os.environ.get(k) for k in ("STALL_TRACE", "STALL_TRACE_ROLE", "PYTHONPATH",
+                                          "STALL_TRACE_GC")}
     os.environ.update(STALL_TRACE=trace, STALL_TRACE_ROLE="serve",
+                      STALL_TRACE_GC="off" if args.no_gc else "on",
                       PYTHONPATH=os.pathsep.join(p for p in (HOOKS, ROOT, env["PYTHONPATH"])
                                                  if p))
     svc = Service(Path(base) / "svc", admin=False, host_capacity=args.host_capacity,
@@ -225,7 +233,7 @@ def main() -> None:
             events = pickle.load(fh)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    out: dict = {"cold_blocks": args.cold_blocks, "batch": args.batch,
+    out: dict = {"cold_blocks": args.cold_blocks, "batch": args.batch, "gc": not args.no_gc,
                  "host_capacity": args.host_capacity, "samples": args.samples,
                  "tail_pct": args.tail, "conditions": {}}
     for k, ph in phases.items():
