@@ -14,7 +14,10 @@ it reports the wait from the send to the service's data_received of that frame, 
 loop's traced work in that interval by kind and the rest ("untraced": the loop idle, waiting for
 the GIL, or in work not traced: task steps, thread callbacks, the poll itself); and the
 duration percentiles of each kind of loop work over the whole beside phase. The hooks cost a
-few microseconds per event: the figures are not bench/stall.py's.
+few microseconds per event: the figures are not bench/stall.py's. Their events also set off
+the garbage collector (gc:0, gc:1 in loop_work_us; tail_gc_overlap_us): nearly all of those
+collections are the tracer's own (bench/stall_trace_hooks); --no-gc turns the collector off in
+the traced service.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def _name(e: tuple) -> str:
     kind = e[0]
     if kind in ("step", "fast"):
         return f"{kind}:{e[3]}"
+    if kind == "gc":
+        return f"gc:{e[3]}"
     if kind in ("dr", "write", "reply", "endl"):
         return f"{kind}:{'probe' if e[3] == 'stall-probe' else 'reader'}"
     return kind
@@ -53,7 +58,9 @@ def _name(e: tuple) -> str:
 def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     # Only the loop's outermost pieces of work (an inline engine call, reply or write inside a
     # data_received is part of it; the nested ones are in loop_work_us).
-    side = ("read", "pin", "unpin")         # on the I/O threads, or inside a step
+    # On the I/O threads, or inside a step; a collection is in whatever work set it off (its
+    # share of the tail is told apart below: tail_gc_overlap_us).
+    side = ("read", "pin", "unpin", "gc")
     loop, end = [], -1.0
     for e in sorted((e for e in events if e[0] not in side), key=lambda e: e[1]):
         if e[1] >= end:
@@ -63,6 +70,7 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     cpu: dict[str, list[float]] = collections.defaultdict(list)
     switches: dict[str, list[tuple]] = collections.defaultdict(list)
     reads = sorted((e for e in events if e[0] == "read"), key=lambda e: e[1])
+    gcs = [e for e in events if e[0] == "gc"]
     starts = np.array([e[1] for e in loop])
     lo_t, hi_t = beside[0, 0], beside[-1, 1]
     pdr = [e for e in loop if e[0] == "dr" and e[3] == "stall-probe"]
@@ -71,7 +79,7 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     thr = np.percentile(lat, 100 - tail)
     agg: collections.Counter = collections.Counter()
     cnt: collections.Counter = collections.Counter()
-    waits, ins, overl = [], [], []
+    waits, ins, overl, gc_overl = [], [], [], []
     for i in np.flatnonzero(lat >= thr):
         t0, t1 = beside[i]
         j = int(np.searchsorted(pdr_t, t0))
@@ -91,6 +99,8 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
         agg["untraced"] += (e[1] - t0) - busy
         overl.append(sum(max(0.0, min(r[2], e[1]) - max(r[1], t0)) for r in reads
                          if r[1] < e[1] and r[2] > t0))
+        gc_overl.append(sum(max(0.0, min(g[2], e[1]) - max(g[1], t0)) for g in gcs
+                            if g[1] < e[1] and g[2] > t0))
     n = max(1, len(waits))
     durs: dict[str, list[float]] = collections.defaultdict(list)
     for e in nested:
@@ -123,6 +133,11 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
         "tail_wait_to_data_received_us": round(float(np.mean(waits)) * 1e6, 1) if waits else None,
         "tail_in_data_received_us": round(float(np.mean(ins)) * 1e6, 1) if ins else None,
         "tail_nvme_read_overlap_us": round(float(np.mean(overl)) * 1e6, 1) if overl else None,
+        # The garbage collector's runs inside the tail's waits (in any kind of work above), and
+        # the share of the tail gets that waited through one.
+        "tail_gc_overlap_us": round(float(np.mean(gc_overl)) * 1e6, 1) if gc_overl else None,
+        "tail_gets_with_gc": (round(float(np.mean([x > 0 for x in gc_overl])), 3)
+                              if gc_overl else None),
         "tail_wait_by_kind_us": {k: {"us": round(v / n * 1e6, 1), "events": round(cnt[k] / n, 2)}
                                  for k, v in agg.most_common()},
         "loop_work_us": {k: {"n": len(v), "p50": round(float(np.percentile(v, 50)) * 1e6, 1),
@@ -144,6 +159,9 @@ def main() -> None:
     ap.add_argument("--host-capacity", default="64MiB")
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--tail", type=float, default=2.0, help="percent of slowest probe gets")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="the garbage collector off in the traced service (its runs there are "
+                         "mostly the tracer's own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/stall_trace.py")
@@ -152,8 +170,10 @@ def main() -> None:
     bb = 64 << 10
     base = tempfile.mkdtemp(prefix="kvtier-stall-trace-", dir=os.getcwd())
     trace = os.path.join(base, "events.pkl")
-    env = {k: os.environ.get(k) for k in ("STALL_TRACE", "STALL_TRACE_ROLE", "PYTHONPATH")}
+    env = {k: os.environ.get(k) for k in ("STALL_TRACE", "STALL_TRACE_ROLE", "PYTHONPATH",
+                                          "STALL_TRACE_GC")}
     os.environ.update(STALL_TRACE=trace, STALL_TRACE_ROLE="serve",
+                      STALL_TRACE_GC="off" if args.no_gc else "on",
                       PYTHONPATH=os.pathsep.join(p for p in (HOOKS, ROOT, env["PYTHONPATH"])
                                                  if p))
     svc = Service(Path(base) / "svc", admin=False, host_capacity=args.host_capacity,
@@ -213,7 +233,7 @@ def main() -> None:
             events = pickle.load(fh)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    out: dict = {"cold_blocks": args.cold_blocks, "batch": args.batch,
+    out: dict = {"cold_blocks": args.cold_blocks, "batch": args.batch, "gc": not args.no_gc,
                  "host_capacity": args.host_capacity, "samples": args.samples,
                  "tail_pct": args.tail, "conditions": {}}
     for k, ph in phases.items():

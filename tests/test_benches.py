@@ -102,6 +102,18 @@ def test_stall_trace_bench_smoke():
     assert work["dr:probe"]["n"] >= 50                  # every probe frame traced
     assert "step:_get_decide" in work and "cpu_p50" in work["step:_get_decide"]
     assert "untraced" in c["tail_wait_by_kind_us"]
+    assert r["gc"] is True and "tail_gc_overlap_us" in c
+
+
+def test_stall_trace_bench_without_the_collector_smoke():
+    # --no-gc: the traced service runs no collection (the tracer's events set most of them
+    # off), so that none is in the tail it splits.
+    r = _bench("bench/stall_trace.py", "--cold-blocks", "256", "--batch", "16",
+               "--host-capacity", "8MiB", "--samples", "300", "--readers", "1", "--no-gc")
+    c = r["conditions"]["1"]
+    assert r["gc"] is False
+    assert not [k for k in c["loop_work_us"] if k.startswith("gc:")]
+    assert c["tail_gc_overlap_us"] == 0.0
 
 
 def test_stall_bench_switch_interval_smoke():

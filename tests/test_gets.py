@@ -272,6 +272,78 @@ def test_room_rows_refuses_a_broken_table_before_it_pins():
     assert keep[:2].tolist() == [0, 0] and leases[0] == before[0] + 2
 
 
+def _try_gets(tmp: Path, seed: int) -> list:
+    """Random puts (dirty under write-back), flushes, evictions to NVMe and try_gets of
+    batches resident, partly resident, missing or all on NVMe; each try_get's answer (its
+    result, or None: refused) and the state after it."""
+    eng = _small_engine(tmp, False)
+    rng = np.random.default_rng(seed)
+    seen: list = []
+    for step in range(200):
+        op = int(rng.integers(0, 10))
+        ids = [int(i) for i in rng.integers(0, 40, int(rng.integers(1, 10)))]
+        if op < 3:
+            ids = list(dict.fromkeys(ids))
+            try:
+                eng.put("m", keys(ids), blocks(len(ids), BB, step))
+            except CapacityError:
+                seen.append("put full")
+        elif op < 5:
+            eng.flush()
+            seen.append(eng.evict(Tier.HOST, int(rng.integers(1, 12))))
+        else:
+            if op == 9:
+                ids = ids + [1000 + step]          # a key never stored: a miss
+            res = eng.try_get("m", keys(ids))
+            seen.append(None if res is None else [res.found.tolist(), res.slots.tolist(),
+                                                  res.versions.tolist()])
+            if res is not None:
+                eng.release(res.lease_id)
+        _snapshot(eng, seen)
+    eng.close(flush=False)
+    return seen
+
+
+def test_try_gets_refusal_in_c_leaves_what_the_numpy_check_leaves(tmp_path: Path, monkeypatch):
+    # coherence/_gets.c must_bring (try_get's refusal of a batch that must read the disk)
+    # against the numpy check it replaced: the same answers, state and counters; both
+    # answers given (refusals, and batches served whole or with misses).
+    for seed in (7, 8):
+        c_bring = gets._must_bring
+        answers = {True: 0, False: 0}
+
+        def spy(*args, c_bring=c_bring):
+            out = c_bring(*args)
+            answers[out] += 1
+            return out
+
+        monkeypatch.setattr(gets, "_must_bring", spy)
+        with_c = _try_gets(tmp_path / f"c{seed}", seed)
+        assert answers[True] > 5 and answers[False] > 5, answers
+        assert sum(x is None for x in with_c) > 5
+        monkeypatch.setattr(gets, "_must_bring", None)
+        assert _try_gets(tmp_path / f"numpy{seed}", seed) == with_c
+        monkeypatch.setattr(gets, "_must_bring", c_bring)
+
+
+def test_must_bring_tells_a_row_to_bring_up_and_refuses_a_broken_table():
+    rng = np.random.default_rng(12)
+    told = {True: 0, False: 0}
+    for _ in range(300):
+        version, copy_ver, _slot, _leases, rows = _room_table(rng)
+        r = rows[rows >= 0]
+        expect = bool(((copy_ver[r, 1] != version[r]) & (version[r] > 0)).any())
+        assert gets._must_bring(version, copy_ver, rows, 12, 1) is expect
+        told[expect] += 1
+    assert told[True] > 50 and told[False] > 20
+    version, copy_ver, _slot, _leases, _ = _room_table(rng)
+    for rows, n_rows, tier, match in (([0, 12], 12, 1, "past the table"),
+                                      ([0], 13, 1, "shorter than n_rows"),
+                                      ([0], 12, 4, "tier past")):
+        with pytest.raises(ValueError, match=match):
+            gets._must_bring(version, copy_ver, np.array(rows, np.int64), n_rows, tier)
+
+
 def test_the_interleavings_reach_every_install_path(tmp_path: Path, monkeypatch):
     # The comparison above means something only if its workload takes both answers of
     # read_installable, and the general path's share, free and drop branches.

@@ -1,7 +1,7 @@
 """The C fast paths of round 5 (rcpu5, stall5) under bad and adversarial input (rev7's review):
 kvtier.pagetable._native.put_rows, kvtier.coherence._fast.lease_rows / unlease_one and
 kvtier.coherence._gets.read_installable / lease_current / plan_columns (and stall7's
-room_rows). Garbage is a typed error that writes nothing; the limits (65,535 readers of a row,
+room_rows, stall8's victims_covered and must_bring). Garbage is a typed error that writes nothing; the limits (65,535 readers of a row,
 batches past them) hold; and each C path leaves what its Python path leaves on random input.
 """
 
@@ -264,8 +264,19 @@ def test_the_lease_and_read_helpers_survive_garbage_at_every_argument():
         return [c["version"], c["copy_ver"], c["slot"], c["pool"],
                 np.array([0, -1, 4, 5, 4, 0], np.int64), 6, 1, np.empty(6, np.int64)]
 
+    def victims_covered():
+        c = _lease_columns()
+        return [c["copy_ver"], np.array([0, 4, 5, -1, 2, 3, 1], np.int64),
+                np.array([1, 2, 0, 6], np.int64), 1, 1 << 2]
+
+    def must_bring():
+        c = _lease_columns()
+        return [c["version"], c["copy_ver"], np.array([0, -1, 4, 5, 4], np.int64), 6, 1]
+
     from kvtier.coherence import _gets
-    cases = [(room_rows, _gets.room_rows, {7}),(lease_rows, _fast.lease_rows, {13, 14, 15}),
+    cases = [(victims_covered, _gets.victims_covered, set()),
+             (must_bring, _gets.must_bring, set()),
+             (room_rows, _gets.room_rows, {7}),(lease_rows, _fast.lease_rows, {13, 14, 15}),
              (unlease_one, _fast.unlease_one, set()),
              (split_rows, _gets.split_rows, {8, 9, 10, 11, 12}),
              (read_installable, _gets.read_installable, set()),

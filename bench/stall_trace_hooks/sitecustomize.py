@@ -6,7 +6,8 @@ data_received: wall time beyond it is waiting, for the GIL, a lock or a core), e
 on the I/O threads, and the NVMe log's pin (in the decide) and unpin (after each read); the
 list is pickled at exit. Perf counters are CLOCK_MONOTONIC, the probe's clock too. For
 measuring only: it wraps methods of kvtier.api.server, kvtier.api.steps,
-kvtier.coherence.persist and kvtier.tiers.nvme. STALL_SWITCH_INTERVAL: see below.
+kvtier.coherence.persist and kvtier.tiers.nvme, and adds a gc callback (each collection
+timed, by generation). STALL_SWITCH_INTERVAL: see below.
 """
 import os, atexit, time
 
@@ -40,6 +41,35 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
         with open(_path, "wb") as f:
             pickle.dump(EV, f)
     atexit.register(_dump)
+    # CPython's cyclic garbage collector, in whichever thread an allocation set it off: the
+    # GIL is held throughout, so every thread's Python waits for it ("gc:<generation>",
+    # with what it collected; stall8). Most of these collections are the tracer's own: each
+    # event is a tuple the collector tracks, and their count sets off a generation-0 run
+    # every 700 (H200, beside 8 readers: 22 a phase of ~125 us each, in 30-38% of the tail
+    # gets; the service untraced, dev VM: ~5 in the ~9 s of the measured phases, collecting
+    # nothing). STALL_TRACE_GC=off turns the collector off in the traced service, so that a
+    # trace's tail holds none of them.
+    import gc
+    if os.environ.get("STALL_TRACE_GC") == "off":
+        gc.disable()
+    _gc_t0 = [0.0]
+    def _gc_cb(phase, info):
+        if phase == "start":
+            _gc_t0[0] = pc()
+        else:
+            EV.append(("gc", _gc_t0[0], pc(), info.get("generation"), info.get("collected")))
+    gc.callbacks.append(_gc_cb)
+    # STALL_GC_TYPES=FILE: what the collections find, by type (gc.DEBUG_SAVEALL keeps every
+    # unreachable object in gc.garbage; their type names counted into FILE, JSON, at exit).
+    _gc_types = os.environ.get("STALL_GC_TYPES")
+    if _gc_types:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        def _dump_types():
+            import collections, json
+            c = collections.Counter(type(o).__qualname__ for o in gc.garbage)
+            with open(_gc_types, "w") as f:
+                json.dump(c.most_common(40), f)
+        atexit.register(_dump_types)
     import kvtier.api.steps as S
     import kvtier.api.server as SV
     _next = S.StepRunner._next

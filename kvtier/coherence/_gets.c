@@ -62,6 +62,27 @@
  *       want is 0 nothing is written and k is 0. A row at or past n_rows, or a current copy's
  *       slot outside the pool, raises ValueError before anything is written.
  *
+ *   victims_covered(copy_ver u64[c, t], slot_row i64[p], victims i64[n], tier, lowers) -> bool
+ *       Whether a slot tier's eviction can drop every one of the policy's victims as it is
+ *       (coherence.eviction.evict_copies, stall8: an NVMe get's room step evicts 64 clean
+ *       copies whose version NVMe holds, and the check was a gather of rows, two of
+ *       copy_ver, a comparison and an all(), then the drop's own casts and scratch arrays,
+ *       ~35 us of the dev VM's ~80 us eviction for work of a few hundred nanoseconds): True
+ *       when n > 0 and each victim is a slot of slot_row holding a row inside copy_ver whose
+ *       copy in tier has its version held by one of the lower tiers (lowers: a bit mask of
+ *       tier indices), as eviction's _covered compares them. False for anything else,
+ *       including a victim outside slot_row or a row outside the table: the caller's general
+ *       path then decides (and raises) as before. Writes nothing; a tier or a lower tier
+ *       past copy_ver's columns raises ValueError.
+ *
+ *   must_bring(version u64[c], copy_ver u64[c, t], rows i64[n], n_rows, tier) -> bool
+ *       Whether any position of rows (a lookup's result, -1 where missing) has a row with a
+ *       version (> 0) and no current copy in tier: try_get's refusal of a batch that must read
+ *       the disk (Gets._get, io=False: an NVMe reader's get tried on the loop before its steps,
+ *       stall8; eight numpy calls before, a mask, two selections, two gathers, two comparisons
+ *       and an any). Writes nothing; a row at or past n_rows, or a column shorter than n_rows,
+ *       raises ValueError.
+ *
  * No reference to any argument is kept. The GIL is held (under the engine lock; microseconds).
  */
 #define PY_SSIZE_T_CLEAN
@@ -443,6 +464,88 @@ done:
     return result;
 }
 
+static PyObject *victims_covered(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "victims_covered takes 5 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t n_rows, nt, n_slots, n, tier;
+    uint64_t *copy_ver = view(&v, args[0], 8, 0, &n_rows, &nt, "copy_ver");
+    int64_t *slot_row = copy_ver ? view(&v, args[1], 8, 0, &n_slots, NULL, "slot_row") : NULL;
+    int64_t *victims = slot_row ? view(&v, args[2], 8, 0, &n, NULL, "victims") : NULL;
+    PyObject *result = NULL;
+    if (victims == NULL || as_index(args[3], &tier, "tier") < 0)
+        goto done;
+    unsigned long long lowers = PyLong_AsUnsignedLongLong(args[4]);
+    if (lowers == (unsigned long long)-1 && PyErr_Occurred())
+        goto done;
+    if (tier >= nt || (nt < 64 && (lowers >> nt) != 0)) {
+        PyErr_SetString(PyExc_ValueError, "victims_covered: a tier past copy_ver's columns");
+        goto done;
+    }
+    int covered = n > 0;
+    for (Py_ssize_t i = 0; covered && i < n; i++) {
+        int64_t s = victims[i];
+        int64_t r = s >= 0 && s < n_slots ? slot_row[s] : -1;
+        if (r < 0 || r >= n_rows) {
+            covered = 0;
+            break;
+        }
+        const uint64_t *cv = copy_ver + r * nt;
+        int any = 0;
+        for (Py_ssize_t t = 0; t < nt && !any; t++)
+            any = ((lowers >> t) & 1) && cv[t] == cv[tier];
+        covered = any;
+    }
+    result = PyBool_FromLong(covered);
+done:
+    views_release(&v);
+    return result;
+}
+
+static PyObject *must_bring(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "must_bring takes 5 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[2], nt, n, n_rows, tier;
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &cap[1], &nt, "copy_ver") : NULL;
+    int64_t *rows = copy_ver ? view(&v, args[2], 8, 0, &n, NULL, "rows") : NULL;
+    PyObject *result = NULL;
+    if (rows == NULL || as_index(args[3], &n_rows, "n_rows") < 0
+            || as_index(args[4], &tier, "tier") < 0)
+        goto done;
+    if (cap[0] < n_rows || cap[1] < n_rows) {
+        PyErr_SetString(PyExc_ValueError, "must_bring: a column is shorter than n_rows");
+        goto done;
+    }
+    if (tier >= nt) {
+        PyErr_SetString(PyExc_ValueError, "must_bring: tier past the columns");
+        goto done;
+    }
+    int bring = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (r >= n_rows) {
+            PyErr_SetString(PyExc_ValueError, "must_bring: a row past the table");
+            goto done;
+        }
+        if (r >= 0 && version[r] && copy_ver[r * nt + tier] != version[r])
+            bring = 1;              /* (every row is still checked against the table) */
+    }
+    result = PyBool_FromLong(bring);
+done:
+    views_release(&v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_rows", (PyCFunction)(void (*)(void))split_rows, METH_FASTCALL,
      "split_rows(...): a get's batch split into found, ready (pinned) and to bring up."},
@@ -454,6 +557,10 @@ static PyMethodDef methods[] = {
      "plan_columns(...): an NVMe read plan's columns and its distinct segments."},
     {"room_rows", (PyCFunction)(void (*)(void))room_rows, METH_FASTCALL,
      "room_rows(...): the room step's count of blocks to bring up, and its pins."},
+    {"victims_covered", (PyCFunction)(void (*)(void))victims_covered, METH_FASTCALL,
+     "victims_covered(...): whether a lower tier holds every victim's version."},
+    {"must_bring", (PyCFunction)(void (*)(void))must_bring, METH_FASTCALL,
+     "must_bring(...): whether a batch has a block to bring up into the tier."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,12 +27,17 @@ import numpy as np
 from kvtier.coherence.policies import POLICIES, TierPolicy, make_tier_policy
 from kvtier.coherence.states import BlockState, Event, next_states, transition_array
 from kvtier.coherence.namespace import to_numpy as _to_numpy
+from kvtier.tiers.slots import SlotStack
 from kvtier.types import Tier, lower_tiers
 
 try:        # the C helper (setup.py builds it where a compiler is present); numpy otherwise
     from kvtier.coherence import _fast
 except ImportError:
     _fast = None
+try:        # the covered check of the victims in one call (_gets.c victims_covered)
+    from kvtier.coherence._gets import victims_covered as _victims_covered
+except ImportError:
+    _victims_covered = None
 
 if TYPE_CHECKING:
     from kvtier.coherence.namespace import EngineCounters, Namespace, SlotState
@@ -111,9 +116,11 @@ class Eviction:
         policy = st.policy or self.tier_policy(ns, tier)    # (tier_policy's frame when made)
         cols = ns.table.cols
         lowers = []                     # (a list comprehension is a frame of its own in 3.11)
+        mask = 0                        # lowers as a bit mask of tier indices, for the C check
         for t in _LOWER[tier]:
             if t in ns.slots or (t is _NVME_TIER and ns.log):
                 lowers.append(t)
+                mask |= 1 << t
         done = 0
         if not lowers and _fast is not None:
             # The lowest tier (a replay's host tier without NVMe): every victim goes as it is,
@@ -126,20 +133,28 @@ class Eviction:
                 done += self._evict_lowest(ns, tier, st, slots, policy)
             return done
         held: list[np.ndarray] = []      # victims that could not be written down: kept aside
+        # The usual case (clean copies, a lower tier holding their version: an NVMe get's room
+        # step on the H200 host, ~100 us, of which this eviction was ~3/4) told by one C call
+        # and dropped by the lowest tier's one-call drop: no row gather, selections, casts or
+        # scratch arrays between the calls, each a fixed cost in caches the last read's 4 MiB
+        # went through (stall8).
+        whole = (mask and _victims_covered is not None and _fast is not None
+                 and isinstance(st.pool, SlotStack))
         try:
             while done < n:
                 slots = policy.victims(n - done)
                 if slots.size == 0:
                     break
+                if whole and _victims_covered(cols["copy_ver"], st.slot_row, slots, int(tier),
+                                              mask):
+                    done += self._evict_lowest(ns, tier, st, slots, policy, lowers[0])
+                    continue
                 rows = st.slot_row[slots]
                 if not lowers:             # the lowest tier: every victim can go as it is
                     done += self._drop_victims(ns, tier, rows, lowers, slots)
                     continue
                 covered = self._covered(cols, rows, tier, lowers)
-                if covered.all():
-                    # The usual case (a clean copy, NVMe holding its version): no selections.
-                    # An NVMe get's room step on the H200 host costs ~100 us, most of it the
-                    # fixed cost of numpy calls in caches the last read's 4 MiB went through.
+                if covered.all():          # (the usual case without the C check: no selections)
                     done += self._drop_victims(ns, tier, rows, lowers, slots)
                     continue
                 done += self._drop_victims(ns, tier, rows[covered], lowers, slots[covered])
@@ -204,11 +219,12 @@ class Eviction:
         return int(n)
 
     def _evict_lowest(self, ns: Namespace, tier: Tier, st: SlotState, slots: np.ndarray,
-                      policy: TierPolicy) -> int:
-        """_drop_victims_native for the lowest tier (nothing below to count a demotion in)
-        with the C helper: the policy's on_remove, then _fast.evict_slots (the victims' rows,
-        drop_rows, the freed slots pushed onto the pool's stack: no row gather, scratch
-        arrays or slices between the calls), the budget, the counters, the removal."""
+                      policy: TierPolicy, lower: Tier | None = None) -> int:
+        """_drop_victims_native with the C helper, for victims that can all go as they are
+        (the lowest tier's, or copies that lower, the first lower tier, covers: a demotion
+        counted there): the policy's on_remove, then _fast.evict_slots (the victims' rows,
+        drop_rows, the freed slots pushed onto the pool's stack, a SlotStack: no row gather,
+        scratch arrays or slices between the calls), the budget, the counters, the removal."""
         table = ns.table
         cols = table.cols
         policy.on_remove(slots)
@@ -225,6 +241,8 @@ class Eviction:
         if k:
             self.slots.slots_pushed(ns, tier, k, low)
         self.counters.tiers[tier].evictions += n
+        if lower is not None:
+            self.counters.tiers[lower].demotions += n
         if d < 0:                      # a row without a LOST move: forget_empty raises
             self.forget_empty(ns, scratch[:n])
         elif d > 0:

@@ -42,11 +42,12 @@ from kvtier.tiers.reads import record_batch, run_batch, verdicts
 
 try:
     from kvtier.coherence._gets import lease_current as _lease_current
+    from kvtier.coherence._gets import must_bring as _must_bring
     from kvtier.coherence._gets import read_installable as _read_installable
     from kvtier.coherence._gets import room_rows as _room_rows
     from kvtier.coherence._gets import split_rows as _split
 except ImportError:             # not built: the numpy split in Gets._get, the numpy install
-    _split = _read_installable = _lease_current = _room_rows = None
+    _split = _read_installable = _lease_current = _room_rows = _must_bring = None
 if _fast_built is None:
     _split = None               # (the split follows lease_native's refusal: both in C or neither)
 from kvtier.types import Tier
@@ -304,15 +305,21 @@ class Gets:
             return res
         if io and _split is not None:
             return self._split_native(ns, karr, rows, owner, tier)
-        found = rows >= 0
         if not io:
             # try_get of a batch that must read the disk (an NVMe reader's, tried on the loop
             # before its steps: issue 17's stall): refused after one check, not after the
-            # dozen numpy calls below (86 -> 53 us a 64-key batch, dev VM, one pair).
-            f = rows[found]
-            v = cols["version"][f]
-            if ((cols["copy_ver"][f, tier] != v) & (v > 0)).any():
-                return None
+            # dozen numpy calls below (86 -> 53 us a 64-key batch, dev VM, one pair); the
+            # check in one C call where _gets is built (stall8).
+            if _must_bring is not None:
+                if _must_bring(cols["version"], cols["copy_ver"], rows, ns.table.n_rows,
+                               int(tier)):
+                    return None
+            else:
+                f = rows[rows >= 0]
+                v = cols["version"][f]
+                if ((cols["copy_ver"][f, tier] != v) & (v > 0)).any():
+                    return None
+        found = rows >= 0
         if found.all():
             ver = cols["version"][rows]
             if ver.all() and (cols["copy_ver"][rows, tier] == ver).all():
