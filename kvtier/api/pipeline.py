@@ -99,7 +99,6 @@ def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", in
     the replies are read). Returns (found mask, leases, the first failure or None, whether
     on_reply was called at all); the caller ends the leases once nothing started by on_reply
     reads their slots."""
-    from kvtier.api.client import GetReply
     c = ns._client
     w = ns.key_width
     parts = chunks(n, size, ramp)
@@ -107,29 +106,52 @@ def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", in
     ids = [c._send("get", {"ns": ns.name, "keys": kb[lo * w:hi * w], **(extra or {})},
                    piggyback=i == last)
            for i, (lo, hi) in enumerate(parts)]
-    found = np.zeros(n, dtype=bool)
-    leases: list[int] = []
     error: BaseException | None = None
-    moving = False
     if prepare is not None:
         try:
             prepare()
         except BaseException as exc:      # keep reading: the replies hold leases
             error = exc
+    return _read_replies(c, parts, ids, n, on_reply, lambda raw, rep, lo, hi: lo, error)
+
+
+def _read_replies(c: Any, parts: list[tuple[int, int]], ids: list[int], n: int,
+                  on_reply: Callable[["GetReply", Any], None],
+                  locate: Callable[[dict[str, Any], "GetReply", int, int], Any],
+                  error: BaseException | None = None
+                  ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
+    """Read the reply of every request of ids (one per part, in order), so that no lease is
+    left unknown; on_reply(reply, locate(...)) for each until something fails. locate gives
+    where a part's keys are in the batch: an int (the first of hi - lo in order) or their
+    positions; it raises ProtocolError for a reply that cannot be placed (nothing of it is
+    used). lease()'s returns."""
+    from kvtier.api.client import GetReply
+    found = np.zeros(n, dtype=bool)
+    leases: list[int] = []
+    moving = False
     for (lo, hi), rid in zip(parts, ids):
         try:
-            rep = GetReply.decode(c._reply(rid))
+            raw = c._reply(rid)
+            rep = GetReply.decode(raw)
         except ServiceUnavailable:
             raise                    # the connection is gone, and its leases with it
         except KvtierError as exc:
             error = error or exc
             continue
         leases.append(rep.lease)
-        found[lo:hi] = rep.found
+        try:
+            at = locate(raw, rep, lo, hi)
+        except ProtocolError as exc:
+            error = error or exc
+            continue
+        if type(at) is int:
+            found[at:at + rep.found.size] = rep.found
+        else:
+            found[at] = rep.found
         if error is None:
             try:
                 moving = True
-                on_reply(rep, lo)
+                on_reply(rep, at)
             except BaseException as exc:      # keep reading: the other replies hold leases
                 error = exc
     return found, leases, error, moving
@@ -147,7 +169,6 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
     as many as its reply's blocks, piece 0's the first keys: anything else is a ProtocolError
     (a block put in another key's place would be a wrong block), raised once every reply is
     read. Returns what lease() returns."""
-    from kvtier.api.client import GetReply
     c = ns._client
     parts = chunks(n, size)
     last = len(parts) - 1
@@ -157,42 +178,23 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
     ids = [head] + [c._send("get", {"ns": ns.name, "of": head, "piece": i, **(extra or {})},
                             piggyback=i == last)
                     for i in range(1, len(parts))]
-    found = np.zeros(n, dtype=bool)
     seen = np.zeros(n, dtype=bool)
-    count = 0                              # positions seen so far
-    leases: list[int] = []
-    error: BaseException | None = None
-    moving = False
-    for (lo, hi), rid in zip(parts, ids):
-        try:
-            raw = c._reply(rid)
-            rep = GetReply.decode(raw)
-        except ServiceUnavailable:
-            raise                    # the connection is gone, and its leases with it
-        except KvtierError as exc:
-            error = error or exc
-            continue
-        leases.append(rep.lease)
+    count = [0]                            # positions seen so far
+
+    def locate(raw: dict[str, Any], rep: "GetReply", lo: int, hi: int) -> Any:
         at = np.frombuffer(raw.get("order", b""), "<u4")
         ok = at.size == hi - lo == rep.found.size and (not at.size or int(at.max()) < n) and (
             lo or (at == np.arange(hi, dtype=np.uint32)).all())
         if ok:
             seen[at] = True
             now = int(np.count_nonzero(seen))
-            ok, count = now - count == at.size, now
+            ok, count[0] = now - count[0] == at.size, now
         if not ok:
-            error = error or ProtocolError(
+            raise ProtocolError(
                 f"a sorted get's piece came back with {at.size} positions for {hi - lo} keys "
                 "(or positions outside the batch, or repeated): nothing of it is used")
-            continue
-        found[at] = rep.found
-        if error is None:
-            try:
-                moving = True
-                on_reply(rep, at if lo else 0)
-            except BaseException as exc:      # keep reading: the other replies hold leases
-                error = exc
-    return found, leases, error, moving
+        return at if lo else 0
+    return _read_replies(c, parts, ids, n, on_reply, locate)
 
 
 def get(ns: "Namespace", kb: bytes, n: int, move: Callable[["GetReply", int], None],
