@@ -128,6 +128,12 @@ def structured(r: random.Random, names: list[str]) -> bytes:
             d["data"] = bytes(min(n, 64) * r.choice([4096, 4095, 1]))
         if op == "get":
             d["inline"] = r.random() < 0.5
+            if r.random() < 0.2:                  # a sorted get (api.sortedgets)
+                d["sort"] = r.randbytes(r.choice([0, 3, 4, 8, 40]))
+            elif r.random() < 0.1:                # a sorted get's later piece
+                d.pop("keys")
+                d.update({"of": r.choice([d["id"] - 1, r.randrange(1 << 30), -1]),
+                          "piece": r.choice([1, 2, 0, -1, 1 << 40])})
         if r.random() < 0.3:
             d["parents"] = r.randbytes(r.choice([0, width, len(keybytes)]))
         if r.random() < 0.2:
