@@ -302,9 +302,9 @@ class Puts:
             host_slots = None
             try:
                 given_sums = _trusted(checksums, karr.size)[sel] if trusted else None
-                if tier is Tier.HOST:
+                if tier is _HOST:
                     sums = (given_sums if trusted
-                            else checksums_of(ns.slots[Tier.HOST].pool,
+                            else checksums_of(ns.slots[_HOST].pool,
                                               slots if keep is None else slots[sel]))
                 else:
                     # A GPU write: written through to host; the checksum is the host copy's.
