@@ -386,8 +386,7 @@ class Server(ResidentGets, SortedGets):
                 finally:
                     self.engine.lock.release()
                 if res is not None:
-                    client.pins.add(res.rid, name, int(res.slots.size))
-                    return {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
+                    return self._reserved(client, name, tier, res)
         return self._reserve_slow(client, name, keys, parents, tier, device)
 
     async def _reserve_slow(self, client: ClientInfo, name: str, keys: bytes,
