@@ -8,10 +8,12 @@ ended are sent after each launch (early commits) and the rest as they end; then 
 reply is read. Commits carry checksums (trusted), as a GPU put's do.
 
     python bench/put_control.py [--block 16384] [--n 4096] [--puts 40] [--copy-gbps 44]
-                                [--gap-ms 1.5] [--trace] [--json]
+                                [--gap-ms 1.5] [--trace | --later] [--json]
 
 --copy-gbps 0: no copies (the service's chain alone). --trace: the service runs with
-bench/get_control_hooks as its sitecustomize (every dispatch, pack and write timed). Medians
+bench/get_control_hooks as its sitecustomize (every dispatch, pack and write timed); --later:
+with bench/put_control_hooks (which of the put's requests the service ran a poll later, as a
+Later of its step queue, and how long those waited: stall6's short-requests-first). Medians
 over the puts of: the whole put, each reserve and commit reply's arrival from the put's entry,
 the service's dispatches (traced). A gap is spun between puts (bench/gpu.py's GPU wait; the
 service's loop may sleep meanwhile).
@@ -82,18 +84,22 @@ def one_put(c, ns, kb: bytes, n: int, sums: np.ndarray, chunks: list, per_key_s:
 
 
 def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us: float,
-        gap_ms: float) -> dict:
+        gap_ms: float, later: bool = False) -> dict:
     from kvtier import Client
     from kvtier.api import pipeline
     from tests.service import Service
     work = tempfile.mkdtemp(prefix="kvtier-putctl-")
     tpath = os.path.join(work, "serve.trace")
+    lpath = os.path.join(work, "serve.later")
     env_saved = dict(os.environ)
+    hooks = "get_control_hooks" if trace else "put_control_hooks" if later else None
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        ([os.path.join(ROOT, "bench", "get_control_hooks")] if trace else []) + [ROOT]
+        ([os.path.join(ROOT, "bench", hooks)] if hooks else []) + [ROOT]
         + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if trace:
         os.environ["GET_CONTROL_TRACE"] = tpath
+    if later:
+        os.environ["PUT_CONTROL_LATER"] = lpath
     try:      # as bench/gpu.py's service: no NVMe, room for a put beside the blocks it rewrites
         svc = Service(Path(work) / "d", admin=False, host_capacity=str(max(64 << 20, 4 * n * block)),
                       nvme_capacity="0").start()
@@ -134,7 +140,25 @@ def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us:
         with open(tpath, "rb") as f:
             sev = pickle.load(f)
         out.update(service_split(sev, evs, len(chunks), t_first))
+    if later:
+        out.update(later_split(lpath, len(evs), 2 * len(chunks)))
     return out
+
+
+def later_split(path: str, puts: int, per_put: int) -> dict:
+    """Of the last puts' requests (per_put each, in the service's order: the reserves, then
+    the commits), how many puts had each one run as a Later, and the Laters' wait."""
+    import json
+    with open(path) as f:
+        d = json.load(f)
+    kinds = d["kinds"][-puts * per_put:]
+    waits = np.array(d["later_waits_s"]) * 1e3
+    return {"later_by_request": [sum(1 for i in range(k, len(kinds), per_put)
+                                     if kinds[i] == "Later") for k in range(per_put)],
+            "later_count": int(sum(1 for k in d["kinds"] if k == "Later")),
+            "dispatches": len(d["kinds"]),
+            "later_wait_ms_p50_p90": [round(float(np.percentile(waits, q)), 4)
+                                      for q in (50, 90)] if waits.size else None}
 
 
 def service_split(sev: list, evs: list, parts: int, t_first: float) -> dict:
@@ -174,11 +198,14 @@ def main() -> None:
                     help="host time a chunk's launch takes (H200, gpu5: 0.10-0.16 ms)")
     ap.add_argument("--gap-ms", type=float, default=1.5)
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--later", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.trace and args.later:
+        raise SystemExit("--trace or --later, not both (one sitecustomize)")
     m = header("bench/put_control.py")
     res = run(args.block, args.n, args.puts, args.trace, args.copy_gbps, args.launch_us,
-              args.gap_ms)
+              args.gap_ms, args.later)
     res["loadavg"] = os.getloadavg()[0]
     res["machine"] = m
     emit(res, args.json)
