@@ -421,6 +421,30 @@ def test_a_put_goes_to_a_thread_when_the_lock_is_taken_or_the_commit_writes_thro
 
 
 
+def test_the_loops_reserve_and_commit_take_nothing_where_they_would_touch_the_disk(make_engine):
+    # Puts.reserve_inline / commit_inline (the server's inline forms) answer None, with no slot,
+    # pin or reservation taken, wherever put_in_memory says no; the thread path then works.
+    eng = make_engine(write_policy="write_through")      # 16 host slots of 4 KiB, NVMe below
+    eng.create_namespace("w", 4096)
+    puts, pool = eng.puts, eng.namespace("w").slots[Tier.HOST].pool
+    with eng.lock:
+        assert puts.reserve_inline("w", keys(range(17)), None, 1) is None     # no room free
+        assert puts.reserve_inline("nope", keys(range(1)), None, 1) is None   # no namespace
+        assert pool.free_count == 16 and not eng.reservations
+        res = puts.reserve_inline("w", keys(range(2)), None, 1)
+    assert res is not None and pool.free_count == 14 and list(eng.reservations) == [res.rid]
+    data = blocks(2, 4096, seed=5)
+    pool.write(res.slots, data)
+    with eng.lock:              # written through to NVMe: a thread's work, not the loop's
+        assert puts.commit_inline(res.rid, 1, _sums(data)) is None
+        assert puts.commit_inline(12345, 1, _sums(data)) is None
+    assert list(eng.reservations) == [res.rid]
+    assert (eng.commit(res.rid, 1, _sums(data), True) > 0).all()
+    got = eng.get("w", keys(range(2)))
+    assert got.found.all() and (got.checksums == _sums(data)).all()
+    eng.release(got.lease_id)
+
+
 class _FakeStream:
     ptr = 1
 

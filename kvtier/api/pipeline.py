@@ -38,7 +38,7 @@ CHUNK = 1024
 # and a reply task each) that cost more than the overlap bought for small blocks, so up to
 # 4,096 keys went as one request (H200, commits hashed on threads: 4,096 x 16 KiB 8.2 ms as one
 # request against 14.9-15.5 ms in chunks of 1,024). With the writer's checksums the service
-# runs them inline on its loop (Server._in_memory), and every chunk's copies then overlap the
+# runs them inline on its loop (Server.op_reserve, op_commit), and every chunk's copies then overlap the
 # service's reserves and commits of the others: bench/gpu.py offload_ratio_16k_chunks_4096 is
 # the one request, measured beside the default in the same run. Host puts keep CHUNK: there
 # the client's copy and hash of one chunk overlap the service's commit of the one before.

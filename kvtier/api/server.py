@@ -59,7 +59,7 @@ STAGE_WAIT_S = 5.0     # longest a get waits for a stage of its namespace in fli
 # waits its turn in the step queue, behind the gets' steps, and the short ones go first.
 LONG_OPS = frozenset(("get", "reserve", "commit", "match_prefix"))
 SHORT_KEYS = 4
-# The most keys a put's reserve or commit runs inline on the loop (Server._in_memory): bounds
+# The most keys a put's reserve or commit runs inline on the loop (op_reserve, op_commit): bounds
 # how long one request holds the loop (a 4,096-key commit with the writer's checksums: ~1 ms).
 INLINE_PUT_KEYS = 4096
 _PEERCRED = struct.Struct("3i")
@@ -370,22 +370,6 @@ class Server(ResidentGets, SortedGets):
                 info["hbm"] = hbm.pool.ipc_info()
         return info
 
-    def _in_memory(self, n: int, name: str, rid: int | None,
-                   fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
-        """Run a put's reserve or commit inline on the loop when the engine lock is free now
-        and the engine says the call touches no disk (Engine.put_in_memory: no eviction, no
-        write-down, no write-through) and it is at most INLINE_PUT_KEYS keys; else (False,
-        None): the caller sends it to a thread. Saves the thread hop and the reply's task
-        per request, which a GPU put pays twice a chunk, one chunk after the other."""
-        if n > INLINE_PUT_KEYS or not self.engine.lock.acquire(blocking=False):
-            return False, None
-        try:
-            if not self.engine.put_in_memory(name, n, rid):
-                return False, None
-            return True, fn(*args)
-        finally:
-            self.engine.lock.release()
-
     def op_reserve(self, client: ClientInfo, req: dict[str, Any]
                    ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         name, keys, tier = P.arg(req, "ns", str), P.arg(req, "keys", bytes), _slot_tier(req)
@@ -393,11 +377,16 @@ class Server(ResidentGets, SortedGets):
         if tier is Tier.HOST:
             ns = self.engine.namespace(name)
             client.pins.check(ns, keys, self.settings.max_client_share)
-            done, res = self._in_memory(len(keys) // max(ns.key_width, 1), name, None,
-                                        self.engine.reserve, name, keys, parents, tier,
-                                        client.cid)
-            if done:
-                return self._reserved(client, name, tier, res)
+            # Inline on the loop when the engine lock is free now and the reserve touches no
+            # disk (Puts.reserve_inline; at most INLINE_PUT_KEYS keys): no thread hop.
+            if (len(keys) <= INLINE_PUT_KEYS * ns.key_width
+                    and self.engine.lock.acquire(blocking=False)):
+                try:
+                    res = self.engine.puts.reserve_inline(name, keys, parents, client.cid)
+                finally:
+                    self.engine.lock.release()
+                if res is not None:
+                    return self._reserved(client, name, tier, res)
         return self._reserve_slow(client, name, keys, parents, tier, device)
 
     async def _reserve_slow(self, client: ClientInfo, name: str, keys: bytes,
@@ -419,11 +408,15 @@ class Server(ResidentGets, SortedGets):
         rid = P.arg(req, "rid", int)
         trusted = P.arg(req, "trusted", bool, False)
         client.pins.end([rid])              # committed or refused, the reservation has ended
-        if trusted and sums is not None:
-            # Inline only with the writer's checksums: otherwise the commit hashes every byte.
-            done, versions = self._in_memory(sums.size, "", rid, self.engine.commit, rid,
-                                             client.cid, sums, True)
-            if done:
+        if (trusted and sums is not None and sums.size <= INLINE_PUT_KEYS
+                and self.engine.lock.acquire(blocking=False)):
+            # Inline only with the writer's checksums (otherwise the commit hashes every
+            # byte), and when it touches no disk (Puts.commit_inline).
+            try:
+                versions = self.engine.puts.commit_inline(rid, client.cid, sums)
+            finally:
+                self.engine.lock.release()
+            if versions is not None:
                 return {"versions": P.arr(versions, "<u8")}
         return self._commit_slow(rid, client.cid, sums, trusted)
 

@@ -10,7 +10,8 @@ under the lock (``_put_inline``: no reservation, no pin and unpin; the same rows
 counters).
 
 Interface. Owns nothing but the reservations it adds to the holds' table. Public: reserve,
-abort, commit, put, put_in_memory (the engine's methods of those names are these, bound).
+abort, commit, put, put_in_memory (the engine's methods of those names are these, bound);
+reserve_inline and commit_inline, the service loop's forms (Server.op_reserve, op_commit).
 Calls: the holds (ending reservations), the eviction's evict_copies (host room for a GPU
 write's copy), the NVMe store (drains, waits, write_through flushes), the transfers (the
 remote tier's push), and through ``PutOwner`` the engine's slot allocation and release, lease
@@ -130,9 +131,28 @@ class Puts:
                     raise
             self.nvme.drain() if self.nvme.wanted() else self.nvme.wait()
 
+    def reserve_inline(self, namespace: str, keys: bytes, parents: bytes | None,
+                       owner: int) -> Reservation | None:
+        """The service loop's host reserve (Server.op_reserve; the caller holds the lock):
+        reserve() where put_in_memory would say it touches no disk now, else None with
+        nothing taken (the caller sends reserve() to a thread, which raises what it raises).
+        One frame for put_in_memory's test, reserve and _reserve, the namespace looked up
+        once: a GPU put pays a reserve per chunk, one after the other on the loop (issue 16,
+        off7: ~21 us of a reserve's fixed cost in process on the dev VM)."""
+        ns = self.namespaces.get(namespace)
+        if ns is None or not self._room_now(ns, len(keys) // ns.key_width):
+            return None
+        res = self._reserve_in(ns, keys, parents, _HOST, owner)
+        if self.nvme.wanted():       # as reserve(): nothing evicted with the room free, but
+            self.nvme.drain()        # never leave a write-down wanted behind
+        return res
+
     def _reserve(self, namespace: str, keys: Any, parents: Any, tier: Tier,
                  owner: int) -> Reservation:
-        ns = self.namespace(namespace)
+        return self._reserve_in(self.namespace(namespace), keys, parents, tier, owner)
+
+    def _reserve_in(self, ns: Namespace, keys: Any, parents: Any, tier: Tier,
+                    owner: int) -> Reservation:
         karr, repeats = self._put_keys(ns, keys)
         parr = self._put_parents(ns, parents, karr.size)
         # int64 from here on (the pools hand it out): numpy indexes by int32 slots ~4x slower
@@ -143,7 +163,7 @@ class Puts:
             _fast.pin_slots(st.leases, slots)
         else:
             st.leases[slots] += 1      # fresh slots: distinct
-        if tier is not Tier.HOST:
+        if tier is not _HOST:
             # commit writes a GPU batch through to host: make that room now, while dirty
             # blocks can still be written down before the commit.
             short = karr.size - ns.slots[Tier.HOST].pool.free_count
@@ -162,17 +182,24 @@ class Puts:
         free without eviction, the commit not written through to NVMe or Redis. The caller
         holds the lock; the answer holds while it does (the server then runs the call inline
         on its loop). False where unsure: the call then runs on a thread as before."""
-        if self.nvme.wanted():
-            return False
         if rid is not None:
-            res = self.reservations.get(rid)
-            return (res is not None and res.tier is Tier.HOST
-                    and not (self.settings.write_policy == "write_through"
-                             and (self.remote is not None or res.ns.log is not None)))
+            return self._commit_now(self.reservations.get(rid))
         ns = self.namespaces.get(namespace)
-        st = None if ns is None else ns.slots.get(Tier.HOST)
-        return (st is not None and 0 < n <= st.pool.free_count
+        return ns is not None and self._room_now(ns, n)
+
+    def _room_now(self, ns: Namespace, n: int) -> bool:
+        """put_in_memory's test for a host reserve of n keys into ns (the caller holds the
+        lock): no write-down pending, the room free without eviction."""
+        st = ns.slots.get(_HOST)
+        return (st is not None and 0 < n <= st.pool.free_count and not self.nvme.wanted()
                 and self.owner.host_used + n * ns.block_bytes <= self.settings.host_capacity)
+
+    def _commit_now(self, res: Reservation | None) -> bool:
+        """put_in_memory's test for the commit of res (the caller holds the lock): a host
+        reservation, no write-down pending, not written through to NVMe or Redis."""
+        return (res is not None and res.tier is _HOST and not self.nvme.wanted()
+                and not (self.settings.write_policy == "write_through"
+                         and (self.remote is not None or res.ns.log is not None)))
 
     def _take_reservation(self, rid: int, owner: int) -> Reservation:
         res = self.reservations.get(rid)
@@ -185,6 +212,18 @@ class Puts:
         with self.lock:
             res = self._take_reservation(rid, owner)
             self.holds.end_reservation(res, HoldState.RELEASED)
+
+    def commit_inline(self, rid: int, owner: int, checksums: np.ndarray) -> np.ndarray | None:
+        """The service loop's trusted commit (Server.op_commit; the caller holds the lock):
+        commit(rid, owner, checksums, trusted=True) where put_in_memory would say it touches
+        no disk now (a host reservation, not written through to NVMe or Redis), else None
+        with nothing done (the caller sends commit() to a thread)."""
+        if not self._commit_now(self.reservations.get(rid)):
+            return None
+        versions = self._commit(rid, owner, checksums, True)[0]
+        if self.nvme.wanted():
+            self.nvme.drain()
+        return versions
 
     def commit(self, rid: int, owner: int = 0,
                checksums: np.ndarray | None = None, trusted: bool = False) -> np.ndarray:
@@ -263,9 +302,9 @@ class Puts:
             host_slots = None
             try:
                 given_sums = _trusted(checksums, karr.size)[sel] if trusted else None
-                if tier is Tier.HOST:
+                if tier is _HOST:
                     sums = (given_sums if trusted
-                            else checksums_of(ns.slots[Tier.HOST].pool,
+                            else checksums_of(ns.slots[_HOST].pool,
                                               slots if keep is None else slots[sel]))
                 else:
                     # A GPU write: written through to host; the checksum is the host copy's.
@@ -274,7 +313,8 @@ class Puts:
                         host_slots, to_numpy(ns.slots[tier].pool.read(slots[sel])))
                     sums = (given_sums if trusted
                             else checksums_of(ns.slots[Tier.HOST].pool, host_slots))
-                if checksums is not None:
+                if checksums is not None and not trusted:
+                    # (trusted: sums are the given checksums themselves, nothing to compare)
                     given = np.asarray(checksums, dtype=np.uint64).reshape(-1)
                     if given.size != karr.size or not np.array_equal(given[sel], sums):
                         from kvtier.errors import ChecksumError
