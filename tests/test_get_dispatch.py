@@ -90,3 +90,41 @@ def test_with_the_lock_taken_only_a_get_that_looks_resident_waits_for_it(split, 
     finally:
         done.set()
         t.join(10)
+
+
+def test_only_another_connections_waiting_frame_defers_a_long_request(split):
+    # A connection's own next frames cannot go before its request (its replies keep their
+    # order), so they no longer defer it: a GPU put's chunks, sent together, had their first
+    # reserve (which gates the first copy) deferred a poll in about half the puts (off7).
+    # Real sockets in the server's real epoll.
+    import socket
+    srv, cl, resident, _cold, _looks = split
+
+    class Conn:
+        def __init__(self, sock):
+            self.fd = -1
+            self.transport = type("T", (), {"get_extra_info": lambda _s, _k: sock})()
+    pairs = [socket.socketpair() for _ in range(2)]
+    a, b = Conn(pairs[0][0]), Conn(pairs[1][0])
+    try:
+        srv._watch_frames(a)
+        srv._watch_frames(b)
+        assert a.fd == pairs[0][0].fileno() and b.fd == pairs[1][0].fileno()
+        assert not srv._frames_waiting() and not srv._frames_waiting(a.fd)
+        pairs[0][1].sendall(b"\x00" * 16)              # a frame waits in a's socket
+        assert srv._frames_waiting()                    # for the step runner: any socket
+        assert not srv._frames_waiting(a.fd)            # a's own: no reason to defer a
+        assert srv._frames_waiting(b.fd)                # b's long request waits its turn
+        from kvtier.api import protocol as P
+        from kvtier.api.connection import Later
+        body = P.pack({"id": 1, "op": "get", "ns": "m", "keys": keys(resident[:8])})[4:]
+        out = srv._dispatch(cl, body, a.fd)
+        assert not isinstance(out, Later) and out[0]["ok"]
+        srv.engine.release(out[0]["lease"], cl.cid)
+        assert isinstance(srv._dispatch(cl, body, b.fd), Later)
+    finally:
+        srv._unwatch_frames(a)
+        srv._unwatch_frames(b)
+        for s1, s2 in pairs:
+            s1.close()
+            s2.close()

@@ -22,8 +22,8 @@ if _path:
         WAITS.append(pc() - t0)
         return _later(self, out, t0)
 
-    def dispatch(self, client, body):
-        out = _dispatch(self, client, body)
+    def dispatch(self, client, body, own=-1):
+        out = _dispatch(self, client, body, own)
         KINDS.append(type(out).__name__)
         return out
     CN.Connection._later, SV.Server._dispatch = later, dispatch

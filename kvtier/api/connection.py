@@ -81,6 +81,7 @@ class Connection(asyncio.Protocol):
         self.read_paused = False
         self.closed = False
         self.eof = False
+        self.fd = -1                    # the socket's (Server._watch_frames), -1 unwatched
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport            # type: ignore[assignment]
@@ -147,7 +148,7 @@ class Connection(asyncio.Protocol):
             del buf[:4 + n]
             self.server.buffered -= 4 + n
             t0 = time.perf_counter()
-            out = self.server._dispatch(self.client, body)
+            out = self.server._dispatch(self.client, body, self.fd)
             if type(out) is Later:
                 # A long request: dispatched as a slice of the server's step queue, after the
                 # frames of this poll (short ones are answered here) and the slices queued

@@ -224,10 +224,13 @@ class Server(ResidentGets, SortedGets):
         if self._on_op is not None:
             self._on_op(op, dt, ok)
 
-    def _dispatch(self, client: ClientInfo, body: bytes) -> Reply | Awaitable[Reply] | Later:
+    def _dispatch(self, client: ClientInfo, body: bytes, own: int = -1
+                  ) -> Reply | Awaitable[Reply] | Later:
         """Decode and run one request. Ops that need no thread are answered here, on the loop,
         with no coroutine or task; the others come back as an awaitable of the reply; a long
-        one (_long) as a Later, its dispatch to be run in its turn (kvtier.api.connection)."""
+        one (_long) as a Later, its dispatch to be run in its turn (kvtier.api.connection),
+        when steps are queued or a frame waits in another connection's socket than own's (the
+        dispatching connection's fd)."""
         req_id: Any = None
         op = "invalid"
         try:
@@ -238,7 +241,7 @@ class Server(ResidentGets, SortedGets):
                 op = "invalid"
                 raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
             if op in LONG_OPS and self._long(req) and (self.steps.busy
-                                                        or self._frames_waiting()):
+                                                        or self._frames_waiting(own)):
                 return Later(partial(self._dispatch_req, client, req, req_id, op))
         except Exception as exc:
             return failed_reply(exc, req_id, op)
