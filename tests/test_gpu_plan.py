@@ -236,6 +236,24 @@ def test_policy_refuses_garbage_whole_gets_and_pieces():
         TransferPolicy(whole_onboard_keys=-1)
     with pytest.raises(BadRequest, match="stage_piece_bytes"):
         TransferPolicy(stage_piece_bytes=0)
+    with pytest.raises(BadRequest, match="sorted_piece_keys"):
+        TransferPolicy(sorted_piece_keys=0)
+    with pytest.raises(BadRequest, match="get_ramp"):
+        TransferPolicy(get_ramp=(64, 0))
+
+
+def test_a_ramp_cuts_the_first_chunks_and_never_passes_the_batch():
+    from kvtier.api.pipeline import chunks
+    assert chunks(4096, 1024, (64, 256)) == [(0, 64), (64, 320), (320, 1344), (1344, 2368),
+                                             (2368, 3392), (3392, 4096)]
+    assert chunks(4096, 1024) == [(0, 256), (256, 1280), (1280, 2304), (2304, 3328),
+                                  (3328, 4096)]
+    for n in (2049, 2100, 3000, 5000):
+        for ramp in ((), (64,), (64, 256), (3000,), (1, 1, 1)):
+            parts = chunks(n, 1024, ramp)
+            assert parts[0][0] == 0 and parts[-1][1] == n
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(parts, parts[1:]))
+    assert chunks(2048, 1024, (64,)) == [(0, 2048)]       # up to two chunks: one request
 
 
 def test_policy_refuses_a_negative_batch():
