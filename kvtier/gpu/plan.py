@@ -63,15 +63,16 @@ class TransferPolicy:
     # launch or staged layers choose by copy_engine_bytes alone.
     onboard_copy_engine_bytes: int = 64 << 10
     # Whole gets (off: 0). A get of at most this many keys whose pages are all under
-    # copy_engine_bytes is leased as one request; where its slots are then dense in one slot
-    # range (in any key order: a batch put together) it moves by Mover.stage_sorted: the range
-    # in slot order, piece by piece of stage_piece_bytes, one copy-engine copy each into device
+    # copy_engine_bytes is leased in the service's slot order, piece by piece
+    # (kvtier.api.sortedgets; sorted_piece_keys below); where a piece's slots are dense in one
+    # slot range (a batch put together, asked in any key order) it moves by Mover.stage_sorted:
+    # the range piece by piece of stage_piece_bytes, one copy-engine copy each into device
     # staging and a placement kernel from there. Else, and for the next transfer.SPARSE_RETRY
-    # gets of the namespace, in chunks. The move alone now beats the chunked get's (H200, round
-    # 4: 64 KiB 0.913 of H2D against batched copies' 0.896, 16 KiB 0.852 against the direct
-    # kernel's 0.797), but the one request's control (~0.57 ms before any byte moves) is not
-    # hidden: end to end 64 KiB 0.798 against 0.783 alone and 0.721 against 0.842 beside the
-    # matmul, 16 KiB 0.543 against 0.561 (docs/DESIGN-NOTES.md, round 4), so still off.
+    # gets of the namespace, in chunks. Off: on the H200 the sorted pieces read 0.79 of H2D
+    # for 64 KiB rows against the chunked get's 0.87-0.88 in the same process (16 KiB 0.58
+    # against 0.62-0.65), the staged pieces inside a get slower than the same move alone
+    # (docs/DESIGN-NOTES.md, "gets leased in slot order"; the one-request whole get before
+    # them: 0.72-0.73).
     whole_onboard_keys: int = 0
     # A whole get is leased in the service's slot order (kvtier.api.sortedgets), a first piece
     # of a quarter of this many keys and then pieces of this many (pipeline.chunks), each

@@ -373,19 +373,19 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
     return t
 
 
-# After a whole get found its slots sparse, this many gets of the namespace go in chunks (a
-# whole get's one request puts the whole control path before the first copy, which only the
-# staged pieces make up for) before a whole one is tried again.
+# After a whole get found a sorted piece's slots sparse, this many gets of the namespace go in
+# chunks (the service's order costs a lookup of the batch, which only dense pieces make up
+# for) before a whole one is tried again.
 SPARSE_RETRY = 16
 WHOLE_MIN_KEYS = 64          # smaller gets: one request anyway, and one copy or launch
 
 
 def _whole(ns: "Namespace", pol: TransferPolicy, table: PageTable,
            groups: list[tuple[int, int]], n: int, tier: str) -> bool:
-    """Whether a get is leased as one request and moved by Mover.stage_sorted (the policy's
-    whole_onboard_keys): at least WHOLE_MIN_KEYS keys, one page group of pages under
-    copy_engine_bytes from the host tier, the namespace's last whole get not sparse within
-    SPARSE_RETRY gets."""
+    """Whether a get is leased in the service's slot order (pipeline.lease_sorted) and its
+    pieces moved by Mover.stage_sorted (the policy's whole_onboard_keys): at least
+    WHOLE_MIN_KEYS keys, one page group of pages under copy_engine_bytes from the host tier,
+    the namespace's last whole get not sparse within SPARSE_RETRY gets."""
     if (not pol.staged or len(groups) != 1 or tier != "host" or n < WHOLE_MIN_KEYS
             or n > pol.whole_onboard_keys or int(table.size.max()) >= pol.copy_engine_bytes):
         return False
