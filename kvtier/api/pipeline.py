@@ -179,16 +179,17 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
                             piggyback=i == last)
                     for i in range(1, len(parts))]
     seen = np.zeros(n, dtype=bool)
-    count = [0]                            # positions seen so far
+    count = 0                              # positions seen so far
 
     def locate(raw: dict[str, Any], rep: "GetReply", lo: int, hi: int) -> Any:
+        nonlocal count
         at = np.frombuffer(raw.get("order", b""), "<u4")
         ok = at.size == hi - lo == rep.found.size and (not at.size or int(at.max()) < n) and (
             lo or (at == np.arange(hi, dtype=np.uint32)).all())
         if ok:
             seen[at] = True
             now = int(np.count_nonzero(seen))
-            ok, count[0] = now - count[0] == at.size, now
+            ok, count = now - count == at.size, now
         if not ok:
             raise ProtocolError(
                 f"a sorted get's piece came back with {at.size} positions for {hi - lo} keys "
