@@ -120,6 +120,9 @@ class EngineStartError(Exception):
     """The engine process refused to start; the message is its exception's."""
 
 
+LAST_LOG: list[str] = []     # the kvtier lines of the last run_engine's output, for messages
+
+
 def run_engine(job: dict[str, Any], multiprocessing: bool, timeout: float = 300,
                env: dict[str, str] | None = None) -> list[dict]:
     """Run job (see main) in a fresh engine process; multiprocessing=True is vLLM's default
@@ -148,13 +151,16 @@ def run_engine(job: dict[str, Any], multiprocessing: bool, timeout: float = 300,
             proc.wait()
         out.seek(0)
         err.seek(0)
-        for line in out.read().splitlines():
+        lines = out.read().splitlines()
+        errors = err.read()
+        LAST_LOG[:] = [line for line in lines + errors.splitlines() if "kvtier" in line][-40:]
+        for line in lines:
             if line.startswith("RESULT "):
                 return json.loads(line[len("RESULT "):])
             if line.startswith("START_ERROR "):
                 raise EngineStartError(line[len("START_ERROR "):])
         raise RuntimeError(f"engine process exited with {proc.returncode}:\n"
-                           f"{err.read()[-4000:]}")
+                           f"{errors[-4000:]}")
 
 
 def main() -> None:
