@@ -162,6 +162,20 @@ def namespace(c, name: str, bb: int):
     return _NS[name]
 
 
+def scattered_rows(ns, bb: int, n: int) -> tuple:
+    """n random blocks of bb bytes in a CUDA tensor, put in ns, and the transfers' case: their
+    keys in a shuffled order (kb) with the tensor rows they go to or come from (rows), seeded by
+    bb. Returns (src, order, kb, rows): kb holds the keys of src[order]."""
+    import torch
+    rng = np.random.default_rng(bb)
+    keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
+    src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
+    ns.put(keys, src)
+    order = rng.permutation(n)
+    kb = b"".join(keys[16 * i:16 * i + 16] for i in order)
+    return src, order, kb, rng.permutation(n)
+
+
 def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
               mm_alone: float, variants: dict | None = None) -> dict:
     """n scattered blocks of bb bytes as rows: onboard, offload (and, where the put is cut in
@@ -170,13 +184,7 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
     import torch
     from kvtier.api import pipeline
     ns = namespace(c, name, bb)
-    rng = np.random.default_rng(bb)
-    keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
-    src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
-    ns.put(keys, src)
-    order = rng.permutation(n)
-    kb = b"".join(keys[16 * i:16 * i + 16] for i in order)
-    rows = rng.permutation(n)
+    src, order, kb, rows = scattered_rows(ns, bb, n)
     out = torch.zeros_like(src)
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()          # the data exists before another stream reads or writes it

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import emit, header  # noqa: E402
+from bench.gpu import scattered_rows  # noqa: E402
 
 
 class Tracer:
@@ -185,13 +186,7 @@ def main() -> None:
             bb = {"16k": 16384, "64k": 65536}[tag]
             n = args.n
             ns = c.namespace(f"rows{tag}", block_bytes=bb)
-            rng = np.random.default_rng(bb)
-            keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
-            src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
-            ns.put(keys, src)
-            order = rng.permutation(n)
-            kb = b"".join(keys[16 * i:16 * i + 16] for i in order)
-            rows = rng.permutation(n)
+            src, _order, kb, rows = scattered_rows(ns, bb, n)      # the same case as bench/gpu.py's
             stream = torch.cuda.Stream()
             torch.cuda.synchronize()
             put = lambda: ns.put_async(kb, src, rows=rows, stream=stream).wait()  # noqa: E731
