@@ -1,0 +1,50 @@
+"""rev9: sorted gets (kvtier.api.sortedgets) against a real `kvtier serve`, refused requests
+and the releases piggybacked on them.
+
+The client piggybacks its queued releases on a request (``release_first``), and the service
+ends them before the op whatever the op's own outcome (Server._dispatch_req: "the request
+itself must still be answered"). lease_sorted puts them on a sorted get's last piece (or on
+its first request, when it has one piece), so a refused sorted request must end them too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.errors import BadRequest
+from tests.conftest import blocks, keys
+
+BB = 4096
+
+
+@pytest.fixture
+def ns(service):
+    with kvtier.Client(str(service.socket)) as c:
+        yield c.namespace("s", block_bytes=BB)
+
+
+def _held(ns) -> int:
+    return ns._client._call("stats")["leases"]
+
+
+REFUSED = [
+    ({"of": 4242, "piece": 1}, "no sorted get"),                     # its head was refused
+    ({"keys": keys(range(8)), "sort": np.array([4, 7], "<u4").tobytes()}, "rise strictly"),
+    ({"keys": keys(range(8)), "sort": np.array([8], "<u4").tobytes(), "tier": "hbm"}, "host"),
+    ({"of": "x", "piece": 1}, "integers"),
+]
+
+
+@pytest.mark.parametrize("args,says", REFUSED)
+def test_a_refused_sorted_request_still_ends_the_releases_piggybacked_on_it(ns, args, says):
+    ns.put(keys(range(8)), blocks(8, BB))
+    c = ns._client
+    lease = c._call("get", ns="s", keys=keys(range(8)))["lease"]
+    assert _held(ns) == 1
+    c._pending.append(lease)                  # a release queued, as GetReply.release queues it
+    with pytest.raises(BadRequest, match=says):
+        c._call("get", ns="s", **args)         # carries release_first
+    assert c._pending == []
+    assert _held(ns) == 0                     # the piggybacked lease ended all the same
