@@ -48,3 +48,45 @@ def test_a_refused_sorted_request_still_ends_the_releases_piggybacked_on_it(ns, 
         c._call("get", ns="s", **args)         # carries release_first
     assert c._pending == []
     assert _held(ns) == 0                     # the piggybacked lease ended all the same
+
+
+class _Lying:
+    """A client whose replies carry a damaged order (a service bug, which cannot be produced
+    for real: the one stand-in of this file). Each reply is a real service's, its order
+    replaced."""
+
+    def __init__(self, real, order):
+        self.real, self.order = real, order
+
+    def _send(self, op, args, piggyback=True):
+        return self.real._send(op, args, piggyback)
+
+    def _reply(self, rid):
+        r = self.real._reply(rid)
+        r["order"] = self.order(r)
+        return r
+
+
+@pytest.mark.parametrize("order", [
+    lambda r: r["order"][:-1],                 # not a whole number of positions
+    lambda r: [0, 1, 2],                       # not bytes
+    lambda r: None,
+])
+def test_an_order_that_is_not_an_array_is_a_protocol_error_and_every_reply_is_read(ns, order):
+    from kvtier.api import pipeline
+    from kvtier.errors import ProtocolError
+    ns.put(keys(range(32)), blocks(32, BB))
+    real = ns._client
+    ns._client = _Lying(real, order)
+    got = []
+    try:
+        found, leases, error, _moved = pipeline.lease_sorted(
+            ns, keys(range(32)), 32, lambda rep, at: got.append(at), None, 8)
+    finally:
+        ns._client = real
+    assert isinstance(error, ProtocolError)
+    assert len(leases) == 5                   # every reply read, its lease known
+    assert got == [] and not found.any()
+    for lid in leases:
+        real._call("release", lease=lid)
+    assert _held(ns) == 0
