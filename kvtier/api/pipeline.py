@@ -183,8 +183,13 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
 
     def locate(raw: dict[str, Any], rep: "GetReply", lo: int, hi: int) -> Any:
         nonlocal count
-        at = np.frombuffer(raw.get("order", b""), "<u4")
-        ok = at.size == hi - lo == rep.found.size and (not at.size or int(at.max()) < n) and (
+        order = raw.get("order", b"")
+        # Anything but whole "<u4" positions is the ProtocolError below, not a raise that
+        # would leave the later replies, and their leases, unread.
+        whole = type(order) is bytes and len(order) % 4 == 0
+        at = np.frombuffer(order if whole else b"", "<u4")
+        ok = whole and at.size == hi - lo == rep.found.size and (
+            not at.size or int(at.max()) < n) and (
             lo or (at == np.arange(hi, dtype=np.uint32)).all())
         if ok:
             seen[at] = True
