@@ -90,3 +90,49 @@ def test_an_order_that_is_not_an_array_is_a_protocol_error_and_every_reply_is_re
     for lid in leases:
         real._call("release", lease=lid)
     assert _held(ns) == 0
+
+
+def test_a_refused_sorted_request_ends_its_releases_once_the_engine_lock_is_free(tmp_path):
+    # In process (Server._dispatch_req, a real engine): with the engine lock held by another
+    # thread the piggybacked releases cannot end inline, so the refusal comes back as an
+    # awaitable that ends them on the memory lane and then answers the error.
+    import asyncio
+    import inspect
+    import struct
+    import threading
+    from kvtier.api.quota import ClientInfo
+    from kvtier.api.server import Server
+    from kvtier.coherence.engine import Engine
+    from kvtier.config import make_settings
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB"}))
+    srv = Server(eng, eng.settings)
+    cl = ClientInfo(1, 0, 0)
+    try:
+        eng.create_namespace("m", BB)
+        eng.put("m", keys(range(8)), blocks(8, BB))
+        lease = srv.op_get(cl, {"ns": "m", "keys": keys(range(8))})["lease"]
+        assert len(eng.leases) == 1
+        taken, go = threading.Event(), threading.Event()
+
+        def hold():
+            with eng.lock:
+                taken.set()
+                go.wait(10)
+        t = threading.Thread(target=hold)
+        t.start()
+        taken.wait(10)
+        out = srv._dispatch_req(cl, {"ns": "m", "of": 4242, "piece": 1,
+                                     "release_first": struct.pack("<Q", lease)}, 7, "get")
+        go.set()
+        t.join()
+        assert inspect.isawaitable(out)
+
+        async def answer():
+            return await out
+        body, _fd, _op = asyncio.run(answer())
+        assert not body["ok"] and "no sorted get" in body["error"]["message"]
+        assert len(eng.leases) == 0
+    finally:
+        srv._pool.shutdown(wait=True)
+        srv._mem_pool.shutdown(wait=True)
+        eng.close(flush=False)
