@@ -112,7 +112,16 @@ def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", in
             prepare()
         except BaseException as exc:      # keep reading: the replies hold leases
             error = exc
-    return _read_replies(c, parts, ids, n, on_reply, lambda raw, rep, lo, hi: lo, error)
+    return _read_replies(c, parts, ids, n, on_reply, _chunk_at, error)
+
+
+def _chunk_at(raw: dict[str, Any], rep: "GetReply", lo: int, hi: int) -> int:
+    """lease()'s locate: a chunk's reply answers its hi - lo keys, in their order, at lo."""
+    if rep.found.size != hi - lo or rep.slots.size != hi - lo:
+        raise ProtocolError(f"a get's chunk of {hi - lo} keys came back with "
+                            f"{rep.found.size} found and {rep.slots.size} slots: nothing of "
+                            "it is used")
+    return lo
 
 
 def _read_replies(c: Any, parts: list[tuple[int, int]], ids: list[int], n: int,
