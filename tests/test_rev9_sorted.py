@@ -177,3 +177,31 @@ def test_a_chunk_reply_of_another_size_than_its_chunk_is_a_protocol_error(ns):
     for lid in leases:
         real._call("release", lease=lid)
     assert _held(ns) == 0
+
+
+def test_a_sorted_piece_whose_slots_outnumber_its_found_is_a_protocol_error(ns):
+    # The GPU move takes every slot of a reply whose blocks were all found (transfer.py's
+    # _launch: slots against the rows of its positions): more slots than positions would
+    # move blocks to rows that are not theirs.
+    from kvtier.api import pipeline
+    from kvtier.errors import ProtocolError
+
+    class _MoreSlots(_Longer):
+        def _reply(self, rid):
+            r = self.real._reply(rid)
+            r["slots"] = r["slots"] + r["slots"][:4]
+            return r
+    ns.put(keys(range(32)), blocks(32, BB))
+    real = ns._client
+    ns._client = _MoreSlots(real)
+    got = []
+    try:
+        found, leases, error, _moved = pipeline.lease_sorted(
+            ns, keys(range(32)), 32, lambda rep, at: got.append(at), None, 8)
+    finally:
+        ns._client = real
+    assert isinstance(error, ProtocolError)
+    assert len(leases) == 5 and got == [] and not found.any()
+    for lid in leases:
+        real._call("release", lease=lid)
+    assert _held(ns) == 0
