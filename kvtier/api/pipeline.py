@@ -197,7 +197,7 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
         # would leave the later replies, and their leases, unread.
         whole = type(order) is bytes and len(order) % 4 == 0
         at = np.frombuffer(order if whole else b"", "<u4")
-        ok = whole and at.size == hi - lo == rep.found.size and (
+        ok = whole and at.size == hi - lo == rep.found.size == rep.slots.size and (
             not at.size or int(at.max()) < n) and (
             lo or (at == np.arange(hi, dtype=np.uint32)).all())
         if ok:
@@ -207,7 +207,8 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
         if not ok:
             raise ProtocolError(
                 f"a sorted get's piece came back with {at.size} positions for {hi - lo} keys "
-                "(or positions outside the batch, or repeated): nothing of it is used")
+                "(or positions outside the batch, or repeated, or another number of slots): "
+                "nothing of it is used")
         return at if lo else 0
     return _read_replies(c, parts, ids, n, on_reply, locate)
 
