@@ -21,6 +21,8 @@ Protocol (a "get" with these fields; every other field as a get's):
 - later requests: ``of`` (the first request's id) and ``piece`` (1, 2, ... in order), no keys.
 - every reply is a get's reply for its piece's keys, plus ``order`` ("<u4"): the positions in
   the first request's keys of the piece's keys, in the order of found, slots and the rest.
+- releases piggybacked on any of them (``release_first``) end as on any request, also when
+  the request is refused (a later piece of a refused first request is).
 
 The order is a hint taken under the engine lock, or the keys' own order when the lock is busy:
 each piece is leased by the get path as any get, so a block moved or rewritten between the
