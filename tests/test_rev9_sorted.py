@@ -205,3 +205,37 @@ def test_a_sorted_piece_whose_slots_outnumber_its_found_is_a_protocol_error(ns):
     for lid in leases:
         real._call("release", lease=lid)
     assert _held(ns) == 0
+
+
+@pytest.mark.parametrize("sorted_", [False, True], ids=["chunked", "sorted"])
+def test_a_reply_that_does_not_decode_is_a_protocol_error_and_every_reply_is_read(ns, sorted_):
+    # GetReply.decode's KeyError / ValueError escaped the shared reply loop (_read_replies)
+    # with the later replies, and their leases, unread. A service bug: a stand-in, as above.
+    from kvtier.api import pipeline
+    from kvtier.errors import ProtocolError
+
+    class _Broken(_Longer):
+        n = 0
+
+        def _reply(self, rid):
+            r = self.real._reply(rid)
+            self.n += 1
+            if self.n == 2:
+                del r["versions"]
+            return r
+    ns.put(keys(range(32)), blocks(32, BB))
+    real = ns._client
+    ns._client = _Broken(real)
+    got = []
+    try:
+        fn = pipeline.lease_sorted if sorted_ else pipeline.lease
+        found, leases, error, _moved = fn(ns, keys(range(32)), 32,
+                                          lambda rep, at: got.append(at), None, 8)
+    finally:
+        ns._client = real
+    assert isinstance(error, ProtocolError)
+    assert len(leases) == 5                   # the broken reply's lease too
+    assert len(got) == 1                      # the first chunk, before the broken reply
+    for lid in leases:
+        real._call("release", lease=lid)
+    assert _held(ns) == 0
