@@ -141,11 +141,21 @@ def _read_replies(c: Any, parts: list[tuple[int, int]], ids: list[int], n: int,
     for (lo, hi), rid in zip(parts, ids):
         try:
             raw = c._reply(rid)
-            rep = GetReply.decode(raw)
         except ServiceUnavailable:
             raise                    # the connection is gone, and its leases with it
         except KvtierError as exc:
             error = error or exc
+            continue
+        try:
+            rep = GetReply.decode(raw)
+        except (KeyError, TypeError, ValueError) as exc:
+            # A reply without its arrays (a service bug): its lease, if it names one, is
+            # ended with the others; nothing of it is used.
+            lid = raw.get("lease") if isinstance(raw, dict) else None
+            if type(lid) is int:
+                leases.append(lid)
+            error = error or ProtocolError(f"a get's reply does not decode ({exc!r}): "
+                                           "nothing of it is used")
             continue
         leases.append(rep.lease)
         try:
