@@ -9,6 +9,9 @@ its first request, when it has one piece), so a refused sorted request must end 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 import pytest
 
@@ -50,46 +53,104 @@ def test_a_refused_sorted_request_still_ends_the_releases_piggybacked_on_it(ns, 
     assert _held(ns) == 0                     # the piggybacked lease ended all the same
 
 
-class _Lying:
-    """A client whose replies carry a damaged order (a service bug, which cannot be produced
-    for real: the one stand-in of this file). Each reply is a real service's, its order
-    replaced."""
+class _Rewriting:
+    """A client whose get replies are a real service's, rewritten by rewrite(reply, i) (i:
+    the reply's rank): a service bug, which cannot be produced for real, the one stand-in of
+    this file (as test_sorted_gets.py's _Lying)."""
 
-    def __init__(self, real, order):
-        self.real, self.order = real, order
+    def __init__(self, real, rewrite):
+        self.real, self.rewrite, self.n = real, rewrite, 0
 
     def _send(self, op, args, piggyback=True):
         return self.real._send(op, args, piggyback)
 
     def _reply(self, rid):
         r = self.real._reply(rid)
-        r["order"] = self.order(r)
+        self.rewrite(r, self.n)
+        self.n += 1
         return r
 
 
-@pytest.mark.parametrize("order", [
-    lambda r: r["order"][:-1],                 # not a whole number of positions
-    lambda r: [0, 1, 2],                       # not bytes
-    lambda r: None,
-])
-def test_an_order_that_is_not_an_array_is_a_protocol_error_and_every_reply_is_read(ns, order):
+def _lease_rewritten(ns, rewrite, sorted_: bool):
+    """lease_sorted (or lease) of 32 stored keys in pieces (chunks) of 8 through a _Rewriting
+    client: (its error, its leases, the positions on_reply was called with). Every lease it
+    returns is then ended, and none may stay held."""
     from kvtier.api import pipeline
-    from kvtier.errors import ProtocolError
     ns.put(keys(range(32)), blocks(32, BB))
     real = ns._client
-    ns._client = _Lying(real, order)
+    ns._client = _Rewriting(real, rewrite)
     got = []
     try:
-        found, leases, error, _moved = pipeline.lease_sorted(
-            ns, keys(range(32)), 32, lambda rep, at: got.append(at), None, 8)
+        fn = pipeline.lease_sorted if sorted_ else pipeline.lease
+        found, leases, error, _moved = fn(ns, keys(range(32)), 32,
+                                          lambda rep, at: got.append(at), None, 8)
     finally:
         ns._client = real
-    assert isinstance(error, ProtocolError)
-    assert len(leases) == 5                   # every reply read, its lease known
-    assert got == [] and not found.any()
     for lid in leases:
         real._call("release", lease=lid)
     assert _held(ns) == 0
+    return error, leases, got, found
+
+
+def _set(field, value):
+    def rewrite(r, _i):
+        r[field] = value(r)
+    return rewrite
+
+
+def _longer(r, _i):
+    # One block more than asked: a copy of the reply's first, which would land in the next
+    # chunk's first row.
+    for f, w in (("found", 1), ("slots", 4), ("versions", 8), ("checksums", 8)):
+        r[f] = r[f] + r[f][:w]
+
+
+def _second_without_versions(r, i):
+    if i == 1:
+        del r["versions"]
+
+
+@pytest.mark.parametrize("rewrite,sorted_,moved", [
+    # lease_sorted's positions: anything but whole "<u4" bytes raised out of the reply loop.
+    (_set("order", lambda r: r["order"][:-1]), True, 0),
+    (_set("order", lambda r: [0, 1, 2]), True, 0),
+    (_set("order", lambda r: None), True, 0),
+    # A piece with more slots than positions (the GPU move takes every slot of an all-found
+    # reply against the rows of its positions).
+    (_set("slots", lambda r: r["slots"] + r["slots"][:4]), True, 0),
+    # pipeline.lease: before the shared reply loop found[lo:hi] = rep.found raised for a reply
+    # of another size than its chunk (out of the loop); since, it was taken as it came.
+    (_longer, False, 0),
+    # A reply that does not decode (GetReply.decode's KeyError), both gets: the first chunk
+    # moved before it.
+    (_second_without_versions, False, 1),
+    (_second_without_versions, True, 1),
+], ids=["order-3-bytes", "order-list", "order-none", "more-slots", "chunk-longer",
+        "undecodable-chunked", "undecodable-sorted"])
+def test_a_reply_that_cannot_be_placed_is_a_protocol_error_and_every_reply_is_read(
+        ns, rewrite, sorted_, moved):
+    from kvtier.errors import ProtocolError
+    error, leases, got, found = _lease_rewritten(ns, rewrite, sorted_)
+    assert isinstance(error, ProtocolError)
+    assert len(leases) == 5                   # every reply read, its lease known (and ended)
+    assert len(got) == moved                  # nothing of a bad reply moved, nor after it
+    if not moved:
+        assert not found.any()                # every reply was a bad one
+
+
+@contextlib.contextmanager
+def _held_elsewhere(lock):
+    """lock taken by another thread for the with block."""
+    taken, done = threading.Event(), threading.Event()
+    holder = threading.Thread(target=lambda: (lock.acquire(), taken.set(), done.wait(10),
+                                              lock.release()))
+    holder.start()
+    taken.wait(10)
+    try:
+        yield
+    finally:
+        done.set()
+        holder.join()
 
 
 def test_a_refused_sorted_request_ends_its_releases_once_the_engine_lock_is_free(tmp_path):
@@ -99,7 +160,6 @@ def test_a_refused_sorted_request_ends_its_releases_once_the_engine_lock_is_free
     import asyncio
     import inspect
     import struct
-    import threading
     from kvtier.api.quota import ClientInfo
     from kvtier.api.server import Server
     from kvtier.coherence.engine import Engine
@@ -112,19 +172,9 @@ def test_a_refused_sorted_request_ends_its_releases_once_the_engine_lock_is_free
         eng.put("m", keys(range(8)), blocks(8, BB))
         lease = srv.op_get(cl, {"ns": "m", "keys": keys(range(8))})["lease"]
         assert len(eng.leases) == 1
-        taken, go = threading.Event(), threading.Event()
-
-        def hold():
-            with eng.lock:
-                taken.set()
-                go.wait(10)
-        t = threading.Thread(target=hold)
-        t.start()
-        taken.wait(10)
-        out = srv._dispatch_req(cl, {"ns": "m", "of": 4242, "piece": 1,
-                                     "release_first": struct.pack("<Q", lease)}, 7, "get")
-        go.set()
-        t.join()
+        with _held_elsewhere(eng.lock):
+            out = srv._dispatch_req(cl, {"ns": "m", "of": 4242, "piece": 1,
+                                         "release_first": struct.pack("<Q", lease)}, 7, "get")
         assert inspect.isawaitable(out)
 
         async def answer():
@@ -136,106 +186,3 @@ def test_a_refused_sorted_request_ends_its_releases_once_the_engine_lock_is_free
         srv._pool.shutdown(wait=True)
         srv._mem_pool.shutdown(wait=True)
         eng.close(flush=False)
-
-
-class _Longer:
-    """A client whose get replies carry one block more than the chunk asked (a service bug,
-    which cannot be produced for real: a stand-in, as _Lying). The extra block is a copy of
-    the reply's first, so it would land in the next chunk's first row."""
-
-    def __init__(self, real):
-        self.real = real
-
-    def _send(self, op, args, piggyback=True):
-        return self.real._send(op, args, piggyback)
-
-    def _reply(self, rid):
-        r = self.real._reply(rid)
-        for f, w in (("found", 1), ("slots", 4), ("versions", 8), ("checksums", 8)):
-            r[f] = r[f] + r[f][:w]
-        return r
-
-
-def test_a_chunk_reply_of_another_size_than_its_chunk_is_a_protocol_error(ns):
-    # pipeline.lease: before the shared reply loop (_read_replies) found[lo:hi] = rep.found
-    # raised for it (a ValueError out of the loop, the later replies unread); since, it was
-    # taken as it came, a block moved into the next chunk's first row.
-    from kvtier.api import pipeline
-    from kvtier.errors import ProtocolError
-    ns.put(keys(range(32)), blocks(32, BB))
-    real = ns._client
-    ns._client = _Longer(real)
-    got = []
-    try:
-        found, leases, error, _moved = pipeline.lease(
-            ns, keys(range(32)), 32, lambda rep, lo: got.append(lo), None, 8)
-    finally:
-        ns._client = real
-    assert isinstance(error, ProtocolError)
-    assert len(leases) == 5                   # every reply read, its lease known
-    assert got == [] and not found.any()
-    for lid in leases:
-        real._call("release", lease=lid)
-    assert _held(ns) == 0
-
-
-def test_a_sorted_piece_whose_slots_outnumber_its_found_is_a_protocol_error(ns):
-    # The GPU move takes every slot of a reply whose blocks were all found (transfer.py's
-    # _launch: slots against the rows of its positions): more slots than positions would
-    # move blocks to rows that are not theirs.
-    from kvtier.api import pipeline
-    from kvtier.errors import ProtocolError
-
-    class _MoreSlots(_Longer):
-        def _reply(self, rid):
-            r = self.real._reply(rid)
-            r["slots"] = r["slots"] + r["slots"][:4]
-            return r
-    ns.put(keys(range(32)), blocks(32, BB))
-    real = ns._client
-    ns._client = _MoreSlots(real)
-    got = []
-    try:
-        found, leases, error, _moved = pipeline.lease_sorted(
-            ns, keys(range(32)), 32, lambda rep, at: got.append(at), None, 8)
-    finally:
-        ns._client = real
-    assert isinstance(error, ProtocolError)
-    assert len(leases) == 5 and got == [] and not found.any()
-    for lid in leases:
-        real._call("release", lease=lid)
-    assert _held(ns) == 0
-
-
-@pytest.mark.parametrize("sorted_", [False, True], ids=["chunked", "sorted"])
-def test_a_reply_that_does_not_decode_is_a_protocol_error_and_every_reply_is_read(ns, sorted_):
-    # GetReply.decode's KeyError / ValueError escaped the shared reply loop (_read_replies)
-    # with the later replies, and their leases, unread. A service bug: a stand-in, as above.
-    from kvtier.api import pipeline
-    from kvtier.errors import ProtocolError
-
-    class _Broken(_Longer):
-        n = 0
-
-        def _reply(self, rid):
-            r = self.real._reply(rid)
-            self.n += 1
-            if self.n == 2:
-                del r["versions"]
-            return r
-    ns.put(keys(range(32)), blocks(32, BB))
-    real = ns._client
-    ns._client = _Broken(real)
-    got = []
-    try:
-        fn = pipeline.lease_sorted if sorted_ else pipeline.lease
-        found, leases, error, _moved = fn(ns, keys(range(32)), 32,
-                                          lambda rep, at: got.append(at), None, 8)
-    finally:
-        ns._client = real
-    assert isinstance(error, ProtocolError)
-    assert len(leases) == 5                   # the broken reply's lease too
-    assert len(got) == 1                      # the first chunk, before the broken reply
-    for lid in leases:
-        real._call("release", lease=lid)
-    assert _held(ns) == 0
