@@ -18,6 +18,7 @@ import pytest
 from kvtier.coherence.journal import entries_of, replay
 from kvtier.pagetable.store import record_dtype
 from kvtier.tiers.nvme import ALIGN, SegmentLog
+from tests.conftest import keys as keys_
 from tests.service import Service
 
 BB = 4096
@@ -236,27 +237,14 @@ def test_check_repair_after_a_crash_keeps_what_only_batch_headers_hold(svc: Serv
     assert found.all() and all((o == want[i]).all() for i, o in zip(ids, got))
 
 
-def test_a_reclaimed_segment_kept_for_its_readers_never_replays_after_a_crash(tmp_path: Path):
-    # A segment reclaimed while a read pins it stays on disk (doomed) until its reader ends.
-    # Checkpoints in that time (here the delete's) used to drop its mark, so a crash then left a
-    # file that the restart replayed from its start: keys deleted since, or evicted, came back
-    # with their oldest bytes there (a key deleted after a rewrite returned its first version).
-    # The crash is the data directory copied while the engine runs (every file as written).
-    import shutil
-    from kvtier.coherence.engine import Engine
-    from kvtier.config import make_settings
-    from tests.conftest import keys as keys_
-    data = tmp_path / "data"
-
-    def engine(path: Path) -> Engine:
-        return Engine(make_settings({"data_dir": str(path), "host_capacity": str(64 * BB),
-                                     "nvme_capacity": "4MiB", "segment_bytes": "1MiB",
-                                     "compact_threshold": 0.5, "checkpoint_interval": 3600}))
-    eng = engine(data)
+def _doomed_engine(path: Path):
+    """An engine on path whose first segment was reclaimed while a read pins it (doomed,
+    still on disk): 200 keys put, then rewritten three times (generations 1-3), each round
+    flushed. Returns (engine, its log, the doomed segment's id, the read's pins)."""
+    eng = _mark_engine(path)
     eng.create_namespace("m", BB)
-    gen0 = np.stack([block(i, 0) for i in range(200)])
     for lo in range(0, 200, 50):
-        eng.put("m", keys_(range(lo, lo + 50)), gen0[lo:lo + 50])
+        eng.put("m", keys_(range(lo, lo + 50)), np.stack([block(i, 0) for i in range(lo, lo + 50)]))
     eng.flush()
     lg = eng.namespace("m").log
     first = min(lg.segments)
@@ -267,11 +255,21 @@ def test_a_reclaimed_segment_kept_for_its_readers_never_replays_after_a_crash(tm
                     np.stack([block(i, gen) for i in range(lo, lo + 50)]))
         eng.flush()
     assert first in lg.doomed and (lg.dir / f"seg-{first:08d}.kvt").exists()
-    assert eng.delete("m", keys_(range(10))) == 10      # durable when it returns: a checkpoint
-    shutil.copytree(data, tmp_path / "crashed")
-    lg.unpin(held)
-    eng.close(flush=False)
-    eng = engine(tmp_path / "crashed")
+    return eng, lg, first, held
+
+
+def _mark_engine(path: Path):
+    from kvtier.coherence.engine import Engine
+    from kvtier.config import make_settings
+    return Engine(make_settings({"data_dir": str(path), "host_capacity": str(64 * BB),
+                                 "nvme_capacity": "4MiB", "segment_bytes": "1MiB",
+                                 "compact_threshold": 0.5, "checkpoint_interval": 3600}))
+
+
+def _after_the_crash(path: Path) -> None:
+    """The restart from path: the ten keys deleted before the crash stay deleted (never a
+    first version back), the others hold their last generation."""
+    eng = _mark_engine(path)
     try:
         parts = [eng.read("m", keys_(range(lo, lo + 25))) for lo in range(0, 200, 25)]
         found = np.concatenate([f for f, _ in parts])
@@ -283,6 +281,48 @@ def test_a_reclaimed_segment_kept_for_its_readers_never_replays_after_a_crash(tm
         assert (out[10:] == np.stack([block(i, 3) for i in range(10, 200)])).all()
     finally:
         eng.close(flush=False)
+
+
+def test_a_reclaimed_segment_kept_for_its_readers_never_replays_after_a_crash(tmp_path: Path):
+    # A segment reclaimed while a read pins it stays on disk (doomed) until its reader ends.
+    # Checkpoints in that time (here the delete's) used to drop its mark, so a crash then left a
+    # file that the restart replayed from its start: keys deleted since, or evicted, came back
+    # with their oldest bytes there (a key deleted after a rewrite returned its first version).
+    # The crash is the data directory copied while the engine runs (every file as written).
+    import shutil
+    data = tmp_path / "data"
+    eng, lg, _first, held = _doomed_engine(data)
+    assert eng.delete("m", keys_(range(10))) == 10      # durable when it returns: a checkpoint
+    shutil.copytree(data, tmp_path / "crashed")
+    lg.unpin(held)
+    eng.close(flush=False)
+    _after_the_crash(tmp_path / "crashed")
+
+
+def test_a_checkpoint_between_the_last_unpin_and_the_unlink_keeps_the_segments_mark(
+        tmp_path: Path):
+    # rev9: a reader's unpin (an I/O thread, no engine lock) takes the doomed segment out of
+    # `doomed` under the log's lock and unlinks the file after it; a checkpoint (the writer's
+    # lock) in between recorded marks without it, and no directory sync for a removal not
+    # yet counted, so a crash before the unlink left the file, unmarked, for the restart to
+    # replay from its start. The interleaving is forced at one seam: the backend's close of
+    # the doomed file (SegmentLog._delete's step before the unlink) runs a delete (a
+    # checkpoint) and copies the data directory (the crash). The rest is the real engine.
+    import shutil
+    data, crashed = tmp_path / "data", tmp_path / "crashed"
+    eng, lg, first, held = _doomed_engine(data)
+    doomed_fd, real_close = lg.doomed[first].fd, lg.backend.close
+
+    def close(fd: int) -> None:
+        if fd == doomed_fd and not crashed.exists():
+            assert eng.delete("m", keys_(range(10))) == 10      # a checkpoint, durable
+            shutil.copytree(data, crashed)
+        real_close(fd)
+    lg.backend.close = close
+    lg.unpin(held)                                       # the last reader: the file goes
+    assert crashed.exists() and first not in lg.doomed
+    eng.close(flush=False)
+    _after_the_crash(crashed)
 
 
 def test_a_removed_segment_loses_its_mark_only_after_the_directory_is_synced(tmp_path: Path,

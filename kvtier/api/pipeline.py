@@ -112,7 +112,16 @@ def lease(ns: "Namespace", kb: bytes, n: int, on_reply: Callable[["GetReply", in
             prepare()
         except BaseException as exc:      # keep reading: the replies hold leases
             error = exc
-    return _read_replies(c, parts, ids, n, on_reply, lambda raw, rep, lo, hi: lo, error)
+    return _read_replies(c, parts, ids, n, on_reply, _chunk_at, error)
+
+
+def _chunk_at(raw: dict[str, Any], rep: "GetReply", lo: int, hi: int) -> int:
+    """lease()'s locate: a chunk's reply answers its hi - lo keys, in their order, at lo."""
+    if rep.found.size != hi - lo or rep.slots.size != hi - lo:
+        raise ProtocolError(f"a get's chunk of {hi - lo} keys came back with "
+                            f"{rep.found.size} found and {rep.slots.size} slots: nothing of "
+                            "it is used")
+    return lo
 
 
 def _read_replies(c: Any, parts: list[tuple[int, int]], ids: list[int], n: int,
@@ -132,11 +141,21 @@ def _read_replies(c: Any, parts: list[tuple[int, int]], ids: list[int], n: int,
     for (lo, hi), rid in zip(parts, ids):
         try:
             raw = c._reply(rid)
-            rep = GetReply.decode(raw)
         except ServiceUnavailable:
             raise                    # the connection is gone, and its leases with it
         except KvtierError as exc:
             error = error or exc
+            continue
+        try:
+            rep = GetReply.decode(raw)
+        except (KeyError, TypeError, ValueError) as exc:
+            # A reply without its arrays (a service bug): its lease, if it names one, is
+            # ended with the others; nothing of it is used.
+            lid = raw.get("lease") if isinstance(raw, dict) else None
+            if type(lid) is int:
+                leases.append(lid)
+            error = error or ProtocolError(f"a get's reply does not decode ({exc!r}): "
+                                           "nothing of it is used")
             continue
         leases.append(rep.lease)
         try:
@@ -183,8 +202,13 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
 
     def locate(raw: dict[str, Any], rep: "GetReply", lo: int, hi: int) -> Any:
         nonlocal count
-        at = np.frombuffer(raw.get("order", b""), "<u4")
-        ok = at.size == hi - lo == rep.found.size and (not at.size or int(at.max()) < n) and (
+        order = raw.get("order", b"")
+        # Anything but whole "<u4" positions is the ProtocolError below, not a raise that
+        # would leave the later replies, and their leases, unread.
+        whole = type(order) is bytes and len(order) % 4 == 0
+        at = np.frombuffer(order if whole else b"", "<u4")
+        ok = whole and at.size == hi - lo == rep.found.size == rep.slots.size and (
+            not at.size or int(at.max()) < n) and (
             lo or (at == np.arange(hi, dtype=np.uint32)).all())
         if ok:
             seen[at] = True
@@ -193,7 +217,8 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
         if not ok:
             raise ProtocolError(
                 f"a sorted get's piece came back with {at.size} positions for {hi - lo} keys "
-                "(or positions outside the batch, or repeated): nothing of it is used")
+                "(or positions outside the batch, or repeated, or another number of slots): "
+                "nothing of it is used")
         return at if lo else 0
     return _read_replies(c, parts, ids, n, on_reply, locate)
 

@@ -21,6 +21,8 @@ Protocol (a "get" with these fields; every other field as a get's):
 - later requests: ``of`` (the first request's id) and ``piece`` (1, 2, ... in order), no keys.
 - every reply is a get's reply for its piece's keys, plus ``order`` ("<u4"): the positions in
   the first request's keys of the piece's keys, in the order of found, slots and the rest.
+- releases piggybacked on any of them (``release_first``) end as on any request, also when
+  the request is refused (a later piece of a refused first request is).
 
 The order is a hint taken under the engine lock, or the keys' own order when the lock is busy:
 each piece is leased by the get path as any get, so a block moved or rewritten between the
@@ -91,7 +93,8 @@ def slot_order(engine: Any, name: str, karr: np.ndarray) -> np.ndarray:
 
 
 class SortedGets:
-    """Server's sorted gets (self is the Server: engine, _fast, _dispatch_req)."""
+    """Server's sorted gets (self is the Server: engine, _fast, _dispatch_req, _release_first,
+    _run_mem)."""
 
     def _sorted_get(self, client: ClientInfo, req: dict[str, Any], req_id: Any
                     ) -> Reply | Awaitable[Reply]:
@@ -100,12 +103,31 @@ class SortedGets:
         try:
             at = self._sorted_piece(client, req, req_id)
         except Exception as exc:
-            return failed_reply(exc, req_id, "get")
+            return self._sorted_refused(client, req, req_id, exc)
         out = self._dispatch_req(client, req, req_id, "get")
         order = P.arr(at, "<u4")
         if inspect.isawaitable(out):
             return _with_order_later(out, order)
         return _with_order(out, order)
+
+    def _sorted_refused(self, client: ClientInfo, req: dict[str, Any], req_id: Any,
+                        exc: Exception) -> Reply | Awaitable[Reply]:
+        """A refused sorted request's error reply. The releases piggybacked on it end all the
+        same, as any request's do (Server._dispatch_req): lease_sorted puts them on the last
+        piece, which is refused whenever the first request was."""
+        try:
+            left = self._release_first(client, req) if "release_first" in req else []
+        except Exception as bad:
+            return failed_reply(bad, req_id, "get")
+        if left:
+            return self._sorted_refused_after(client, left, exc, req_id)
+        return failed_reply(exc, req_id, "get")
+
+    async def _sorted_refused_after(self, client: ClientInfo, leases: list[int],
+                                    exc: Exception, req_id: Any) -> Reply:
+        """_sorted_refused where the releases had to wait for the engine lock."""
+        client.errors += await self._run_mem(self.engine.release_many, leases, client.cid)
+        return failed_reply(exc, req_id, "get")
 
     def _sorted_piece(self, client: ClientInfo, req: dict[str, Any], req_id: Any
                       ) -> np.ndarray:

@@ -89,6 +89,9 @@ class SegmentLog:
         # Files unlinked or renamed away (to spares) so far, and how many of those a synced
         # directory covers (marks()).
         self._removals = self._removals_synced = 0
+        # Segments taken out of segments or doomed whose file _delete has not unlinked yet:
+        # they keep their mark (marks()) until the unlink is counted in _removals.
+        self._going: dict[int, Segment] = {}
         self.spares: list[Segment] = []          # reclaimed files the next segments reuse
         self._last_id = 0
         self.bytes_written = 0       # device bytes, padding and compaction included
@@ -628,6 +631,7 @@ class SegmentLog:
             for seg in held:
                 seg.readers -= 1
                 if seg.doomed and seg.readers == 0 and self.doomed.pop(seg.seg_id, None):
+                    self._going[seg.seg_id] = seg
                     gone.append(seg)
         for seg in gone:
             self._delete(seg)
@@ -663,6 +667,8 @@ class SegmentLog:
                     seg.path, seg.size = spare, 0
                     self.spares.append(seg)
                     self._removals += 1           # seg-N is gone once the directory syncs
+            if not keep:
+                self._going[seg_id] = seg
         if not keep:
             self._delete(seg)
         return seg.file_bytes
@@ -682,6 +688,8 @@ class SegmentLog:
         except FileNotFoundError:
             pass
         with self._lock:
+            if self._going.get(seg.seg_id) is seg:       # not a spare's
+                del self._going[seg.seg_id]
             self._removals += 1
 
     def marks(self) -> dict[int, int]:
@@ -697,6 +705,10 @@ class SegmentLog:
         with self._lock:
             out = {sid: seg.size for sid, seg in self.segments.items()}
             out.update((sid, seg.size) for sid, seg in self.doomed.items())
+            # Taken out, not yet unlinked (a reader's unpin, a remove, on another thread than
+            # this checkpoint's): without its mark a crash before the unlink would leave the
+            # file for the restart to replay from its start.
+            out.update((sid, seg.size) for sid, seg in self._going.items())
             removals = self._removals
         if removals != self._removals_synced:
             try:
