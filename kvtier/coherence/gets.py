@@ -405,22 +405,40 @@ class Gets:
                 segs, held[:] = list(held), []
                 p.ns.log.unpin(segs)
         ns, tier, found, slots = p.ns, p.tier, p.found, p.slots
-        st = ns.slots[tier]
-        if p.plan is not None:
-            self._install_read(p)
-        if p.repeats.size:
-            slots[p.repeats] = slots[p.repeat_src]
-            found[p.repeats] = found[p.repeat_src]
-            ok = p.repeats[found[p.repeats]]
-            add_one(st.leases, slots[ok])
         try:
+            if p.plan is not None:
+                self._install_read(p)
+                p.installed = True
+            if p.repeats.size:
+                src = p.repeat_src
+                # Pinned before they are named: an error in between leaves a pin, never
+                # ends one twice.
+                add_one(ns.slots[tier].leases, slots[src[found[src]]])
+                slots[p.repeats] = slots[src]
+                found[p.repeats] = found[src]
             return self._lease_get(p)
         except BaseException:
-            # No lease was made: the get's pins (one a served position: copies already here,
-            # installed, shared with a repeat or filled from the remote tier) end here, or
-            # nobody would ever end them (from_remote raising, rev8).
-            self.owner.unpin_slots(ns, tier, slots[found])
+            # No lease was made (it is _lease_get's last step): the get's pins end here, or
+            # nobody would ever end them (from_remote raising, rev8; the install, fix9).
+            self._abandon(p)
             raise
+
+    def _abandon(self, p: "_PendingGet") -> None:
+        """Under the lock, for a finish that raised before its lease: every pin the get holds
+        ends, and the slots its NVMe read was to fill go back free, with the host budget.
+
+        A served position (found, with a slot) holds one pin: a copy already here, one
+        brought up from memory or installed, a repeat's share, a remote fill. Until the
+        install returned, the read's positions hold only what install_read put there (a
+        copy another get installed meanwhile, pinned for this get), and the read's own
+        slots (plan.dst) one pin each; Transfers.give_back undoes a partial install."""
+        ns, tier, found, slots = p.ns, p.tier, p.found, p.slots
+        pinned = found & (slots >= 0)
+        if p.plan is not None and not p.installed:
+            dst = p.plan.dst.astype(np.int64)
+            pinned[p.plan_pos] &= slots[p.plan_pos] != dst
+            self.transfers.give_back(ns, tier, p.plan.rows, dst)
+        self.owner.unpin_slots(ns, tier, slots[pinned])
 
     def _lease_get(self, p: "_PendingGet") -> GetResult:
         """_finish_get's end: the remote tier's fills, then the lease. Every served position
@@ -547,4 +565,5 @@ class _PendingGet:
     repeats: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     repeat_src: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     short: bool = False         # some bring-ups found no room
+    installed: bool = False     # the plan's install returned (its slots are the rows' now)
     batch: Any = None           # the plan's read as a tiers.reads Batch (None: run_read)

@@ -8,8 +8,8 @@ engine lock, except where a method says it takes it itself).
 - the remote tier: write-through or write-back to Redis, and local misses filled from it.
 
 Interface. Owns nothing. Public: prefetch_after, wants_prefetch, stage (the engine's methods of
-those names are these, bound), bring_up, install_read, from_remote (coherence.gets calls them),
-push_remote (the engine's puts and flushes). Calls: the engine's slot ops through ``TierSlots``
+those names are these, bound), bring_up, install_read, give_back, from_remote (coherence.gets
+calls them), push_remote (the engine's puts and flushes). Calls: the engine's slot ops through ``TierSlots``
 (alloc, set_copy, free_slots, unpin_slots, drop_copies, the host budget it reads), the NVMe
 store's read plans, the remote tier, the settings, the counters and the namespaces.
 """
@@ -173,10 +173,26 @@ class Transfers:
         add_one(st.leases, theirs)
         slots[pos[have]] = theirs
         back = dst[~fresh]
-        st.leases[back] -= 1
+        # Freed while pinned (retired), then unpinned: one that raises in between leaves
+        # them pinned, for the get's give_back, never given back twice (fix9).
         self.slots.free_slots(ns, tier, back)
+        self.slots.unpin_slots(ns, tier, back)
         found[pos[~valid]] = False
         self.counters.tiers[tier].misses += int((~valid).sum())
+
+    def give_back(self, ns: Namespace, tier: Tier, rows: np.ndarray, dst: np.ndarray) -> None:
+        """Under the lock, after a step that raised (an NVMe read's install, a remote fill):
+        the slots dst, pinned for copies of rows (distinct, aligned with dst) that the step
+        was to place, go back free, with the host budget. A copy it placed is dropped: the
+        row keeps its other copies, and the get that raised serves none. A slot whose pin the
+        step ended itself (install_read's tail) was given back by it and is left alone."""
+        st = ns.slots[tier]
+        mine = st.leases[dst] > 0
+        placed = mine & (ns.table.cols["slot"][rows, tier] == dst)
+        if placed.any():
+            self.slots.drop_copies(ns, rows[placed], tier)     # pinned: retired
+        self.slots.free_slots(ns, tier, dst[mine & ~placed])    # pinned: retired too
+        self.slots.unpin_slots(ns, tier, dst[mine])     # and freed with their last pin
 
     def _prefetch_rows(self, namespace: str, keys: Any) -> tuple[Any, np.ndarray]:
         """What prefetch_after would move: the chain's next blocks below the host tier, in
