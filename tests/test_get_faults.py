@@ -124,6 +124,40 @@ def test_an_install_that_raises_ends_the_gets_pins_and_frees_the_reads_slots(
     _whole_get(eng)
 
 
+def test_a_result_that_fails_to_build_leaves_no_lease_to_end_twice(eng: Engine, monkeypatch):
+    # Before the fix the lease went into the table first, then the GetResult was built: when
+    # that raised, the finish step's except ended the pins and the lease stayed, so its end
+    # (here the reaper's) took the slots' counts down a second time.
+    before = _held(eng)
+    real = gets.GetResult
+
+    class Refused(real):                # isinstance checks of GetResult still hold
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise Injected("injected")
+    with monkeypatch.context() as m:
+        m.setattr(gets, "GetResult", Refused)
+        with pytest.raises(Injected):
+            eng.get("m", keys(BATCH))
+    _expect_nothing_held(eng, before, installed=True)
+    assert eng.reap(now=float("inf")) == 0
+    _expect_nothing_held(eng, before, installed=True)
+    _whole_get(eng)
+
+
+def test_a_touch_that_raises_leaves_no_reader_count_up(eng: Engine, monkeypatch):
+    # The rows' reader counts were added before the touch: when it raised, they stayed one
+    # up (per served occurrence) until a rewrite reset them.
+    before = _held(eng)
+    with monkeypatch.context() as m:
+        m.setattr(eng, "touch", _fail)
+        with pytest.raises(Injected):
+            eng.get("m", keys(BATCH))
+    _expect_nothing_held(eng, before, installed=True)
+    _whole_get(eng)
+
+
 @pytest.mark.parametrize("seam", ["set_copy", "free_slots"])
 def test_an_install_that_shares_another_gets_copy_and_raises_ends_that_pin_too(
         eng: Engine, monkeypatch, seam: str):

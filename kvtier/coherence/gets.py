@@ -442,7 +442,9 @@ class Gets:
 
     def _lease_get(self, p: "_PendingGet") -> GetResult:
         """_finish_get's end: the remote tier's fills, then the lease. Every served position
-        holds one pin on its slot in p.tier, which the lease takes over."""
+        holds one pin on its slot in p.tier, which the lease takes over. The lease is made
+        last: whatever raises here leaves none, and the rows' reader counts as they were (the
+        caller ends the pins)."""
         ns, tier, rows, found, slots = p.ns, p.tier, p.rows, p.found, p.slots
         cols = ns.table.cols
         if self.remote is not None and not found.all():
@@ -468,19 +470,30 @@ class Gets:
         else:
             cur = srows[(cols["version"][srows] == versions) & (cols["key"][srows] == karr)]
             count_readers(cols["leases"], cur)     # saturating, as lease_current
-        self.owner.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
+        try:
+            self.owner.touch(ns, cur)      # in batch order: the last key of a prefix is the newest
+            lid = self.owner.new_id()
+            lease = Lease(lid, ns, tier, lslots, srows, versions.copy(), p.owner,
+                          time.monotonic() + self.settings.lease_timeout)
+            if every:
+                res = GetResult(found, slots.astype(np.int32), p.versions.copy(),
+                                p.sums.copy(), lid, tier)
+            else:
+                res = GetResult(found, slots.astype(np.int32), np.where(found, p.versions, 0)
+                                .astype(np.uint64), np.where(found, p.sums, 0)
+                                .astype(np.uint64), lid, tier)
+        except BaseException:
+            # The counts come off again (the caller ends the pins). A count held at the top
+            # comes down one it never went up: a count at 65,535 is "many" already.
+            count_readers(cols["leases"], cur, -1)
+            raise
+        # The lease is the last step, nothing after it raises: a lease in the table whose
+        # get raised was ended twice, by its release or expiry and by the caller's unpin.
         self.counters.gets += p.karr.size
         self.counters.get_hits += int(srows.size)
         self.counters.tiers[tier].bytes_read += int(srows.size) * ns.block_bytes
-        lid = self.owner.new_id()
-        self.leases[lid] = Lease(lid, ns, tier, lslots, srows, versions.copy(), p.owner,
-                                 time.monotonic() + self.settings.lease_timeout)
-        if every:
-            return GetResult(found, slots.astype(np.int32), p.versions.copy(), p.sums.copy(),
-                             lid, tier)
-        return GetResult(found, slots.astype(np.int32), np.where(found, p.versions, 0)
-                         .astype(np.uint64), np.where(found, p.sums, 0).astype(np.uint64),
-                         lid, tier)
+        self.leases[lid] = lease
+        return res
 
     def _install_read(self, p: "_PendingGet") -> None:
         """Under the lock: p's NVMe copies installed (Transfers.install_read). The usual
