@@ -200,3 +200,75 @@ def _once(fn: Any) -> Any:
         return fn(*args, **kwargs)
     return wrapped
 
+
+# ---------------------------------------------------------------------- the remote tier's fill
+
+@pytest.fixture
+def remote_eng(tmp_path: Path) -> Iterator[Engine]:
+    """Namespace m with key RESIDENT in the host tier (16 slots) and keys 0..2 only in a
+    real redis-server."""
+    import xxhash
+
+    from tests.redis_servers import RedisServer
+    server = RedisServer(tmp_path).start()
+    e = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "64KiB",
+                              "nvme_capacity": "4MiB", "redis": server.url}))
+    try:
+        e.create_namespace("m", BB)
+        e.put("m", keys([RESIDENT]), blocks(1, BB, 2))
+        data = blocks(3, BB, 3)
+        sums = np.array([xxhash.xxh3_64_intdigest(r) for r in data], dtype=np.uint64)
+        assert e.remote.put_many("m", [keys([i]) for i in range(3)],
+                                 np.array([5, 6, 7], np.uint64), sums, list(data)).all()
+        yield e
+    finally:
+        e.close(flush=False)
+        server.stop()
+
+
+def _remote_whole_get(e: Engine) -> None:
+    res = e.get("m", keys([RESIDENT, 0, 1, 2]))
+    assert res.found.all() and res.versions.tolist()[1:] == [5, 6, 7]
+    got = np.asarray(e.namespace("m").slots[Tier.HOST].pool.read(res.slots))
+    assert np.array_equal(got, np.concatenate([blocks(1, BB, 2), blocks(3, BB, 3)]))
+    e.release(res.lease_id)
+    assert not e.namespace("m").slots[Tier.HOST].leases.any() and not e.leases
+
+
+@pytest.mark.parametrize("seam", ["set_copy", "on_insert"])
+def test_a_remote_fill_that_raises_after_writing_its_rows_puts_them_back(
+        remote_eng: Engine, monkeypatch, seam: str):
+    # The fill wrote its rows' versions, checksums and states, then set_copy raised (before
+    # it wrote: its slots were named by no row; after its columns, in the policy: they were).
+    # Before the fix the rows stayed at the remote version, dirty, with no copy, the slots
+    # pinned and the host budget taken; the rows it made stayed, counted as blocks.
+    e = remote_eng
+    ns = e.namespace("m")
+    before = _held(e)
+    with monkeypatch.context() as m:
+        if seam == "set_copy":
+            m.setattr(e, "set_copy", _fail)
+        else:
+            m.setattr(ns.slots[Tier.HOST].policy, "on_insert", _fail)
+        with pytest.raises(Injected):
+            e.get("m", keys([RESIDENT, 0, 1, 2]))
+    _expect_nothing_held(e, before)
+    assert (ns.table.lookup(ns.table.keys_array(keys(range(3)))) == -1).all()
+    _remote_whole_get(e)
+
+
+def test_a_remote_fill_with_no_room_leaves_no_empty_rows(remote_eng: Engine):
+    # Every host slot leased: the fill finds no room, the keys are misses, and the rows it
+    # made for them go again (they stayed, empty, counted as blocks).
+    e = remote_eng
+    ns = e.namespace("m")
+    e.put("m", keys(range(100, 115)), blocks(15, BB, 4))
+    held = e.get("m", keys([RESIDENT, *range(100, 115)]))
+    before = int(ns.table.live)
+    res = e.get("m", keys([0, 1]))
+    assert not res.found.any()
+    assert int(ns.table.live) == before
+    assert (ns.table.lookup(ns.table.keys_array(keys([0, 1]))) == -1).all()
+    e.release(res.lease_id)
+    e.release(held.lease_id)
+    _remote_whole_get(e)

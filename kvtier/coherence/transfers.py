@@ -336,21 +336,27 @@ class Transfers:
             return
         cols = ns.table.cols
         pos = miss[got]
-        new_rows, _ = ns.table.insert(karr[pos])
-        vr = versions[got]
-        # A remote version older than what this host knows is stale here: never served.
-        fresh = vr >= cols["version"][new_rows]
-        pos, new_rows, vr = pos[fresh], new_rows[fresh], vr[fresh]
-        blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
-        if pos.size == 0:
-            return
-        dst = self.slots.alloc(ns, Tier.HOST, pos.size, partial=True)
-        pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
-            blobs[:dst.size]
-        if dst.size == 0:
-            return
-        ns.slots[Tier.HOST].leases[dst] += 1
+        every, made = ns.table.insert(karr[pos])
+        # What a fill that raises puts back (fix9): the columns it writes of those rows, and
+        # the rows it made (removed again while empty, as after a fill that found no room:
+        # they were left, counted as blocks, before).
+        old = [cols[c][every] for c in _FILLED]
+        made = every[made]
+        dst = _NO_SLOTS
         try:
+            vr = versions[got]
+            # A remote version older than what this host knows is stale here: never served.
+            fresh = vr >= cols["version"][every]
+            pos, new_rows, vr = pos[fresh], every[fresh], vr[fresh]
+            blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
+            if pos.size:
+                dst = self.slots.alloc(ns, Tier.HOST, pos.size, partial=True)
+                ns.slots[Tier.HOST].leases[dst] += 1
+            if dst.size == 0:
+                ns.table.remove(made)
+                return
+            pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
+                blobs[:dst.size]
             for t in list(ns.slots):
                 self.slots.drop_copies(ns, new_rows, t)
             pool = ns.slots[Tier.HOST].pool
@@ -361,13 +367,17 @@ class Transfers:
             cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
             cols["size"][new_rows] = ns.block_bytes
             cols["leases"][new_rows] = 0
+            self.slots.set_copy(ns, new_rows, Tier.HOST, dst, vr)
         except BaseException:
-            # Before set_copy no row names dst: the slots go back free (rev8). A row whose
-            # version was written meanwhile keeps it with no copy: a miss, as a drop leaves it.
-            ns.slots[Tier.HOST].leases[dst] -= 1
-            self.slots.free_slots(ns, Tier.HOST, dst)
+            # The slots go back free (a copy set_copy placed is dropped), the rows are as
+            # they were and the ones made here go: rev8 gave back only the slots no row
+            # named, and left a row at the remote version with no copy, dirty (fix9).
+            if dst.size:
+                self.give_back(ns, Tier.HOST, new_rows, dst)
+            for c, before in zip(_FILLED, old):
+                cols[c][every] = before
+            ns.table.remove(made)
             raise
-        self.slots.set_copy(ns, new_rows, Tier.HOST, dst, vr)
         cols["copy_ver"][new_rows, Tier.REMOTE] = vr
         rows[pos] = new_rows
         slots[pos] = dst
@@ -376,6 +386,11 @@ class Transfers:
         self.counters.tiers[Tier.HOST].promotions += int(pos.size)
         if self.settings.write_policy == "write_through" and ns.log is not None:
             self.nvme.write_down(ns, new_rows)      # written once the lock is released
+
+
+# The columns a remote fill writes of its rows (put back when it raises).
+_FILLED = ("state", "version", "checksum", "size", "leases")
+_NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 def remote_from_settings(settings: Settings) -> Any:
