@@ -272,3 +272,21 @@ def test_a_remote_fill_with_no_room_leaves_no_empty_rows(remote_eng: Engine):
     e.release(res.lease_id)
     e.release(held.lease_id)
     _remote_whole_get(e)
+
+
+def test_a_key_the_batch_repeats_is_filled_from_the_remote_tier_once(remote_eng: Engine):
+    # A real case, no fault: both positions of key 0 missed locally, and the fill gave each
+    # its own slot for the one row; the row named the second, the first was named by no
+    # copy (never freed, never evicted: a slot lost per repeat).
+    e = remote_eng
+    before = _held(e)
+    res = e.get("m", keys([RESIDENT, 0, 0, 1]))
+    assert res.found.all() and res.slots[1] == res.slots[2]
+    assert res.versions.tolist() == [1, 5, 5, 6]
+    assert e.namespace("m").slots[Tier.HOST].leases[res.slots[1]] == 2
+    e.release(res.lease_id)
+    after = _held(e)
+    assert after["pins"] == 0 and after["readers"] == 0 and after["accounted"]
+    assert after["free"] == before["free"] - 2
+    assert after["host_used"] == before["host_used"] + 2 * BB
+    _remote_whole_get(e)

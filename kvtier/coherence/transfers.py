@@ -335,8 +335,19 @@ class Transfers:
         if not got.any() or tier is not Tier.HOST:
             return
         cols = ns.table.cols
-        pos = miss[got]
+        gi = np.flatnonzero(got)            # into miss (and get_many's outputs)
+        pos = miss[gi]
         every, made = ns.table.insert(karr[pos])
+        rep = _NO_SLOTS
+        if every.size > 1:
+            _, first = np.unique(every, return_index=True)
+            if first.size < every.size:
+                # A key the batch repeats is filled once, its repeats share the slot (each
+                # with its pin, below): two slots for one row left one named by no copy.
+                first.sort()
+                rep = np.setdiff1d(np.arange(every.size), first)
+                rep, rep_rows = pos[rep], every[rep]
+                gi, pos, every, made = gi[first], pos[first], every[first], made[first]
         # What a fill that raises puts back (fix9): the columns it writes of those rows, and
         # the rows it made (removed again while empty, as after a fill that found no room:
         # they were left, counted as blocks, before).
@@ -344,11 +355,11 @@ class Transfers:
         made = every[made]
         dst = _NO_SLOTS
         try:
-            vr = versions[got]
+            vr = versions[gi]
             # A remote version older than what this host knows is stale here: never served.
             fresh = vr >= cols["version"][every]
             pos, new_rows, vr = pos[fresh], every[fresh], vr[fresh]
-            blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
+            blobs = [data[i] for i in gi[fresh].tolist()]
             if pos.size:
                 dst = self.slots.alloc(ns, Tier.HOST, pos.size, partial=True)
                 ns.slots[Tier.HOST].leases[dst] += 1
@@ -364,7 +375,7 @@ class Transfers:
                 pool.array[slot] = np.frombuffer(blob, dtype=np.uint8)
             cols["state"][new_rows] = next_states(cols["state"][new_rows], Event.COMMIT)
             cols["version"][new_rows] = vr
-            cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
+            cols["checksum"][new_rows] = sums[gi[fresh][: dst.size]]
             cols["size"][new_rows] = ns.block_bytes
             cols["leases"][new_rows] = 0
             self.slots.set_copy(ns, new_rows, Tier.HOST, dst, vr)
@@ -382,7 +393,13 @@ class Transfers:
         rows[pos] = new_rows
         slots[pos] = dst
         found[pos] = True
-        self.counters.tiers[Tier.REMOTE].hits += int(pos.size)
+        if rep.size:
+            shared = np.isin(rep_rows, new_rows)
+            rep, rep_rows = rep[shared], rep_rows[shared]
+            share = cols["slot"][rep_rows, Tier.HOST].astype(np.int64)
+            add_one(ns.slots[Tier.HOST].leases, share)
+            rows[rep], slots[rep], found[rep] = rep_rows, share, True
+        self.counters.tiers[Tier.REMOTE].hits += int(pos.size + rep.size)    # per position
         self.counters.tiers[Tier.HOST].promotions += int(pos.size)
         if self.settings.write_policy == "write_through" and ns.log is not None:
             self.nvme.write_down(ns, new_rows)      # written once the lock is released
