@@ -21,6 +21,7 @@ from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
 from kvtier.types import Tier
 from tests.conftest import blocks, drive_get, keys
+from tests.test_steps import LOOPS
 
 BB = 4096
 RESIDENT = 9                    # a host copy; keys 0..5 are on NVMe only
@@ -290,3 +291,52 @@ def test_a_key_the_batch_repeats_is_filled_from_the_remote_tier_once(remote_eng:
     assert after["free"] == before["free"] - 2
     assert after["host_used"] == before["host_used"] + 2 * BB
     _remote_whole_get(e)
+
+
+# ---------------------------------------------------------------------- the server's side
+
+@pytest.mark.parametrize("kind", LOOPS)
+def test_a_client_that_closes_during_its_gets_read_leaves_no_lease(tmp_path: Path, kind: str,
+                                                                  monkeypatch):
+    # A real socket's peer closes while its get's NVMe read is in flight (held there, not
+    # failed, until the close's release_owner has run): the lease the get makes after it is
+    # ended by the reply's end (Connection._finish), not left until lease_timeout (600 s).
+    import asyncio
+    import select
+    import threading
+
+    from tests.test_steps import _frame, _serve_in_process
+
+    reading, go = threading.Event(), threading.Event()
+
+    def held(fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            reading.set()
+            go.wait(10)
+            return fn(*args, **kwargs)
+        return run
+
+    async def scenario(loop, server, connect):
+        eng = server.engine
+        server.steps.use_read_threads = False          # the read on the I/O pool, held
+        monkeypatch.setattr(gets, "run_batch", held(gets.run_batch))
+        monkeypatch.setattr(eng.nvme, "run_read", held(eng.nvme.run_read))
+        s = await connect()
+        conn = max(server._live, key=lambda c: c.client.cid)
+        # A reply left unread makes the close a reset (ECONNRESET on the server's side, at
+        # once); a plain close is an EOF, which the server answers before it closes.
+        s.sendall(_frame({"id": 0, "op": "stats"}))
+        assert await loop.run_in_executor(None, select.select, [s], [], [], 10)
+        s.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(4, 12))}))
+        assert await loop.run_in_executor(None, reading.wait, 10)
+        s.close()
+        while not conn.closed or any(t.get_name().startswith("release-owner")
+                                     for t in server._tasks):
+            await asyncio.sleep(0.01)
+        assert not eng.leases                   # the close found nothing to end yet
+        go.set()
+        while server._tasks - {t for t in server._tasks if t.get_name() == "housekeeping"}:
+            await asyncio.sleep(0.01)
+        assert not eng.leases
+        assert not eng.namespace("m").slots[Tier.HOST].leases.any()
+    _serve_in_process(tmp_path, kind, scenario)
