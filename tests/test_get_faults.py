@@ -340,3 +340,32 @@ def test_a_client_that_closes_during_its_gets_read_leaves_no_lease(tmp_path: Pat
         assert not eng.leases
         assert not eng.namespace("m").slots[Tier.HOST].leases.any()
     _serve_in_process(tmp_path, kind, scenario)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["slots", "inline"])
+def test_a_get_reply_that_fails_to_build_ends_its_lease(tmp_path: Path, monkeypatch,
+                                                        inline: bool):
+    # The engine made the lease, then the reply failed (an injected raise in the prefetch
+    # check, which nothing real makes raise; the inline copy's read likewise): the client
+    # gets an error and never learns the lease's id, so the lease must end now, not at
+    # lease_timeout (600 s).
+    import asyncio
+
+    from tests.test_steps import _frame, _reply, _serve_in_process
+
+    async def scenario(loop, server, connect):
+        eng = server.engine
+        monkeypatch.setattr(eng, "wants_prefetch", _fail)
+        s = await connect()
+        # One resident key (the one-key lease), resident keys, NVMe ones (the steps).
+        for i, ks in enumerate((keys([3]), keys(range(8)), keys(range(4, 12)))):
+            req = {"id": i, "op": "get", "ns": "m", "keys": ks}
+            if inline:
+                req["inline"] = True
+            s.sendall(_frame(req))
+            r = await loop.run_in_executor(None, _reply, s)
+            assert not r["ok"] and "injected" in str(r)
+            assert not eng.leases
+            assert not eng.namespace("m").slots[Tier.HOST].leases.any()
+        await asyncio.sleep(0)
+    _serve_in_process(tmp_path, "asyncio", scenario)
