@@ -260,7 +260,7 @@ def test_a_remote_fill_that_raises_after_writing_its_rows_puts_them_back(
 
 def test_a_remote_fill_with_no_room_leaves_no_empty_rows(remote_eng: Engine):
     # Every host slot leased: the fill finds no room, the keys are misses, and the rows it
-    # made for them go again (they stayed, empty, counted as blocks).
+    # made for them go again (they stayed, empty, counted as blocks); then room for one.
     e = remote_eng
     ns = e.namespace("m")
     e.put("m", keys(range(100, 115)), blocks(15, BB, 4))
@@ -270,6 +270,13 @@ def test_a_remote_fill_with_no_room_leaves_no_empty_rows(remote_eng: Engine):
     assert not res.found.any()
     assert int(ns.table.live) == before
     assert (ns.table.lookup(ns.table.keys_array(keys([0, 1]))) == -1).all()
+    e.release(res.lease_id)
+    # One slot free: key 0 is filled, key 1 is a miss whose row goes too.
+    e.release(held.lease_id, slots=held.slots[:1])
+    res = e.get("m", keys([0, 1]))
+    assert res.found.tolist() == [True, False]
+    assert int(ns.table.live) == before + 1
+    assert ns.table.lookup(ns.table.keys_array(keys([0, 1]))).tolist()[1] == -1
     e.release(res.lease_id)
     e.release(held.lease_id)
     _remote_whole_get(e)

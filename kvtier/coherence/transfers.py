@@ -363,11 +363,15 @@ class Transfers:
             if pos.size:
                 dst = self.slots.alloc(ns, Tier.HOST, pos.size, partial=True)
                 ns.slots[Tier.HOST].leases[dst] += 1
-            if dst.size == 0:
-                ns.table.remove(made)
-                return
-            pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
-                blobs[:dst.size]
+            if dst.size < pos.size:
+                # No room for the tail (the rest of the tier is leased): misses, and the rows
+                # made for them go again.
+                ns.table.remove(np.setdiff1d(made, new_rows[:dst.size]))
+                made = np.intersect1d(made, new_rows[:dst.size])
+                if dst.size == 0:
+                    return
+                pos, new_rows, vr = pos[:dst.size], new_rows[:dst.size], vr[:dst.size]
+                blobs = blobs[:dst.size]
             for t in list(ns.slots):
                 self.slots.drop_copies(ns, new_rows, t)
             pool = ns.slots[Tier.HOST].pool
