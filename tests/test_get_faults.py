@@ -376,3 +376,59 @@ def test_a_get_reply_that_fails_to_build_ends_its_lease(tmp_path: Path, monkeypa
             assert not eng.namespace("m").slots[Tier.HOST].leases.any()
         await asyncio.sleep(0)
     _serve_in_process(tmp_path, "asyncio", scenario)
+
+
+# ---------------------------------------------------------------------- the decide's bring-ups
+
+@pytest.mark.parametrize("seam", ["device-copy", "plan_read", "set_copy"])
+def test_a_bring_up_that_raises_in_the_decide_ends_the_gets_pins(tmp_path: Path, monkeypatch,
+                                                                 seam: str):
+    # An HBM get of [a copy already in HBM, two blocks in host memory, one on NVMe]: the
+    # decide pins the first, allocates and pins slots for the others, then copies them up.
+    # A copy that raises there (a device copy: no CUDA here, so injected into the stand-in
+    # pool; the read plan's gathers; set_copy) left those pins and slots for ever.
+    from tests.engines import small_engine
+    e = small_engine(tmp_path / "d", hbm=True)
+    try:
+        e.put("m", keys([9]), blocks(1, BB, 3))
+        e.flush()
+        e.evict(Tier.HOST, 16)                  # key 9 on NVMe only
+        e.put("m", keys([0]), blocks(1, BB, 1), tier=Tier.HBM)
+        e.put("m", keys([1, 2]), blocks(2, BB, 2))
+        ns = e.namespace("m")
+        hbm = ns.slots[Tier.HBM]
+        host = ns.slots[Tier.HOST]
+        before = (hbm.pool.free_count, host.pool.free_count, e.host_used)
+        with monkeypatch.context() as m:
+            if seam == "device-copy":
+                m.setattr(hbm.pool, "write", _fail)
+            elif seam == "plan_read":
+                m.setattr(e.nvme, "plan_read", _fail)
+            else:
+                m.setattr(e, "set_copy", _fail)
+            with pytest.raises(Injected):
+                e.get("m", keys([0, 1, 2, 9]), 0, Tier.HBM)
+        assert not hbm.leases.any() and not host.leases.any() and not e.leases
+        assert (hbm.pool.free_count, host.pool.free_count, e.host_used) == before
+        assert all(seg.readers == 0 for seg in ns.log.segments.values())
+        res = e.get("m", keys([0, 1, 2, 9]), 0, Tier.HBM)
+        assert res.found.all()
+        got = np.asarray(hbm.pool.read(res.slots))
+        assert np.array_equal(got, np.concatenate([blocks(1, BB, 1), blocks(2, BB, 2),
+                                                   blocks(1, BB, 3)]))
+        e.release(res.lease_id)
+        assert not hbm.leases.any()
+    finally:
+        e.close(flush=False)
+
+
+def test_an_nvme_plan_that_raises_in_the_decide_ends_the_gets_pins(eng: Engine, monkeypatch):
+    # The host-only bring-up (_bring_up_from_nvme): its slots allocated and pinned, then the
+    # plan's gathers raise (injected: the C gather refuses only a broken table).
+    before = _held(eng)
+    with monkeypatch.context() as m:
+        m.setattr(eng.nvme, "plan_read", _fail)
+        with pytest.raises(Injected):
+            eng.get("m", keys(BATCH))
+    _expect_nothing_held(eng, before)
+    _whole_get(eng)

@@ -379,19 +379,29 @@ class Gets:
     def _bring_ups(self, p: "_PendingGet", todo: np.ndarray, repeats: bool) -> None:
         """Plan p's bring-ups of batch positions todo (found, not current in p.tier). A key
         repeated in the batch is brought up once; its repeats share the slot (np.unique's
-        index arrays and the set difference only when the batch repeats a key)."""
+        index arrays and the set difference only when the batch repeats a key). When it
+        raises, the pins p held end (_abandon)."""
         ns, rows, tier, slots, found = p.ns, p.rows, p.tier, p.slots, p.found
-        if not repeats:
-            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier, slots,
-                                                                  found)
-            return
-        _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
-        inv = inv.reshape(-1)
-        p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier, slots,
-                                                              found)
-        rep = np.setdiff1d(np.arange(todo.size), first)
-        if rep.size:
-            p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
+        try:
+            if not repeats:
+                p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier,
+                                                                      slots, found)
+                return
+            _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
+            inv = inv.reshape(-1)
+            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier,
+                                                                  slots, found)
+            rep = np.setdiff1d(np.arange(todo.size), first)
+            if rep.size:
+                p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
+        except BaseException:
+            # The copies already here were pinned (and bring_up gave back its own slots, or
+            # its plan is p's): their pins end with the error (a device copy that failed,
+            # fix9). Nothing else pins them: the decide's caller never sees p.
+            if p.plan is not None:
+                ns.log.unpin(p.plan.pins)
+            self._abandon(p)
+            raise
 
     def _finish_get(self, p: "_PendingGet", held: list[Any] | None = None) -> GetResult:
         """The rest of a get, under the lock: NVMe copies installed, repeats share their

@@ -92,31 +92,40 @@ class Transfers:
         st = ns.slots[tier]
         st.leases[dst] += 1
         plan = None
-        for src in (Tier.HBM, Tier.HOST, Tier.NVME):
-            m = src_of == src
-            if not m.any():
-                continue
-            if src is Tier.NVME:
-                plan = self.nvme.plan_read(ns, r[m], dst[m])
+        try:
+            for src in (Tier.HBM, Tier.HOST, Tier.NVME):
+                m = src_of == src
+                if not m.any():
+                    continue
+                if src is Tier.NVME:
+                    plan = self.nvme.plan_read(ns, r[m], dst[m])
+                else:
+                    st.pool.write(dst[m], _to_numpy(ns.slots[src].pool.read(
+                        cols["slot"][r[m], src])))
+                moved = int(m.sum())
+                c = self.counters.tiers[src]
+                c.hits += moved
+                c.bytes_read += moved * ns.block_bytes
+                if SERVE_ORDER.index(src) > SERVE_ORDER.index(tier):
+                    self.counters.tiers[tier].promotions += moved
+            if plan is None:
+                mem = np.ones(todo.size, dtype=bool)
+            elif plan.rows.size == todo.size:
+                # All from NVMe, a disk reader's usual batch: no copy to set now (an empty
+                # _set_copy still costs its policy's on_insert, ~5 numpy calls).
+                return plan, todo, dst.size < hit.sum()
             else:
-                st.pool.write(dst[m], _to_numpy(ns.slots[src].pool.read(cols["slot"][r[m], src])))
-            moved = int(m.sum())
-            c = self.counters.tiers[src]
-            c.hits += moved
-            c.bytes_read += moved * ns.block_bytes
-            if SERVE_ORDER.index(src) > SERVE_ORDER.index(tier):
-                self.counters.tiers[tier].promotions += moved
-        if plan is None:
-            mem = np.ones(todo.size, dtype=bool)
-        elif plan.rows.size == todo.size:
-            # All from NVMe, a disk reader's usual batch: no copy to set now (an empty
-            # _set_copy still costs its policy's on_insert, ~5 numpy calls).
-            return plan, todo, dst.size < hit.sum()
-        else:
-            mem = src_of != Tier.NVME
-        self.slots.set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
-        slots[todo[mem]] = dst[mem]
-        return plan, todo[~mem], dst.size < hit.sum()
+                mem = src_of != Tier.NVME
+            self.slots.set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
+            slots[todo[mem]] = dst[mem]
+            return plan, todo[~mem], dst.size < hit.sum()
+        except BaseException:
+            # A copy that raised (a device copy, the plan's gathers, set_copy): the slots go
+            # back and the plan's segment pins end, or the get's error kept them (fix9).
+            if plan is not None:
+                ns.log.unpin(plan.pins)
+            self.give_back(ns, tier, r, dst)
+            raise
 
     def _bring_up_from_nvme(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray,
                             found: np.ndarray) -> tuple[ReadPlan | None, np.ndarray, bool]:
@@ -145,11 +154,16 @@ class Transfers:
             if dst.size == 0:
                 return None, none, True
         ns.slots[Tier.HOST].leases[dst] += 1
+        try:
+            plan = self.nvme.plan_read(ns, r, dst)
+        except BaseException:
+            self.give_back(ns, Tier.HOST, r, dst)       # as bring_up's (fix9)
+            raise
         nvme = self.counters.tiers[Tier.NVME]
         nvme.hits += todo.size
         nvme.bytes_read += todo.size * ns.block_bytes
         host.promotions += todo.size
-        return self.nvme.plan_read(ns, r, dst), todo, short > 0
+        return plan, todo, short > 0
 
     def install_read(self, plan: ReadPlan, tier: Tier, pos: np.ndarray, rows: np.ndarray,
                       slots: np.ndarray, found: np.ndarray) -> None:
