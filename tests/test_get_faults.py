@@ -432,3 +432,82 @@ def test_an_nvme_plan_that_raises_in_the_decide_ends_the_gets_pins(eng: Engine, 
             eng.get("m", keys(BATCH))
     _expect_nothing_held(eng, before)
     _whole_get(eng)
+
+
+# ---------------------------------------------------------------------- at random
+
+@pytest.mark.parametrize("hbm", [False, True], ids=["host", "hbm-above"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_gets_with_random_faults_keep_every_slot_and_every_block(tmp_path: Path,
+                                                                        hbm: bool, seed: int):
+    # Random puts, flushes and evictions, and gets (of either tier, some with another get
+    # of the same keys between the read and the install) of which a third meet a fault at
+    # one of the seams above (injected, once). After every step, with every lease ended:
+    # no pin, no reader count, every slot free, a current copy or retired, the host budget
+    # what the host pool has out; and every get served the bytes last put.
+    from tests.engines import put_or_evict, small_engine
+    e = small_engine(tmp_path / "d", hbm)
+    rng = np.random.default_rng(seed)
+    ns = e.namespace("m")
+    host = ns.slots[Tier.HOST]
+    model: dict[int, np.ndarray] = {}
+    seen: list = []
+    faults = served = 0
+    real_put = e.put
+
+    def put(namespace: str, ks: bytes, data: np.ndarray, **kw: Any) -> Any:
+        out = real_put(namespace, ks, data, **kw)
+        for j in range(len(ks) // 16):
+            model[int.from_bytes(ks[16 * j:16 * j + 16], "big") - 1] = data[j].copy()
+        return out
+    e.put = put                                 # the model follows put_or_evict's puts
+    seams: list[Any] = [lambda: (e, "set_copy"), lambda: (e.nvme, "finish_read"),
+                        lambda: (e, "touch"), lambda: (host.policy, "on_insert"),
+                        lambda: (e.nvme, "plan_read"), lambda: (e, "free_slots")]
+    if hbm:
+        seams.append(lambda: (ns.slots[Tier.HBM].pool, "write"))
+    for step in range(250):
+        op = int(rng.integers(0, 10))
+        ids = [int(i) for i in rng.integers(0, 30, int(rng.integers(1, 8)))]
+        if put_or_evict(e, rng, op, ids, 100 + step, seen, evict_below=4):
+            pass
+        else:
+            tier = Tier.HBM if hbm and rng.integers(0, 2) else Tier.HOST
+            undo: list[tuple[Any, str, Any]] = []
+            seam = seams[int(rng.integers(0, len(seams)))]()
+            if rng.integers(0, 3) == 0 and seam[0] is not None:   # (a policy made lazily)
+                obj, name = seam
+                setattr(obj, name, _once(getattr(obj, name)))
+                undo.append((obj, name))
+            later: list[int] = []
+
+            def meanwhile(p: Any, ids: list[int] = ids, later: list[int] = later) -> None:
+                if rng.integers(0, 2):
+                    try:                        # (the fault may be this get's instead)
+                        later.append(e.get("m", keys(ids[:1])).lease_id)
+                    except Injected:
+                        pass
+            try:
+                res = drive_get(e, e.get_steps("m", keys(ids), 0, tier), meanwhile)
+            except Injected:
+                faults += 1
+            else:
+                got = np.asarray(ns.slots[tier].pool.read(res.slots[res.found]))
+                want = [model[i] for i, f in zip(ids, res.found) if f]
+                assert all(np.array_equal(g, w) for g, w in zip(got, want)), step
+                served += int(res.found.sum())
+                later.append(res.lease_id)
+            for obj, name in undo:
+                delattr(obj, name)          # the instance's patch: the class's method again
+            for lid in later:
+                e.release(lid)
+        assert not e.leases and not e.reservations, step
+        t = ns.table
+        assert not t.cols["leases"][: t.n_rows].any(), step
+        for st in ns.slots.values():
+            assert not st.leases.any(), step
+            rows = np.flatnonzero(st.slot_row >= 0)
+            assert st.pool.free_count + rows.size + int(st.retired.sum()) == st.pool.n_slots
+        assert e.host_used == (host.pool.n_slots - host.pool.free_count) * BB, step
+    assert faults > 10 and served > 100
+    e.close(flush=False)
