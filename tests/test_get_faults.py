@@ -436,16 +436,22 @@ def test_an_nvme_plan_that_raises_in_the_decide_ends_the_gets_pins(eng: Engine, 
 
 # ---------------------------------------------------------------------- at random
 
+@pytest.mark.parametrize("numpy", [False, True], ids=["c", "numpy"])
 @pytest.mark.parametrize("hbm", [False, True], ids=["host", "hbm-above"])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_random_gets_with_random_faults_keep_every_slot_and_every_block(tmp_path: Path,
-                                                                        hbm: bool, seed: int):
+def test_random_gets_with_random_faults_keep_every_slot_and_every_block(
+        tmp_path: Path, hbm: bool, seed: int, numpy: bool, monkeypatch):
     # Random puts, flushes and evictions, and gets (of either tier, some with another get
     # of the same keys between the read and the install) of which a third meet a fault at
-    # one of the seams above (injected, once). After every step, with every lease ended:
+    # one of the seams above (injected, once); with the C helpers, or the numpy paths. After every step, with every lease ended:
     # no pin, no reader count, every slot free, a current copy or retired, the host budget
     # what the host pool has out; and every get served the bytes last put.
+    from kvtier.coherence import fastpath
     from tests.engines import put_or_evict, small_engine
+    if numpy:                                   # the numpy fast path, split and install
+        for mod, name in ((fastpath, "_fast"), (gets, "_split"), (gets, "_read_installable"),
+                          (gets, "_lease_current")):
+            monkeypatch.setattr(mod, name, None)
     e = small_engine(tmp_path / "d", hbm)
     rng = np.random.default_rng(seed)
     ns = e.namespace("m")
@@ -511,3 +517,40 @@ def test_random_gets_with_random_faults_keep_every_slot_and_every_block(tmp_path
         assert e.host_used == (host.pool.n_slots - host.pool.free_count) * BB, step
     assert faults > 10 and served > 100
     e.close(flush=False)
+
+
+@pytest.mark.parametrize("seam", ["touch", "GetResult"])
+def test_the_numpy_resident_lease_that_raises_leaves_no_pin_or_count(tmp_path: Path,
+                                                                     monkeypatch, seam: str):
+    # Without the C helpers a resident batch is leased by FastPath.lease_resident: its pins
+    # and reader counts were taken, then the touch raised (they stayed for ever), or the
+    # lease was in the table before its GetResult raised (a lease nobody knew, to its
+    # timeout). Injected at the touch and the GetResult (neither raises for real).
+    from kvtier.coherence import fastpath
+    from tests.engines import small_engine
+    monkeypatch.setattr(fastpath, "_fast", None)
+    monkeypatch.setattr(gets, "_split", None)
+    e = small_engine(tmp_path / "d", hbm=False)
+    try:
+        e.put("m", keys(range(3)), blocks(3, BB, 1))
+        ns = e.namespace("m")
+        with monkeypatch.context() as m:
+            if seam == "touch":
+                m.setattr(e, "touch", _fail)
+            else:
+                class Refused(fastpath.GetResult):
+                    __slots__ = ()
+
+                    def __init__(self, *args: Any, **kwargs: Any) -> None:
+                        raise Injected("injected")
+                m.setattr(fastpath, "GetResult", Refused)
+            with pytest.raises(Injected):
+                e.get("m", keys([0, 1, 2, 1]))
+        assert not ns.slots[Tier.HOST].leases.any() and not e.leases
+        assert not ns.table.cols["leases"][: ns.table.n_rows].any()
+        res = e.get("m", keys([0, 1, 2, 1]))
+        assert res.found.all()
+        e.release(res.lease_id)
+        assert not ns.slots[Tier.HOST].leases.any()
+    finally:
+        e.close(flush=False)
