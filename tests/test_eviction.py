@@ -11,27 +11,14 @@ import pytest
 
 from kvtier.coherence import eviction
 from kvtier.coherence.engine import Engine
-from kvtier.config import make_settings
 from kvtier.errors import CapacityError
 from kvtier.types import Tier
-from tests.conftest import blocks, drive_get, hbm_standin, keys
+from tests.conftest import blocks, drive_get, keys
+from tests.engines import BB, small_engine
 
-BB = 4096
 
 pytestmark = pytest.mark.skipif(eviction._victims_covered is None or eviction._fast is None,
                                 reason="kvtier.coherence._gets or _fast was not built")
-
-
-def _engine(tmp: Path, hbm: bool, policy: str) -> Engine:
-    """Namespace m of BB-byte blocks, a host tier of 16 slots (an HBM stand-in of 8 above
-    it), write-back onto 1 MiB segments, policy in every tier."""
-    eng = Engine(make_settings({"data_dir": str(tmp), "host_capacity": "64KiB",
-                                "hbm_capacity": "32KiB" if hbm else "0",
-                                "nvme_capacity": "4MiB", "segment_bytes": "1MiB",
-                                "write_policy": "write_back", "eviction": policy}),
-                 hbm_pool_factory=hbm_standin if hbm else None)
-    eng.create_namespace("m", BB)
-    return eng
 
 
 def _snapshot(eng: Engine, seen: list) -> None:
@@ -55,7 +42,7 @@ def _state_after(tmp: Path, seed: int, hbm: bool, policy: str) -> list:
     flushes (clean, covered: the one-call drop), admin evictions and gets whose bring-ups
     from NVMe evict, with rewrites between a get's read and its install. After every step:
     what it returned and the whole state."""
-    eng = _engine(tmp, hbm, policy)
+    eng = small_engine(tmp, hbm, eviction=policy)
     rng = np.random.default_rng(seed)
     seen: list = []
     for step in range(200):

@@ -13,23 +13,11 @@ from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
 from kvtier.errors import BadRequest, CapacityError
 from kvtier.types import Tier
-from tests.conftest import blocks, drive_get, hbm_standin, keys
+from tests.conftest import blocks, drive_get, keys
+from tests.engines import BB, put_or_evict, small_engine
 
-BB = 4096
 
 pytestmark = pytest.mark.skipif(gets._split is None, reason="kvtier.coherence._gets not built")
-
-
-def _small_engine(tmp: Path, hbm: bool) -> Engine:
-    """Namespace m of BB-byte blocks, a host tier of 16 slots (an HBM stand-in of 8 above
-    it), write-back onto 1 MiB segments."""
-    eng = Engine(make_settings({"data_dir": str(tmp), "host_capacity": "64KiB",
-                                "hbm_capacity": "32KiB" if hbm else "0",
-                                "nvme_capacity": "4MiB", "segment_bytes": "1MiB",
-                                "write_policy": "write_back"}),
-                 hbm_pool_factory=hbm_standin if hbm else None)
-    eng.create_namespace("m", BB)
-    return eng
 
 
 def _snapshot(eng: Engine, seen: list) -> None:
@@ -47,7 +35,7 @@ def _state_after_gets(tmp: Path, seed: int, hbm: bool) -> list:
     """Random puts, evictions into NVMe and gets (repeated keys, missing keys, resident and
     NVMe blocks mixed): after every get its result, the page table, the slot arrays and the
     counters."""
-    eng = _small_engine(tmp, hbm)
+    eng = small_engine(tmp, hbm)
     rng = np.random.default_rng(seed)
     seen: list = []
     for step in range(150):
@@ -128,22 +116,13 @@ def _state_after_interleaved_gets(tmp: Path, seed: int, hbm: bool) -> list:
     copy current already: shared), a record fails its verdict (dropped), or nothing (the
     usual install). After every step: the get's result, the page table, the slot arrays,
     the leases and the counters."""
-    eng = _small_engine(tmp, hbm)
+    eng = small_engine(tmp, hbm)
     rng = np.random.default_rng(seed)
     seen: list = []
     for step in range(200):
         op = int(rng.integers(0, 10))
         ids = [int(i) for i in rng.integers(0, 40, int(rng.integers(1, 10)))]
-        if op < 3:
-            ids = list(dict.fromkeys(ids))
-            try:
-                eng.put("m", keys(ids), blocks(len(ids), BB, step))
-            except CapacityError:
-                seen.append("put full")
-        elif op < 4:
-            eng.flush()
-            seen.append(eng.evict(Tier.HOST, int(rng.integers(1, 12))))
-        else:
+        if not put_or_evict(eng, rng, op, ids, step, seen, evict_below=4):
             steps = eng.get_steps("m", keys(ids), 0, room_first=bool(rng.integers(0, 2)))
             later: list = []
 
@@ -276,22 +255,13 @@ def _try_gets(tmp: Path, seed: int) -> list:
     """Random puts (dirty under write-back), flushes, evictions to NVMe and try_gets of
     batches resident, partly resident, missing or all on NVMe; each try_get's answer (its
     result, or None: refused) and the state after it."""
-    eng = _small_engine(tmp, False)
+    eng = small_engine(tmp, False)
     rng = np.random.default_rng(seed)
     seen: list = []
     for step in range(200):
         op = int(rng.integers(0, 10))
         ids = [int(i) for i in rng.integers(0, 40, int(rng.integers(1, 10)))]
-        if op < 3:
-            ids = list(dict.fromkeys(ids))
-            try:
-                eng.put("m", keys(ids), blocks(len(ids), BB, step))
-            except CapacityError:
-                seen.append("put full")
-        elif op < 5:
-            eng.flush()
-            seen.append(eng.evict(Tier.HOST, int(rng.integers(1, 12))))
-        else:
+        if not put_or_evict(eng, rng, op, ids, step, seen, evict_below=5):
             if op == 9:
                 ids = ids + [1000 + step]          # a key never stored: a miss
             res = eng.try_get("m", keys(ids))
@@ -458,7 +428,7 @@ def _reader_counts_near_the_top(tmp: Path, monkeypatch, numpy: bool) -> list[lis
     if numpy:
         monkeypatch.setattr(gets, "_lease_current", None)
         monkeypatch.setattr(leases, "_fast", None)
-    eng = _small_engine(tmp, hbm=False)
+    eng = small_engine(tmp, hbm=False)
     eng.put("m", keys([0, 1]), blocks(2, BB))
     ns = eng.namespace("m")
     counts = ns.table.cols["leases"]

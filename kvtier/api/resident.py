@@ -179,8 +179,12 @@ class ResidentGets:
         if not done or hit is None:
             return None
         lid, slot, version, checksum = hit
-        if self.engine.wants_prefetch(name, keys) is not False:
-            self._spawn(self._run(self.engine.prefetch_after, name, keys))
+        try:
+            if self.engine.wants_prefetch(name, keys) is not False:
+                self._spawn(self._run(self.engine.prefetch_after, name, keys))
+        except BaseException:
+            self.engine.release(lid, client.cid)     # as _get_reply: the id is never sent
+            raise
         client.pins.add(lid, name, 1)
         return {"lease": lid, "found": b"\x01", "slots": _I32.pack(slot),
                 "versions": _U64.pack(version), "checksums": _U64.pack(checksum)}

@@ -522,26 +522,34 @@ class Server(ResidentGets, SortedGets):
 
     def _get_reply(self, client: ClientInfo, name: str, keys: bytes, res: Any,
                    inline: bool) -> dict[str, Any]:
-        if res.found[-1]:
-            # The chain's next blocks (after the batch's last key), one tier up, off the
-            # request's path; a task only when there is something to move or the engine is
-            # too busy to tell now.
-            if self.engine.wants_prefetch(name, keys) is not False:
-                self._spawn(self._run(self.engine.prefetch_after, name, keys))
-        if not inline and res.tier is Tier.HOST:
-            client.pins.add(res.lease_id, name, int(res.found.sum()))
-        out = {"lease": res.lease_id, "found": P.arr(res.found, "u1"),
-               "slots": P.arr(res.slots, "<i4"), "versions": P.arr(res.versions, "<u8"),
-               "checksums": P.arr(res.checksums, "<u8")}
+        try:
+            if res.found[-1]:
+                # The chain's next blocks (after the batch's last key), one tier up, off the
+                # request's path; a task only when there is something to move or the engine
+                # is too busy to tell now.
+                if self.engine.wants_prefetch(name, keys) is not False:
+                    self._spawn(self._run(self.engine.prefetch_after, name, keys))
+            out = {"lease": res.lease_id, "found": P.arr(res.found, "u1"),
+                   "slots": P.arr(res.slots, "<i4"), "versions": P.arr(res.versions, "<u8"),
+                   "checksums": P.arr(res.checksums, "<u8")}
+            if inline:
+                # The inline fallback copies the bytes into the reply and ends the lease at
+                # once.
+                ns = self.engine.namespace(name)
+                idx = np.flatnonzero(res.found)
+                data = np.zeros((res.found.size, ns.block_bytes), dtype=np.uint8)
+                data[idx] = ns.slots[Tier.HOST].pool.read(res.slots[idx])
+        except BaseException:
+            # The client gets an error, never the lease's id: it ends now, not at
+            # lease_timeout (fix9).
+            self.engine.release(res.lease_id, client.cid)
+            raise
         if inline:
-            # The inline fallback copies the bytes into the reply and ends the lease at once.
-            ns = self.engine.namespace(name)
-            idx = np.flatnonzero(res.found)
-            data = np.zeros((res.found.size, ns.block_bytes), dtype=np.uint8)
-            data[idx] = ns.slots[Tier.HOST].pool.read(res.slots[idx])
             self.engine.release(res.lease_id, client.cid)
             out["data"] = data.tobytes()
             out["lease"] = 0
+        elif res.tier is Tier.HOST:
+            client.pins.add(res.lease_id, name, int(res.found.sum()))
         return out
 
     def op_release(self, client: ClientInfo, req: dict[str, Any]

@@ -198,15 +198,25 @@ class FastPath:
         n = rows.size
         slots = cols["slot"][rows, tier]
         slots64 = slots.astype(np.int64)
-        add_one(ns.slots[tier].leases, slots64)
+        pins = ns.slots[tier].leases
+        add_one(pins, slots64)
         count_readers(cols["leases"], rows)        # saturating, as lease_rows
-        self.ledger.touch(ns, rows)
+        try:
+            self.ledger.touch(ns, rows)
+            lid = self._new_id()
+            lease = Lease(lid, ns, tier, slots64, rows, versions, owner,
+                          time.monotonic() + self.settings.lease_timeout)
+            res = GetResult(np.ones(n, dtype=bool), slots, versions.copy(),
+                            cols["checksum"][rows], lid, tier)
+        except BaseException:
+            # No lease made (it is the last step, as Gets._lease_get's): the pins and counts
+            # come off again (current copies: none of their slots is retired).
+            count_readers(cols["leases"], rows, -1)
+            add_one(pins, slots64, -1)
+            raise
         self.count_hits(ns, n, tier)
-        lid = self._new_id()
-        self.leases[lid] = Lease(lid, ns, tier, slots64, rows, versions, owner,
-                                 time.monotonic() + self.settings.lease_timeout)
-        return GetResult(np.ones(n, dtype=bool), slots, versions.copy(), cols["checksum"][rows],
-                         lid, tier)
+        self.leases[lid] = lease
+        return res
 
     def lease_native(self, ns: Namespace, rows: np.ndarray, owner: int,
                       tier: Tier) -> GetResult | None:

@@ -379,19 +379,29 @@ class Gets:
     def _bring_ups(self, p: "_PendingGet", todo: np.ndarray, repeats: bool) -> None:
         """Plan p's bring-ups of batch positions todo (found, not current in p.tier). A key
         repeated in the batch is brought up once; its repeats share the slot (np.unique's
-        index arrays and the set difference only when the batch repeats a key)."""
+        index arrays and the set difference only when the batch repeats a key). When it
+        raises, the pins p held end (_abandon)."""
         ns, rows, tier, slots, found = p.ns, p.rows, p.tier, p.slots, p.found
-        if not repeats:
-            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier, slots,
-                                                                  found)
-            return
-        _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
-        inv = inv.reshape(-1)
-        p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier, slots,
-                                                              found)
-        rep = np.setdiff1d(np.arange(todo.size), first)
-        if rep.size:
-            p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
+        try:
+            if not repeats:
+                p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo, tier,
+                                                                      slots, found)
+                return
+            _, first, inv = np.unique(rows[todo], return_index=True, return_inverse=True)
+            inv = inv.reshape(-1)
+            p.plan, p.plan_pos, p.short = self.transfers.bring_up(ns, rows, todo[first], tier,
+                                                                  slots, found)
+            rep = np.setdiff1d(np.arange(todo.size), first)
+            if rep.size:
+                p.repeats, p.repeat_src = todo[rep], todo[first][inv[rep]]
+        except BaseException:
+            # The copies already here were pinned (and bring_up gave back its own slots, or
+            # its plan is p's): their pins end with the error (a device copy that failed,
+            # fix9). Nothing else pins them: the decide's caller never sees p.
+            if p.plan is not None:
+                ns.log.unpin(p.plan.pins)
+            self._abandon(p)
+            raise
 
     def _finish_get(self, p: "_PendingGet", held: list[Any] | None = None) -> GetResult:
         """The rest of a get, under the lock: NVMe copies installed, repeats share their
@@ -405,26 +415,46 @@ class Gets:
                 segs, held[:] = list(held), []
                 p.ns.log.unpin(segs)
         ns, tier, found, slots = p.ns, p.tier, p.found, p.slots
-        st = ns.slots[tier]
-        if p.plan is not None:
-            self._install_read(p)
-        if p.repeats.size:
-            slots[p.repeats] = slots[p.repeat_src]
-            found[p.repeats] = found[p.repeat_src]
-            ok = p.repeats[found[p.repeats]]
-            add_one(st.leases, slots[ok])
         try:
+            if p.plan is not None:
+                self._install_read(p)
+                p.installed = True
+            if p.repeats.size:
+                src = p.repeat_src
+                # Pinned before they are named: an error in between leaves a pin, never
+                # ends one twice.
+                add_one(ns.slots[tier].leases, slots[src[found[src]]])
+                slots[p.repeats] = slots[src]
+                found[p.repeats] = found[src]
             return self._lease_get(p)
         except BaseException:
-            # No lease was made: the get's pins (one a served position: copies already here,
-            # installed, shared with a repeat or filled from the remote tier) end here, or
-            # nobody would ever end them (from_remote raising, rev8).
-            self.owner.unpin_slots(ns, tier, slots[found])
+            # No lease was made (it is _lease_get's last step): the get's pins end here, or
+            # nobody would ever end them (from_remote raising, rev8; the install, fix9).
+            self._abandon(p)
             raise
+
+    def _abandon(self, p: "_PendingGet") -> None:
+        """Under the lock, for a finish that raised before its lease: every pin the get holds
+        ends, and the slots its NVMe read was to fill go back free, with the host budget.
+
+        A served position (found, with a slot) holds one pin: a copy already here, one
+        brought up from memory or installed, a repeat's share, a remote fill. Until the
+        install returned, the read's positions hold only what install_read put there (a
+        copy another get installed meanwhile, pinned for this get), and the read's own
+        slots (plan.dst) one pin each; Transfers.give_back undoes a partial install."""
+        ns, tier, found, slots = p.ns, p.tier, p.found, p.slots
+        pinned = found & (slots >= 0)
+        if p.plan is not None and not p.installed:
+            dst = p.plan.dst.astype(np.int64)
+            pinned[p.plan_pos] &= slots[p.plan_pos] != dst
+            self.transfers.give_back(ns, tier, p.plan.rows, dst)
+        self.owner.unpin_slots(ns, tier, slots[pinned])
 
     def _lease_get(self, p: "_PendingGet") -> GetResult:
         """_finish_get's end: the remote tier's fills, then the lease. Every served position
-        holds one pin on its slot in p.tier, which the lease takes over."""
+        holds one pin on its slot in p.tier, which the lease takes over. The lease is made
+        last: whatever raises here leaves none, and the rows' reader counts as they were (the
+        caller ends the pins)."""
         ns, tier, rows, found, slots = p.ns, p.tier, p.rows, p.found, p.slots
         cols = ns.table.cols
         if self.remote is not None and not found.all():
@@ -450,19 +480,30 @@ class Gets:
         else:
             cur = srows[(cols["version"][srows] == versions) & (cols["key"][srows] == karr)]
             count_readers(cols["leases"], cur)     # saturating, as lease_current
-        self.owner.touch(ns, cur)          # in batch order: the last key of a prefix is the newest
+        try:
+            self.owner.touch(ns, cur)      # in batch order: the last key of a prefix is the newest
+            lid = self.owner.new_id()
+            lease = Lease(lid, ns, tier, lslots, srows, versions.copy(), p.owner,
+                          time.monotonic() + self.settings.lease_timeout)
+            if every:
+                res = GetResult(found, slots.astype(np.int32), p.versions.copy(),
+                                p.sums.copy(), lid, tier)
+            else:
+                res = GetResult(found, slots.astype(np.int32), np.where(found, p.versions, 0)
+                                .astype(np.uint64), np.where(found, p.sums, 0)
+                                .astype(np.uint64), lid, tier)
+        except BaseException:
+            # The counts come off again (the caller ends the pins). A count held at the top
+            # comes down one it never went up: a count at 65,535 is "many" already.
+            count_readers(cols["leases"], cur, -1)
+            raise
+        # The lease is the last step, nothing after it raises: a lease in the table whose
+        # get raised was ended twice, by its release or expiry and by the caller's unpin.
         self.counters.gets += p.karr.size
         self.counters.get_hits += int(srows.size)
         self.counters.tiers[tier].bytes_read += int(srows.size) * ns.block_bytes
-        lid = self.owner.new_id()
-        self.leases[lid] = Lease(lid, ns, tier, lslots, srows, versions.copy(), p.owner,
-                                 time.monotonic() + self.settings.lease_timeout)
-        if every:
-            return GetResult(found, slots.astype(np.int32), p.versions.copy(), p.sums.copy(),
-                             lid, tier)
-        return GetResult(found, slots.astype(np.int32), np.where(found, p.versions, 0)
-                         .astype(np.uint64), np.where(found, p.sums, 0).astype(np.uint64),
-                         lid, tier)
+        self.leases[lid] = lease
+        return res
 
     def _install_read(self, p: "_PendingGet") -> None:
         """Under the lock: p's NVMe copies installed (Transfers.install_read). The usual
@@ -547,4 +588,5 @@ class _PendingGet:
     repeats: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     repeat_src: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     short: bool = False         # some bring-ups found no room
+    installed: bool = False     # the plan's install returned (its slots are the rows' now)
     batch: Any = None           # the plan's read as a tiers.reads Batch (None: run_read)

@@ -8,8 +8,8 @@ engine lock, except where a method says it takes it itself).
 - the remote tier: write-through or write-back to Redis, and local misses filled from it.
 
 Interface. Owns nothing. Public: prefetch_after, wants_prefetch, stage (the engine's methods of
-those names are these, bound), bring_up, install_read, from_remote (coherence.gets calls them),
-push_remote (the engine's puts and flushes). Calls: the engine's slot ops through ``TierSlots``
+those names are these, bound), bring_up, install_read, give_back, from_remote (coherence.gets
+calls them), push_remote (the engine's puts and flushes). Calls: the engine's slot ops through ``TierSlots``
 (alloc, set_copy, free_slots, unpin_slots, drop_copies, the host budget it reads), the NVMe
 store's read plans, the remote tier, the settings, the counters and the namespaces.
 """
@@ -92,31 +92,40 @@ class Transfers:
         st = ns.slots[tier]
         st.leases[dst] += 1
         plan = None
-        for src in (Tier.HBM, Tier.HOST, Tier.NVME):
-            m = src_of == src
-            if not m.any():
-                continue
-            if src is Tier.NVME:
-                plan = self.nvme.plan_read(ns, r[m], dst[m])
+        try:
+            for src in (Tier.HBM, Tier.HOST, Tier.NVME):
+                m = src_of == src
+                if not m.any():
+                    continue
+                if src is Tier.NVME:
+                    plan = self.nvme.plan_read(ns, r[m], dst[m])
+                else:
+                    st.pool.write(dst[m], _to_numpy(ns.slots[src].pool.read(
+                        cols["slot"][r[m], src])))
+                moved = int(m.sum())
+                c = self.counters.tiers[src]
+                c.hits += moved
+                c.bytes_read += moved * ns.block_bytes
+                if SERVE_ORDER.index(src) > SERVE_ORDER.index(tier):
+                    self.counters.tiers[tier].promotions += moved
+            if plan is None:
+                mem = np.ones(todo.size, dtype=bool)
+            elif plan.rows.size == todo.size:
+                # All from NVMe, a disk reader's usual batch: no copy to set now (an empty
+                # _set_copy still costs its policy's on_insert, ~5 numpy calls).
+                return plan, todo, dst.size < hit.sum()
             else:
-                st.pool.write(dst[m], _to_numpy(ns.slots[src].pool.read(cols["slot"][r[m], src])))
-            moved = int(m.sum())
-            c = self.counters.tiers[src]
-            c.hits += moved
-            c.bytes_read += moved * ns.block_bytes
-            if SERVE_ORDER.index(src) > SERVE_ORDER.index(tier):
-                self.counters.tiers[tier].promotions += moved
-        if plan is None:
-            mem = np.ones(todo.size, dtype=bool)
-        elif plan.rows.size == todo.size:
-            # All from NVMe, a disk reader's usual batch: no copy to set now (an empty
-            # _set_copy still costs its policy's on_insert, ~5 numpy calls).
-            return plan, todo, dst.size < hit.sum()
-        else:
-            mem = src_of != Tier.NVME
-        self.slots.set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
-        slots[todo[mem]] = dst[mem]
-        return plan, todo[~mem], dst.size < hit.sum()
+                mem = src_of != Tier.NVME
+            self.slots.set_copy(ns, r[mem], tier, dst[mem], cols["version"][r[mem]])
+            slots[todo[mem]] = dst[mem]
+            return plan, todo[~mem], dst.size < hit.sum()
+        except BaseException:
+            # A copy that raised (a device copy, the plan's gathers, set_copy): the slots go
+            # back and the plan's segment pins end, or the get's error kept them (fix9).
+            if plan is not None:
+                ns.log.unpin(plan.pins)
+            self.give_back(ns, tier, r, dst)
+            raise
 
     def _bring_up_from_nvme(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray,
                             found: np.ndarray) -> tuple[ReadPlan | None, np.ndarray, bool]:
@@ -145,11 +154,16 @@ class Transfers:
             if dst.size == 0:
                 return None, none, True
         ns.slots[Tier.HOST].leases[dst] += 1
+        try:
+            plan = self.nvme.plan_read(ns, r, dst)
+        except BaseException:
+            self.give_back(ns, Tier.HOST, r, dst)       # as bring_up's (fix9)
+            raise
         nvme = self.counters.tiers[Tier.NVME]
         nvme.hits += todo.size
         nvme.bytes_read += todo.size * ns.block_bytes
         host.promotions += todo.size
-        return self.nvme.plan_read(ns, r, dst), todo, short > 0
+        return plan, todo, short > 0
 
     def install_read(self, plan: ReadPlan, tier: Tier, pos: np.ndarray, rows: np.ndarray,
                       slots: np.ndarray, found: np.ndarray) -> None:
@@ -173,10 +187,26 @@ class Transfers:
         add_one(st.leases, theirs)
         slots[pos[have]] = theirs
         back = dst[~fresh]
-        st.leases[back] -= 1
+        # Freed while pinned (retired), then unpinned: one that raises in between leaves
+        # them pinned, for the get's give_back, never given back twice (fix9).
         self.slots.free_slots(ns, tier, back)
+        self.slots.unpin_slots(ns, tier, back)
         found[pos[~valid]] = False
         self.counters.tiers[tier].misses += int((~valid).sum())
+
+    def give_back(self, ns: Namespace, tier: Tier, rows: np.ndarray, dst: np.ndarray) -> None:
+        """Under the lock, after a step that raised (an NVMe read's install, a remote fill):
+        the slots dst, pinned for copies of rows (distinct, aligned with dst) that the step
+        was to place, go back free, with the host budget. A copy it placed is dropped: the
+        row keeps its other copies, and the get that raised serves none. A slot whose pin the
+        step ended itself (install_read's tail) was given back by it and is left alone."""
+        st = ns.slots[tier]
+        mine = st.leases[dst] > 0
+        placed = mine & (ns.table.cols["slot"][rows, tier] == dst)
+        if placed.any():
+            self.slots.drop_copies(ns, rows[placed], tier)     # pinned: retired
+        self.slots.free_slots(ns, tier, dst[mine & ~placed])    # pinned: retired too
+        self.slots.unpin_slots(ns, tier, dst[mine])     # and freed with their last pin
 
     def _prefetch_rows(self, namespace: str, keys: Any) -> tuple[Any, np.ndarray]:
         """What prefetch_after would move: the chain's next blocks below the host tier, in
@@ -319,22 +349,43 @@ class Transfers:
         if not got.any() or tier is not Tier.HOST:
             return
         cols = ns.table.cols
-        pos = miss[got]
-        new_rows, _ = ns.table.insert(karr[pos])
-        vr = versions[got]
-        # A remote version older than what this host knows is stale here: never served.
-        fresh = vr >= cols["version"][new_rows]
-        pos, new_rows, vr = pos[fresh], new_rows[fresh], vr[fresh]
-        blobs = [d for d, f in zip([data[i] for i in np.flatnonzero(got)], fresh) if f]
-        if pos.size == 0:
-            return
-        dst = self.slots.alloc(ns, Tier.HOST, pos.size, partial=True)
-        pos, new_rows, vr, blobs = pos[:dst.size], new_rows[:dst.size], vr[:dst.size], \
-            blobs[:dst.size]
-        if dst.size == 0:
-            return
-        ns.slots[Tier.HOST].leases[dst] += 1
+        gi = np.flatnonzero(got)            # into miss (and get_many's outputs)
+        pos = miss[gi]
+        every, made = ns.table.insert(karr[pos])
+        rep = _NO_SLOTS
+        if every.size > 1:
+            _, first = np.unique(every, return_index=True)
+            if first.size < every.size:
+                # A key the batch repeats is filled once, its repeats share the slot (each
+                # with its pin, below): two slots for one row left one named by no copy.
+                first.sort()
+                rep = np.setdiff1d(np.arange(every.size), first)
+                rep, rep_rows = pos[rep], every[rep]
+                gi, pos, every, made = gi[first], pos[first], every[first], made[first]
+        # What a fill that raises puts back (fix9): the columns it writes of those rows, and
+        # the rows it made (removed again while empty, as after a fill that found no room:
+        # they were left, counted as blocks, before).
+        old = [cols[c][every] for c in _FILLED]
+        made = every[made]
+        dst = _NO_SLOTS
         try:
+            vr = versions[gi]
+            # A remote version older than what this host knows is stale here: never served.
+            fresh = vr >= cols["version"][every]
+            pos, new_rows, vr = pos[fresh], every[fresh], vr[fresh]
+            blobs = [data[i] for i in gi[fresh].tolist()]
+            if pos.size:
+                dst = self.slots.alloc(ns, Tier.HOST, pos.size, partial=True)
+                ns.slots[Tier.HOST].leases[dst] += 1
+            if dst.size < pos.size:
+                # No room for the tail (the rest of the tier is leased): misses, and the rows
+                # made for them go again.
+                ns.table.remove(np.setdiff1d(made, new_rows[:dst.size]))
+                made = np.intersect1d(made, new_rows[:dst.size])
+                if dst.size == 0:
+                    return
+                pos, new_rows, vr = pos[:dst.size], new_rows[:dst.size], vr[:dst.size]
+                blobs = blobs[:dst.size]
             for t in list(ns.slots):
                 self.slots.drop_copies(ns, new_rows, t)
             pool = ns.slots[Tier.HOST].pool
@@ -342,24 +393,39 @@ class Transfers:
                 pool.array[slot] = np.frombuffer(blob, dtype=np.uint8)
             cols["state"][new_rows] = next_states(cols["state"][new_rows], Event.COMMIT)
             cols["version"][new_rows] = vr
-            cols["checksum"][new_rows] = sums[got][fresh][: dst.size]
+            cols["checksum"][new_rows] = sums[gi[fresh][: dst.size]]
             cols["size"][new_rows] = ns.block_bytes
             cols["leases"][new_rows] = 0
+            self.slots.set_copy(ns, new_rows, Tier.HOST, dst, vr)
         except BaseException:
-            # Before set_copy no row names dst: the slots go back free (rev8). A row whose
-            # version was written meanwhile keeps it with no copy: a miss, as a drop leaves it.
-            ns.slots[Tier.HOST].leases[dst] -= 1
-            self.slots.free_slots(ns, Tier.HOST, dst)
+            # The slots go back free (a copy set_copy placed is dropped), the rows are as
+            # they were and the ones made here go: rev8 gave back only the slots no row
+            # named, and left a row at the remote version with no copy, dirty (fix9).
+            if dst.size:
+                self.give_back(ns, Tier.HOST, new_rows, dst)
+            for c, before in zip(_FILLED, old):
+                cols[c][every] = before
+            ns.table.remove(made)
             raise
-        self.slots.set_copy(ns, new_rows, Tier.HOST, dst, vr)
         cols["copy_ver"][new_rows, Tier.REMOTE] = vr
         rows[pos] = new_rows
         slots[pos] = dst
         found[pos] = True
-        self.counters.tiers[Tier.REMOTE].hits += int(pos.size)
+        if rep.size:
+            shared = np.isin(rep_rows, new_rows)
+            rep, rep_rows = rep[shared], rep_rows[shared]
+            share = cols["slot"][rep_rows, Tier.HOST].astype(np.int64)
+            add_one(ns.slots[Tier.HOST].leases, share)
+            rows[rep], slots[rep], found[rep] = rep_rows, share, True
+        self.counters.tiers[Tier.REMOTE].hits += int(pos.size + rep.size)    # per position
         self.counters.tiers[Tier.HOST].promotions += int(pos.size)
         if self.settings.write_policy == "write_through" and ns.log is not None:
             self.nvme.write_down(ns, new_rows)      # written once the lock is released
+
+
+# The columns a remote fill writes of its rows (put back when it raises).
+_FILLED = ("state", "version", "checksum", "size", "leases")
+_NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 def remote_from_settings(settings: Settings) -> Any:
