@@ -71,7 +71,7 @@ def main() -> None:
             with eng.lock:                  # back to NVMe only (their copies are clean)
                 eng.drop_copies(ns, nrows, Tier.HOST)
         eng.close(flush=False)
-    out = {"header": info, "reps": args.reps}
+    out = {"machine": info, "reps": args.reps}
     for name, t in (("miss", t_miss), ("nvme", t_nvme)):
         out[name] = {"p50_us": float(np.percentile(t, 50)) / 1e3,
                      "p90_us": float(np.percentile(t, 90)) / 1e3}

@@ -159,3 +159,11 @@ def test_get_control_bench_smoke():
     assert r["client_unpack_count"] == r["serve_dispatch_count"] == 6     # one a reply
     _positive(r, "total_ms", "client_send_count", "client_unpack_count", "serve_dispatch_count",
               "serve_try_get_count", "serve_write_count")
+
+
+def test_fix9_finish_bench_smoke():
+    # The get's finish step in process: a get with a miss and one whose 8 keys come from NVMe.
+    r = _bench("bench/fix9_finish.py", "--reps", "20")
+    assert r["reps"] == 20
+    _positive(r["miss"], "p50_us", "p90_us")
+    _positive(r["nvme"], "p50_us", "p90_us")
