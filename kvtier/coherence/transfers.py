@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 # Looked up once: Tier.HOST read on the class goes through EnumType's __getattr__ (~0.2 us in
 # Python 3.11), and numpy's names are module lookups (why: kvtier.pagetable.table, at _empty).
-_HOST, _NVME = Tier.HOST, Tier.NVME
+_HOST, _NVME, _HBM = Tier.HOST, Tier.NVME, Tier.HBM
 _NVME_NUM = int(Tier.NVME)
 _I64, _contiguous, _empty = np.int64, np.ascontiguousarray, np.empty
 
@@ -79,7 +79,7 @@ class Transfers:
         Copies from HBM or host are made here. NVMe copies are only planned: the returned
         plan (and the batch positions it serves) is read by the caller without the lock and
         installed by install_read. The flag says some found no room in tier."""
-        if tier is Tier.HOST and Tier.HBM not in ns.slots:
+        if tier is _HOST and _HBM not in ns.slots:
             return self._bring_up_from_nvme(ns, rows, todo, found)
         cols = ns.table.cols
         none = np.empty(0, dtype=np.int64)
