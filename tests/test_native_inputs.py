@@ -1,7 +1,8 @@
 """The C fast paths of round 5 (rcpu5, stall5) under bad and adversarial input (rev7's review):
 kvtier.pagetable._native.put_rows, kvtier.coherence._fast.lease_rows / unlease_one and
 kvtier.coherence._gets.read_installable / lease_current / plan_columns (and stall7's
-room_rows, stall8's victims_covered and must_bring). Garbage is a typed error that writes nothing; the limits (65,535 readers of a row,
+room_rows, stall8's victims_covered and must_bring, stall9's nvme_hits, set_copies and
+touch_rows). Garbage is a typed error that writes nothing; the limits (65,535 readers of a row,
 batches past them) hold; and each C path leaves what its Python path leaves on random input.
 """
 
@@ -273,8 +274,26 @@ def test_the_lease_and_read_helpers_survive_garbage_at_every_argument():
         c = _lease_columns()
         return [c["version"], c["copy_ver"], np.array([0, -1, 4, 5, 4], np.int64), 6, 1]
 
+    def nvme_hits():
+        c = _lease_columns()
+        return [c["version"], c["copy_ver"], np.array([0, -1, 4, 5, 4], np.int64),
+                np.array([0, 2, 3, 4], np.int64), 6, 2, np.ones(5, bool),
+                np.empty(4, np.int64), np.empty(4, np.int64)]
+
+    def set_copies():
+        c = _lease_columns()
+        return [c["slot"], c["copy_ver"], np.full(8, -1, np.int64), rows[:3].copy(), 1,
+                np.array([6, 7, 1], np.int64), np.array([1, 2, 3], np.uint64)]
+
+    def touch_rows():
+        c = _lease_columns()
+        return [c["last"], c["prev"], c["freq"], rows.copy(), 7]
+
     from kvtier.coherence import _gets
-    cases = [(victims_covered, _gets.victims_covered, set()),
+    cases = [(nvme_hits, _gets.nvme_hits, {6, 7, 8}),
+             (set_copies, _gets.set_copies, set()),
+             (touch_rows, _gets.touch_rows, set()),
+             (victims_covered, _gets.victims_covered, set()),
              (must_bring, _gets.must_bring, set()),
              (room_rows, _gets.room_rows, {7}),(lease_rows, _fast.lease_rows, {13, 14, 15}),
              (unlease_one, _fast.unlease_one, set()),

@@ -420,3 +420,41 @@ def test_an_admin_evict_of_everything_takes_every_unleased_block(make_engine, po
     assert eng.evict(Tier.HOST, 1 << 30) == 7
     assert _host_keys(eng) == {3}
     eng.release(res.lease_id)
+
+
+def _insert_remove_run(name: str, rounds: int = 80, n_slots: int = 24) -> list:
+    """Every slot inserted in one batch, then every one removed, rounds times: the rings keep
+    each removed entry until it reaches their head (no victims are taken here), so only the
+    inserts' own reserve lets them grow. state() and the rings' capacities after each round."""
+    from kvtier.coherence.namespace import SlotState
+    from kvtier.coherence.policies import make_tier_policy
+    from kvtier.pagetable.table import PageTable
+    from kvtier.tiers.host import SlotPool
+    table = PageTable(16)
+    st = SlotState.for_pool(SlotPool("t", 1, n_slots))
+    pol = make_tier_policy(name, st, table, {"ghost": "2x", "small": "0.2"})
+    rows, _ = table.insert(keys(range(1, 1 + n_slots)))
+    slots = np.arange(n_slots, dtype=np.int64)
+    out = []
+    for _ in range(rounds):
+        st.slot_row[slots] = rows
+        pol.on_insert(rows.astype(np.int64), slots)
+        pol.on_remove(slots)
+        st.slot_row[slots] = -1
+        out.append((pol.state(), [r.capacity for r in pol._rings]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "chain"])
+def test_an_insert_grows_the_rings_it_would_overflow(name, monkeypatch):
+    # S3Fifo.on_insert tests both rings' room inline (stall9) and reserves only when one is
+    # short: a batch that passes a ring's capacity must still grow it first (the C insert
+    # refuses a full ring), as the numpy insert grows it.
+    from kvtier.coherence.policies import queues
+    if queues._queues is None:
+        pytest.skip("kvtier.coherence.policies._queues was not built here")
+    with_c = _insert_remove_run(name)
+    assert max(max(caps) for _, caps in with_c) > 32       # grown from 24 slots' 32
+    with monkeypatch.context() as m:
+        m.setattr(queues, "_queues", None)
+        assert _insert_remove_run(name) == with_c

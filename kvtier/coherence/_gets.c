@@ -1,4 +1,5 @@
-/* kvtier.coherence._gets: the first half of a get's decide in one call (coherence/gets.py).
+/* kvtier.coherence._gets: the first half of a get's decide in one call (coherence/gets.py),
+ * and the bring-up's and install's column work (coherence/transfers.py, engine.py).
  *
  * Why (issue 17, bench/stall.py: a resident get waits behind NVMe readers' locked steps on the
  * service's loop). Once lease_native has refused a batch (some block must move between tiers),
@@ -82,6 +83,32 @@
  *       stall8; eight numpy calls before, a mask, two selections, two gathers, two comparisons
  *       and an any). Writes nothing; a row at or past n_rows, or a column shorter than n_rows,
  *       raises ValueError.
+ *
+ *   nvme_hits(version u64[c], copy_ver u64[c, t], rows i64[n], todo i64[m], n_rows, nvme_tier,
+ *             found bool[n], out_todo i64[m], out_rows i64[m]) -> k
+ *       The decide's bring-up into a host tier with no HBM tier above it
+ *       (Transfers._bring_up_from_nvme, stall9: a gather, two column gathers, a comparison,
+ *       a count and two selections before): out_todo[:k] = the positions of todo (batch
+ *       positions into rows) whose row's NVMe copy holds its version, in todo's order, and
+ *       out_rows[:k] their rows; found[p] = 0 for every other position p of todo (a miss).
+ *       A position past rows, or its row past n_rows, raises ValueError before any write.
+ *
+ *   set_copies(slot i32[c, s], copy_ver u64[c, t], slot_row i64[p], rows i64[n], tier,
+ *              slots i64[n], versions u64[n]) -> None
+ *       Engine.set_copy's three writes (stall9: three fancy assignments, ~18 us of a ~100 us
+ *       install step on the dev VM): slot[r, tier] = slots[i], copy_ver[r, tier] = versions[i]
+ *       for each i in order, then slot_row[slots[i]] = rows[i] (a repeat: the last one wins,
+ *       as numpy's). A row past the columns, a slot past the pool, a tier past the columns or
+ *       lengths that differ raise ValueError before any write. The policy is told by the
+ *       caller.
+ *
+ *   touch_rows(last_access u64[c], prev_access u64[c], freq u32[c], rows i64[n], clock)
+ *       -> None
+ *       Engine.touch's writes (stall9: three fancy writes and an arange, ~15 us of the install
+ *       step): as numpy does them, prev_access[r] = last_access[r] from before the batch,
+ *       last_access[r] = clock + 1 + (r's last position), freq[r] += 1 once per distinct row
+ *       (freq wraps at 2^32, as numpy's). The caller advances its clock by n. A row past the
+ *       columns raises ValueError before any write.
  *
  * No reference to any argument is kept. The GIL is held (under the engine lock; microseconds).
  */
@@ -546,6 +573,157 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------- the bring-up and install
+ * (coherence/transfers.py, coherence/engine.py: stall9) */
+
+static PyObject *nvme_hits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "nvme_hits takes 9 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[2], nt, n, m, n_found, n_out[2], n_rows, nvme;
+    uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
+    uint64_t *copy_ver = version ? view(&v, args[1], 8, 0, &cap[1], &nt, "copy_ver") : NULL;
+    int64_t *rows = copy_ver ? view(&v, args[2], 8, 0, &n, NULL, "rows") : NULL;
+    int64_t *todo = rows ? view(&v, args[3], 8, 0, &m, NULL, "todo") : NULL;
+    uint8_t *found = todo ? view(&v, args[6], 1, 1, &n_found, NULL, "found") : NULL;
+    int64_t *o_todo = found ? view(&v, args[7], 8, 1, &n_out[0], NULL, "out_todo") : NULL;
+    int64_t *o_rows = o_todo ? view(&v, args[8], 8, 1, &n_out[1], NULL, "out_rows") : NULL;
+    PyObject *result = NULL;
+    if (o_rows == NULL || as_index(args[4], &n_rows, "n_rows") < 0
+            || as_index(args[5], &nvme, "nvme_tier") < 0)
+        goto done;
+    if (cap[0] < n_rows || cap[1] < n_rows || nvme >= nt) {
+        PyErr_SetString(PyExc_ValueError, "nvme_hits: a column is shorter than n_rows, or "
+                        "nvme_tier is past them");
+        goto done;
+    }
+    if (n_found < n || n_out[0] < m || n_out[1] < m) {
+        PyErr_SetString(PyExc_ValueError, "nvme_hits: found is shorter than rows, or an "
+                        "output shorter than todo");
+        goto done;
+    }
+    /* Check everything before writing anything. */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t p = todo[i];
+        if (p < 0 || p >= n || rows[p] < 0 || rows[p] >= n_rows) {
+            PyErr_SetString(PyExc_ValueError, "nvme_hits: a position past rows, or its row "
+                            "past the table");
+            goto done;
+        }
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t p = todo[i], r = rows[p];
+        if (copy_ver[r * nt + nvme] == version[r]) {
+            o_todo[k] = p;
+            o_rows[k++] = r;
+        } else {
+            found[p] = 0;
+        }
+    }
+    result = PyLong_FromSsize_t(k);
+done:
+    views_release(&v);
+    return result;
+}
+
+static PyObject *set_copies(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "set_copies takes 7 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[2], nsl, nt, np_, n[3], tier;
+    int32_t *slot = view(&v, args[0], 4, 1, &cap[0], &nsl, "slot");
+    uint64_t *copy_ver = slot ? view(&v, args[1], 8, 1, &cap[1], &nt, "copy_ver") : NULL;
+    int64_t *slot_row = copy_ver ? view(&v, args[2], 8, 1, &np_, NULL, "slot_row") : NULL;
+    int64_t *rows = slot_row ? view(&v, args[3], 8, 0, &n[0], NULL, "rows") : NULL;
+    int64_t *slots = rows ? view(&v, args[5], 8, 0, &n[1], NULL, "slots") : NULL;
+    uint64_t *vers = slots ? view(&v, args[6], 8, 0, &n[2], NULL, "versions") : NULL;
+    PyObject *result = NULL;
+    if (vers == NULL || as_index(args[4], &tier, "tier") < 0)
+        goto done;
+    if (tier >= nsl || tier >= nt) {
+        PyErr_SetString(PyExc_ValueError, "set_copies: tier past the columns");
+        goto done;
+    }
+    if (n[1] != n[0] || n[2] != n[0]) {
+        PyErr_SetString(PyExc_ValueError, "set_copies: rows, slots and versions differ in "
+                        "length");
+        goto done;
+    }
+    Py_ssize_t c = cap[0] < cap[1] ? cap[0] : cap[1];
+    /* Check everything before writing anything. */
+    for (Py_ssize_t i = 0; i < n[0]; i++)
+        if (rows[i] < 0 || rows[i] >= c || slots[i] < 0 || slots[i] >= np_
+                || slots[i] > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "set_copies: a row past the columns, or a slot "
+                            "past the pool");
+            goto done;
+        }
+    for (Py_ssize_t i = 0; i < n[0]; i++) {
+        int64_t r = rows[i];
+        slot[r * nsl + tier] = (int32_t)slots[i];
+        copy_ver[r * nt + tier] = vers[i];
+    }
+    for (Py_ssize_t i = 0; i < n[0]; i++)
+        slot_row[slots[i]] = rows[i];
+    result = Py_NewRef(Py_None);
+done:
+    views_release(&v);
+    return result;
+}
+
+static PyObject *touch_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "touch_rows takes 5 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[3], n;
+    uint64_t *last = view(&v, args[0], 8, 1, &cap[0], NULL, "last_access");
+    uint64_t *prev = last ? view(&v, args[1], 8, 1, &cap[1], NULL, "prev_access") : NULL;
+    uint32_t *freq = prev ? view(&v, args[2], 4, 1, &cap[2], NULL, "freq") : NULL;
+    int64_t *rows = freq ? view(&v, args[3], 8, 0, &n, NULL, "rows") : NULL;
+    PyObject *result = NULL;
+    if (rows == NULL)
+        goto done;
+    unsigned long long clock = PyLong_AsUnsignedLongLong(args[4]);
+    if (clock == (unsigned long long)-1 && PyErr_Occurred())
+        goto done;
+    Py_ssize_t c = cap[0] < cap[1] ? cap[0] : cap[1];
+    if (c > cap[2])
+        c = cap[2];
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= c) {
+            PyErr_SetString(PyExc_ValueError, "touch_rows: a row past the columns");
+            goto done;
+        }
+    /* As numpy's three fancy writes: prev_access from last_access before the batch (every
+     * row first), last_access the last occurrence's stamp, freq once per distinct row (while
+     * last == prev, r was not yet seen here: _fast.lease_rows' test). */
+    for (Py_ssize_t i = 0; i < n; i++)
+        prev[rows[i]] = last[rows[i]];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (last[r] == prev[r])
+            freq[r] += 1;
+        last[r] = clock + (uint64_t)i + 1;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    views_release(&v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_rows", (PyCFunction)(void (*)(void))split_rows, METH_FASTCALL,
      "split_rows(...): a get's batch split into found, ready (pinned) and to bring up."},
@@ -561,6 +739,12 @@ static PyMethodDef methods[] = {
      "victims_covered(...): whether a lower tier holds every victim's version."},
     {"must_bring", (PyCFunction)(void (*)(void))must_bring, METH_FASTCALL,
      "must_bring(...): whether a batch has a block to bring up into the tier."},
+    {"nvme_hits", (PyCFunction)(void (*)(void))nvme_hits, METH_FASTCALL,
+     "nvme_hits(...): the bring-up positions whose row NVMe holds at its version."},
+    {"set_copies", (PyCFunction)(void (*)(void))set_copies, METH_FASTCALL,
+     "set_copies(...): rows' copies placed in slots of a tier (slot, copy_ver, slot_row)."},
+    {"touch_rows", (PyCFunction)(void (*)(void))touch_rows, METH_FASTCALL,
+     "touch_rows(...): an access of rows in batch order (prev, last, freq)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,9 +27,24 @@ from kvtier.coherence.states import Event, next_states
 from kvtier.config import Settings
 from kvtier.types import SERVE_ORDER, Tier
 
+try:        # the NVMe bring-up's hit check in one call (_gets.c nvme_hits); numpy otherwise
+    from kvtier.coherence._gets import nvme_hits as _nvme_hits
+except ImportError:
+    _nvme_hits = None
+try:        # the C helper (setup.py builds it where a compiler is present); numpy otherwise
+    from kvtier.coherence import _fast
+except ImportError:
+    _fast = None
+
 if TYPE_CHECKING:
     from kvtier.coherence.namespace import EngineCounters, Namespace
     from kvtier.coherence.persist import NvmeStore
+
+# Looked up once: Tier.HOST read on the class goes through EnumType's __getattr__ (~0.2 us in
+# Python 3.11), and numpy's names are module lookups (why: kvtier.pagetable.table, at _empty).
+_HOST, _NVME, _HBM = Tier.HOST, Tier.NVME, Tier.HBM
+_NVME_NUM = int(Tier.NVME)
+_I64, _contiguous, _empty = np.int64, np.ascontiguousarray, np.empty
 
 
 class TierSlots(Protocol):
@@ -64,7 +79,7 @@ class Transfers:
         Copies from HBM or host are made here. NVMe copies are only planned: the returned
         plan (and the batch positions it serves) is read by the caller without the lock and
         installed by install_read. The flag says some found no room in tier."""
-        if tier is Tier.HOST and Tier.HBM not in ns.slots:
+        if tier is _HOST and _HBM not in ns.slots:
             return self._bring_up_from_nvme(ns, rows, todo, found)
         cols = ns.table.cols
         none = np.empty(0, dtype=np.int64)
@@ -130,39 +145,54 @@ class Transfers:
     def _bring_up_from_nvme(self, ns: Namespace, rows: np.ndarray, todo: np.ndarray,
                             found: np.ndarray) -> tuple[ReadPlan | None, np.ndarray, bool]:
         """bring_up into a host tier with no HBM tier above it: NVMe is the only source (the
-        remote tier serves its own reads), so each block is a planned read or a miss. Half the
-        numpy calls of the general path: this is the decide of every NVMe reader's get on the
+        remote tier serves its own reads), so each block is a planned read or a miss. The hit
+        check is one C call where _gets is built (numpy's otherwise, the same state:
+        tests/test_transfers.py): this is the decide of every NVMe reader's get on the
         server's loop (issue 17, bench/stall.py)."""
         cols = ns.table.cols
-        none = np.empty(0, dtype=np.int64)
-        host = self.counters.tiers[Tier.HOST]
-        r = rows[todo]
-        hit = cols["copy_ver"][r, Tier.NVME] == cols["version"][r]
-        miss = todo.size - int(np.count_nonzero(hit))
-        if miss:
-            found[todo[~hit]] = False
-            host.misses += miss
-            todo, r = todo[hit], r[hit]
-            if todo.size == 0:
-                return None, none, False
-        dst = self.slots.alloc(ns, Tier.HOST, todo.size, partial=True)
-        short = todo.size - dst.size
+        tiers = self.counters.tiers
+        host = tiers[_HOST]
+        m = todo.size
+        if _nvme_hits is not None:
+            # The hits and the misses' found in one C call (stall9: ~15 us of numpy calls).
+            out_todo, out_rows = _empty(m, dtype=_I64), _empty(m, dtype=_I64)
+            k = _nvme_hits(cols["version"], cols["copy_ver"], _contiguous(rows, dtype=_I64),
+                           _contiguous(todo, dtype=_I64), ns.table.n_rows, _NVME_NUM, found,
+                           out_todo, out_rows)
+            todo, r = (out_todo, out_rows) if k == m else (out_todo[:k], out_rows[:k])
+        else:
+            r = rows[todo]
+            hit = cols["copy_ver"][r, _NVME] == cols["version"][r]
+            k = int(np.count_nonzero(hit))
+            if k < m:
+                found[todo[~hit]] = False
+                todo, r = todo[hit], r[hit]
+        if k < m:
+            host.misses += m - k
+            if k == 0:
+                return None, _empty(0, dtype=_I64), False
+        dst = self.slots.alloc(ns, _HOST, k, partial=True)
+        short = k - dst.size
         if short:                       # no room for the tail (the rest is leased): misses
             found[todo[dst.size:]] = False
             host.misses += short
-            todo, r = todo[:dst.size], r[:dst.size]
-            if dst.size == 0:
-                return None, none, True
-        ns.slots[Tier.HOST].leases[dst] += 1
+            k = dst.size
+            todo, r = todo[:k], r[:k]
+            if k == 0:
+                return None, _empty(0, dtype=_I64), True
+        if _fast is not None:           # (a fresh pool's int64 slots, distinct)
+            _fast.pin_slots(ns.slots[_HOST].leases, dst)
+        else:
+            ns.slots[_HOST].leases[dst] += 1
         try:
             plan = self.nvme.plan_read(ns, r, dst)
         except BaseException:
             self.give_back(ns, Tier.HOST, r, dst)       # as bring_up's (fix9)
             raise
-        nvme = self.counters.tiers[Tier.NVME]
-        nvme.hits += todo.size
-        nvme.bytes_read += todo.size * ns.block_bytes
-        host.promotions += todo.size
+        nvme = tiers[_NVME]
+        nvme.hits += k
+        nvme.bytes_read += k * ns.block_bytes
+        host.promotions += k
         return plan, todo, short > 0
 
     def install_read(self, plan: ReadPlan, tier: Tier, pos: np.ndarray, rows: np.ndarray,

@@ -332,12 +332,20 @@ class S3Fifo(_SlotPolicy):
     def on_insert(self, rows: np.ndarray, slots: np.ndarray) -> None:
         if _queues is None:
             return self._on_insert_numpy(rows, slots)
-        for ring in self._rings:
-            ring.reserve(rows.size)
+        n = rows.size
+        st = self._st
+        small, main = self._rings
+        # Ring.reserve's test for both rings inline, its frames only when one must grow (every
+        # NVMe get's install places its copies here: stall9).
+        if (st.item(ST_LEN0) + n > small._buf.shape[0]
+                or st.item(ST_LEN1) + n > main._buf.shape[0]):
+            small.reserve(n)
+            main.reserve(n)
         cols = self.table.cols
-        _queues.s3_insert(*self._c_args(), *self._ghost_args, cols["key"],
-                          self.table.key_width, cols["freq"], _contiguous(rows, dtype=_I64),
-                          _contiguous(slots, dtype=_I64), self._replaced)
+        _queues.s3_insert(self._per, self._where, st, small._buf, main._buf, *self._ghost_args,
+                          cols["key"], self.table.key_width, cols["freq"],
+                          _contiguous(rows, dtype=_I64), _contiguous(slots, dtype=_I64),
+                          self._replaced)
         self._replaced = _NO_REPLACED
 
     def on_remove(self, slots: np.ndarray) -> None:
