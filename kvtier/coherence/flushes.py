@@ -338,6 +338,7 @@ class Flushes:
         for attempt in range(2):
             room = self.store.space.make_room(ns, batch.rows.size)
             if room < batch.rows.size and sum(lg.drop_spares() for lg in self.store.logs()):
+                self.store.space.disk_changed()
                 room = self.store.space.make_room(ns, batch.rows.size)   # a spare's room is wanted
             if room < batch.rows.size:
                 self.store.counters.nvme_full += 1
@@ -438,6 +439,7 @@ class Flushes:
     def _disk_full(self, ns: "Namespace", n: int) -> bool:
         """After a failed append: True when the file system has no room for n more records
         (the next attempt then sees a capacity lowered to what the disk holds, and reclaims)."""
+        self.store.space.disk_changed()     # the next capacity_now asks the disk again
         try:
             return shutil.disk_usage(ns.log.dir).free < ns.log.bytes_for(n) + DISK_MARGIN
         except OSError:
