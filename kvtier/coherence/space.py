@@ -289,7 +289,7 @@ class Space:
             offs = cols["nvme_off"][keep].copy()
             recs = records_of(ns, keep, versions, sums)
         bb = ns.block_bytes
-        buf = self._read_buffer(max(keep.size, 1) * bb)
+        buf = self._read_buffer(max(keep.size, 1) * bb, log_.segment_bytes)
         outs = [memoryview(buf)[i * bb:(i + 1) * bb] for i in range(keep.size)]
         ok = log_.read(segs, offs, outs) if keep.size else np.zeros(0, dtype=bool)
         if keep.size:
@@ -359,15 +359,17 @@ class Space:
             return live
         return np.sort(live[np.argsort(-last, kind="stable")[:cap_rows]])
 
-    def _read_buffer(self, n: int) -> mmap.mmap:
+    def _read_buffer(self, n: int, segment_bytes: int) -> mmap.mmap:
         """(writer held: one reclaim at a time) A page-aligned buffer of at least n bytes for
-        a reclaim's reads, kept between reclaims, so at most the largest share of a segment
-        that one reclaim copied. A fresh anonymous mmap per reclaim paid a page fault per
-        4 KiB inside the O_DIRECT reads: ~0.7 ms of CPU per MiB on the dev VM, ~11 ms a
-        reclaim of the randrw jobs (issue 17, fio7). What it held before is never trusted:
-        every block read into it is checked against its checksum."""
+        a reclaim's reads, kept between reclaims. Mapped at a segment's size (what a reclaim
+        reads at most) so that it is not mapped again as reclaims grow; its memory is the
+        pages reclaims have touched, at most the largest share of a segment that one
+        reclaim copied. A fresh anonymous mmap per reclaim paid a page fault per 4 KiB
+        inside the O_DIRECT reads: ~0.7 ms of CPU per MiB on the dev VM, ~11 ms a reclaim of
+        the randrw jobs (issue 17, fio7). What it held before is never trusted: every block
+        read into it is checked against its checksum."""
         if self._buf is None or len(self._buf) < n:
-            self._buf = _aligned(n)
+            self._buf = _aligned(max(n, segment_bytes))
         return self._buf
 
     def members_of(self, ns: "Namespace") -> Members:
