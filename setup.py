@@ -3,7 +3,8 @@
 kvtier.pagetable._native (the page table's index: hashing, probing, inserts and
 removals), kvtier.coherence.policies._queues (the eviction queues and the ghost),
 kvtier.coherence._fast (the lease bookkeeping of a resident get, a put's rows and
-eviction's), kvtier.coherence._gets (a get's split into ready and to bring up), kvtier._xxh (batch hashing through the system's libxxhash), kvtier.tiers._aio
+eviction's), kvtier.coherence._gets (a get's split into ready and to bring up), kvtier.coherence._flush
+(a flush's pick and apply), kvtier._xxh (batch hashing through the system's libxxhash), kvtier.tiers._aio
 (the NVMe tier's AIO loop), kvtier.tiers._reads (an NVMe get's read in C) and kvtier.tiers._slots (a host pool's checked write) are built when a C compiler and the
 Python headers are present; where they fail to build, the package installs anyway and the
 Python implementations run instead (the same results, slower).
@@ -23,6 +24,10 @@ setup(ext_modules=[
               extra_compile_args=["-O2", "-std=c11"], optional=True),
     # The first half of a get's decide (coherence/gets.py; numpy without it).
     Extension("kvtier.coherence._gets", ["kvtier/coherence/_gets.c"],
+              depends=["kvtier/coherence/cviews.h"],
+              extra_compile_args=["-O2", "-std=c11", "-Wall"], optional=True),
+    # A flush's pick and apply over the page table's columns (coherence/flushes.py; numpy without it).
+    Extension("kvtier.coherence._flush", ["kvtier/coherence/_flush.c"],
               depends=["kvtier/coherence/cviews.h"],
               extra_compile_args=["-O2", "-std=c11", "-Wall"], optional=True),
     Extension("kvtier.coherence._fast", ["kvtier/coherence/_fast.c"],

@@ -2,8 +2,8 @@
 kvtier.pagetable._native.put_rows, kvtier.coherence._fast.lease_rows / unlease_one and
 kvtier.coherence._gets.read_installable / lease_current / plan_columns (and stall7's
 room_rows, stall8's victims_covered and must_bring, stall9's nvme_hits, set_copies and
-touch_rows). Garbage is a typed error that writes nothing; the limits (65,535 readers of a row,
-batches past them) hold; and each C path leaves what its Python path leaves on random input.
+touch_rows, fio7's kvtier.coherence._flush). Garbage is a typed error that writes nothing; the
+limits (65,535 readers of a row, batches past them) hold; and each C path leaves what its Python path leaves on random input.
 """
 
 from __future__ import annotations
@@ -203,6 +203,50 @@ def test_put_rows_survives_garbage_at_every_argument():
 
     assert table._native.put_rows(*build()) is not None
     assert _fuzz(build, table._native.put_rows, {19, 20}, skip_ints={12}) > 100
+
+
+def test_the_flush_pick_and_apply_survive_garbage_at_every_argument():
+    # fio7's kvtier.coherence._flush (a flush's pick and apply; tests/test_flush_native.py
+    # holds their comparison with numpy): every argument replaced in turn by its variants.
+    from kvtier.coherence import flushes
+    from kvtier.coherence.states import Event, transition_array
+    from kvtier.pagetable.store import record_dtype
+    if flushes._flush is None:
+        pytest.skip("kvtier.coherence._flush was not built")
+    rows = np.array([4, 0, 2, 2, 5], np.int64)
+
+    def columns():
+        c = _lease_columns()
+        c["state"] = np.array([1, 1, 2, 1, 1, 1], np.uint8)        # DIRTY but row 2
+        c["parent"] = np.array([-1, 0, -1, 1, 3, -1], np.int32)
+        c["copy_ver"][:, 1] = c["version"]                          # host copies current
+        c["copy_ver"][1, 1] = 0                                     # row 1: none anywhere
+        c["copy_ver"][[0, 3], 2] = 1                                # old NVMe copies
+        return c
+
+    def pick():
+        c = columns()
+        return [rows.copy(), 6, 1, 1, 0, 1, 4096, c["state"], c["version"], c["copy_ver"],
+                c["slot"], c["sums"], c["key"], c["parent"], np.empty(5, np.int64),
+                np.empty(5, np.uint64), np.empty(5, np.int64), np.empty(5, np.uint64),
+                np.empty(5, "V16"), np.zeros(5, record_dtype(16)), 16]
+
+    k, distinct, staged = flushes._flush.pick(*pick())
+    assert (k, distinct, staged) == (3, False, 0)
+    assert _fuzz(pick, flushes._flush.pick, set(range(14, 20))) > 100
+
+    def apply():
+        c = columns()
+        r = np.array([0, 3, 5], np.int64)
+        return [6, 2, transition_array(Event.FLUSHED), r, c["key"][r].copy(),
+                c["version"][r].copy(), np.array([7, 7, 8], np.int32),
+                np.array([1, 2, 3], np.uint32), c["sums"][r].copy(), c["key"], c["version"],
+                c["copy_ver"], c["slot"], c["off"], c["csum"], c["state"],
+                np.empty(3, np.int64), np.empty(3, np.int32), 16]
+
+    assert flushes._flush.apply(*apply()) == (3, 2, 0)
+    # Only the two out arrays may differ after a refusal: the columns are written last.
+    assert _fuzz(apply, flushes._flush.apply, {16, 17}) > 100
 
 
 def _lease_columns():

@@ -208,13 +208,22 @@ class NvmeStore:
 
     def set_nvme(self, ns: "Namespace", rows: np.ndarray, segs: np.ndarray,
                   offs: np.ndarray, versions: np.ndarray, sums: np.ndarray) -> None:
+        """Under the lock: rows' NVMe copies are now (segs, offs) at versions, with sums."""
         cols = ns.table.cols
         old = rows[cols["copy_ver"][rows, Tier.NVME] > 0]
-        ns.log.add_live(cols["slot"][old, Tier.NVME], -1)
+        old_segs = cols["slot"][old, Tier.NVME]
         cols["slot"][rows, Tier.NVME] = segs
         cols["nvme_off"][rows] = offs
         cols["copy_ver"][rows, Tier.NVME] = versions
         cols["nvme_checksum"][rows] = sums
+        self.nvme_moved(ns, old_segs, rows, segs)
+
+    def nvme_moved(self, ns: "Namespace", old_segs: np.ndarray, rows: np.ndarray,
+                   segs: np.ndarray) -> None:
+        """Under the lock, after rows' NVMe columns were set (set_nvme, or the flush's C
+        apply): the records they held before (in old_segs) are dead, the new ones (in segs)
+        live, and each segment's Members know their rows."""
+        ns.log.add_live(old_segs, -1)
         ns.log.add_live(segs, +1)
         self.space.members_of(ns).add(np.asarray(rows, dtype=np.int64),
                                       np.asarray(segs, dtype=np.int64), self.owner.clock)

@@ -19,7 +19,9 @@ does not have. Every method here is called with the store's writer held.
 from __future__ import annotations
 
 import logging
+import mmap
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +45,7 @@ KEEP_SHARE = 0.5        # a reclaimed segment's records copied forward, at most
 SMALL_SEGMENTS = 9      # a capacity under this many segments gets smaller ones
 DISK_MARGIN = 256 << 10  # free disk space left to LMDB and the rest when the disk is small
 COMPACT_ABOVE = 0.75    # compaction after a flush waits until the tier is this full
+DISK_CHECK_S = 0.1      # capacity_now asks the file system at most this often (seconds)
 
 
 def capacity_for(blocks: int, block_bytes: int) -> tuple[int, int]:
@@ -135,17 +138,35 @@ class Space:
         self._disk_limited = False       # warned that the disk holds less than the capacity
         self.reclaimed = 0               # segments reclaimed to make room or compact
         self.copied_forward = 0          # blocks moved forward by a reclaim
+        # (when, segment bytes + free disk bytes) at the last statvfs: see capacity_now.
+        self._disk: tuple[float, int] | None = None
+        self._buf: mmap.mmap | None = None   # reclaim's read buffer, kept: see _read_buffer
 
-    def capacity_now(self) -> int:
+    def capacity_now(self, used: int | None = None) -> int:
         """nvme_capacity, or less when the file system under the data directory has less
         room than that (other files, a small disk): what the segments hold plus what the disk
         has free, less a margin for LMDB. The headroom is taken from this, so that it is
-        always space the disk really has."""
-        try:
-            free = shutil.disk_usage(self.root).free
-        except OSError:
-            return self.store.capacity
-        real = self.store.used_bytes() + max(free - DISK_MARGIN, 0)
+        always space the disk really has. ``used``: used_bytes(), where the caller has it.
+
+        The file system is asked (statvfs) at most every DISK_CHECK_S: in between, the
+        segments' bytes plus the free bytes are taken as they were then, since the segment
+        files (spares and those kept for readers included, as used_bytes counts them) are
+        what this store adds to or removes from the disk. Others' writes in between (LMDB's
+        among them) are what DISK_MARGIN covers; an append that still finds the disk full
+        makes the flush ask again at once (disk_changed, Flushes._disk_full), as a spare
+        dropped for room does. Two statvfs a put were ~2% of a 16-block put's CPU on the dev
+        VM (issue 17, fio7)."""
+        used = self.store.used_bytes() if used is None else used
+        now = time.monotonic()
+        if self._disk is None or now - self._disk[0] >= DISK_CHECK_S:
+            try:
+                free = shutil.disk_usage(self.root).free
+            except OSError:
+                return self.store.capacity
+            self._disk = (now, used + free)
+        else:
+            free = self._disk[1] - used
+        real = used + max(free - DISK_MARGIN, 0)
         if real < self.store.capacity and not self._disk_limited:
             self._disk_limited = True
             self.store.counters.nvme_full += 1
@@ -154,11 +175,17 @@ class Space:
                         real, self.store.capacity)
         return min(self.store.capacity, real)
 
+    def disk_changed(self) -> None:
+        """The file system's free space moved in a way used_bytes does not tell (an append
+        found the disk full, spare files were deleted): the next capacity_now asks it."""
+        self._disk = None
+
     def fits(self, ns: "Namespace", n: int, reserve: int, cap: int | None = None) -> int:
         """How many of n records fit under the capacity (capacity_now() unless given) less
         ``reserve`` bytes (lock held)."""
-        cap = self.capacity_now() if cap is None else cap
-        free = cap - reserve - self.store.used_bytes()
+        used = self.store.used_bytes()
+        cap = self.capacity_now(used) if cap is None else cap
+        free = cap - reserve - used
         if ns.log.bytes_for(n) <= free:
             return n
         lo, hi = 0, n                      # the largest m with bytes_for(m) <= free
@@ -212,7 +239,8 @@ class Space:
 
     def compaction_due(self) -> bool:
         """compact() has work past its fill test (read without the writer: a hint)."""
-        return self.store.used_bytes() >= COMPACT_ABOVE * self.capacity_now()
+        used = self.store.used_bytes()
+        return used >= COMPACT_ABOVE * self.capacity_now(used)
 
     def compact(self, ns: "Namespace") -> None:
         """After a flush: reclaim the sealed segments below compact_threshold (writer held);
@@ -223,7 +251,8 @@ class Space:
         for nothing. Compacting at any fill cost the randrw fio jobs' uniform rewrites (their
         segments half live after one pass) a write amplification of 1.5 and two more LMDB
         transactions per reclaim, about 4 ms of every 16-block write_through put (issue 17)."""
-        if self.store.used_bytes() < COMPACT_ABOVE * self.capacity_now():
+        used = self.store.used_bytes()
+        if used < COMPACT_ABOVE * self.capacity_now(used):
             return
         for sid in ns.log.compaction_candidates(self.store.settings.compact_threshold):
             seg = ns.log.segments.get(sid)
@@ -260,7 +289,7 @@ class Space:
             offs = cols["nvme_off"][keep].copy()
             recs = records_of(ns, keep, versions, sums)
         bb = ns.block_bytes
-        buf = _aligned(max(keep.size, 1) * bb)
+        buf = self._read_buffer(max(keep.size, 1) * bb, log_.segment_bytes)
         outs = [memoryview(buf)[i * bb:(i + 1) * bb] for i in range(keep.size)]
         ok = log_.read(segs, offs, outs) if keep.size else np.zeros(0, dtype=bool)
         if keep.size:
@@ -329,6 +358,19 @@ class Space:
         if live.size <= cap_rows:
             return live
         return np.sort(live[np.argsort(-last, kind="stable")[:cap_rows]])
+
+    def _read_buffer(self, n: int, segment_bytes: int) -> mmap.mmap:
+        """(writer held: one reclaim at a time) A page-aligned buffer of at least n bytes for
+        a reclaim's reads, kept between reclaims. Mapped at a segment's size (what a reclaim
+        reads at most) so that it is not mapped again as reclaims grow; its memory is the
+        pages reclaims have touched, at most the largest share of a segment that one
+        reclaim copied. A fresh anonymous mmap per reclaim paid a page fault per 4 KiB
+        inside the O_DIRECT reads: ~0.7 ms of CPU per MiB on the dev VM, ~11 ms a reclaim of
+        the randrw jobs (issue 17, fio7). What it held before is never trusted: every block
+        read into it is checked against its checksum."""
+        if self._buf is None or len(self._buf) < n:
+            self._buf = _aligned(max(n, segment_bytes))
+        return self._buf
 
     def members_of(self, ns: "Namespace") -> Members:
         m = self.members.get(ns.ns_id)

@@ -44,6 +44,7 @@ import itertools
 import mmap
 import os
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
@@ -593,8 +594,12 @@ class SegmentLog:
             if seg is not None:
                 seg.live += sign * len(segs) * self.record_bytes
             return
-        ids, counts = np.unique(segs, return_counts=True)
-        for sid, cnt in zip(ids.tolist(), counts.tolist()):
+        if len(segs) <= 64:             # a put's old copies: a dict, not np.unique's sort
+            pairs = Counter(segs.tolist()).items()      # (~20 us a put, issue 17, fio7)
+        else:
+            ids, counts = np.unique(segs, return_counts=True)
+            pairs = zip(ids.tolist(), counts.tolist())
+        for sid, cnt in pairs:
             seg = self.segments.get(sid)
             if seg is not None:
                 seg.live += sign * cnt * self.record_bytes

@@ -1,0 +1,112 @@
+"""Thread CPU of a `kvtier bench` lane's puts by step (issue 17, fio7): each step's time is
+inclusive (a step's inner steps are in it too), per put, in process (kvtier.fio._Target, the
+NVMe tier, write_through), gets of the same mix run between the puts untimed. Also a reclaim's
+thread CPU (its reads, checksums, appends and checkpoint), averaged over the reclaims the puts
+ran.
+
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=TREE python bench/fio_put_steps.py [CALLS] [--mix 50]
+
+Prints one JSON line: load, puts, put_cpu_ms, reclaims, reclaim_cpu_ms and each step's ms per
+put, largest first. The picks come from a fixed seed, so two trees run the same calls.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import kvtier.coherence.flushes as flushes
+import kvtier.coherence.journal as journal
+import kvtier.coherence.persist as persist
+import kvtier.coherence.puts as puts
+import kvtier.coherence.space as space
+import kvtier.tiers.aio as aio
+import kvtier.tiers.host as host
+import kvtier.tiers.nvme as nvme
+from kvtier import fio
+
+SPENT: dict[str, float] = collections.defaultdict(float)
+CALLS: dict[str, int] = collections.defaultdict(int)
+STEPS = [(puts.Puts, "reserve"), (host.SlotPool, "write"), (puts.Puts, "_commit"),
+         (flushes.Flushes, "_write_group"), (flushes.Flushes, "_pick"),
+         (space.Space, "make_room"), (nvme.SegmentLog, "write"),
+         (flushes.Flushes, "_finish_group"), (nvme.SegmentLog, "sync"), (journal.Journal, "put"),
+         (flushes.Flushes, "_apply_flush"), (flushes.Flushes, "_unpin"),
+         (space.Space, "compaction_due"), (space.Space, "compact"), (space.Space, "reclaim"),
+         (persist.NvmeStore, "checkpoint")]
+
+
+def timed(owner, name: str, label: str) -> None:
+    """Wrap owner.name so that its thread CPU adds to SPENT[label]."""
+    real = getattr(owner, name)
+
+    def call(*args, **kw):
+        t = time.thread_time()
+        try:
+            return real(*args, **kw)
+        finally:
+            SPENT[label] += time.thread_time() - t
+            CALLS[label] += 1
+    setattr(owner, name, call)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("calls", type=int, nargs="?", default=600)
+    ap.add_argument("--mix", type=int, default=50, help="rwmixread: the share of gets")
+    ap.add_argument("--size", default="64m")
+    ap.add_argument("--dir", default=None)
+    a = ap.parse_args()
+    for owner, name in STEPS:
+        timed(owner, name, f"{owner.__name__}.{name}")
+    if aio._native is not None:
+        timed(aio._native, "run", "aio_c")
+    job = fio.apply_option(fio.Job(name="steps", rw="randrw", bs=65536, iodepth=16,
+                                   tier="nvme", direct=True, rwmixread=a.mix), "size", a.size)
+    wd = tempfile.mkdtemp(dir=a.dir)
+    tg = fio._Target(job.validate(), wd)
+    n, cpu = 0, 0.0
+    try:
+        tg.fill()
+        SPENT.clear()
+        CALLS.clear()
+        rng = np.random.default_rng(100)
+        out = np.empty((job.iodepth, job.bs), dtype=np.uint8)
+        order = fio._order(job, tg.nblocks, rng, 1 << 16)
+        for c in range(a.calls):
+            idx = order[(c * job.iodepth + np.arange(job.iodepth)) % order.size]
+            if rng.random() * 100 >= job.rwmixread:
+                t = time.thread_time()
+                tg.put(idx, owner=1)
+                cpu += time.thread_time() - t
+                n += 1
+            else:                               # untimed: its steps are not the put's
+                saved, counts = dict(SPENT), dict(CALLS)
+                tg.get(idx, owner=1, out=out)
+                SPENT.clear()
+                SPENT.update(saved)
+                CALLS.clear()
+                CALLS.update(counts)
+    finally:
+        tg.close()
+        shutil.rmtree(wd, ignore_errors=True)
+    rec = CALLS.get("Space.reclaim", 0)
+    res: dict[str, object] = {
+        "load": round(os.getloadavg()[0], 2), "puts": n,
+        "put_cpu_ms": round(1e3 * cpu / max(n, 1), 3), "reclaims": rec,
+        "reclaim_cpu_ms": round(1e3 * SPENT.get("Space.reclaim", 0.0) / max(rec, 1), 3)}
+    res.update({k: round(1e3 * v / max(n, 1), 3)
+                for k, v in sorted(SPENT.items(), key=lambda kv: -kv[1])})
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
