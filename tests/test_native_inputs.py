@@ -3,7 +3,8 @@ kvtier.pagetable._native.put_rows, kvtier.coherence._fast.lease_rows / unlease_o
 kvtier.coherence._gets.read_installable / lease_current / plan_columns (and stall7's
 room_rows, stall8's victims_covered and must_bring, stall9's nvme_hits, set_copies and
 touch_rows, fio7's kvtier.coherence._flush). Garbage is a typed error that writes nothing; the
-limits (65,535 readers of a row, batches past them) hold; and each C path leaves what its Python path leaves on random input.
+limits (65,535 readers of a row, batches past them) hold; and each C path leaves what its
+Python path leaves on random input.
 """
 
 from __future__ import annotations

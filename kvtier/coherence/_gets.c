@@ -523,7 +523,7 @@ static PyObject *victims_covered(PyObject *self, PyObject *const *args, Py_ssize
         }
         const uint64_t *cv = copy_ver + r * nt;
         int any = 0;
-        for (Py_ssize_t t = 0; t < nt && !any; t++)
+        for (Py_ssize_t t = 0; t < nt && t < 64 && !any; t++)   /* lowers names 64 tiers */
             any = ((lowers >> t) & 1) && cv[t] == cv[tier];
         covered = any;
     }
