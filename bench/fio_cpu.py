@@ -25,20 +25,15 @@ from kvtier import fio
 import kvtier.coherence.gets as gets_mod
 import kvtier.tiers.aio as aio_mod
 
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after TREE
+from bench.common import wrap_thread_cpu  # noqa: E402
+
 SPENT: dict[str, float] = collections.defaultdict(float)
 
 
 def timed(owner, name: str, label: str) -> None:
     """Wrap owner.name so that its thread CPU adds to SPENT[label]."""
-    real = getattr(owner, name)
-
-    def call(*args, **kw):
-        t = time.thread_time()
-        try:
-            return real(*args, **kw)
-        finally:
-            SPENT[label] += time.thread_time() - t
-    setattr(owner, name, call)
+    wrap_thread_cpu(owner, name, label, SPENT)
 
 
 def main() -> int:

@@ -32,6 +32,9 @@ import kvtier.tiers.host as host
 import kvtier.tiers.nvme as nvme
 from kvtier import fio
 
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after TREE
+from bench.common import wrap_thread_cpu  # noqa: E402
+
 SPENT: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
 STEPS = [(puts.Puts, "reserve"), (host.SlotPool, "write"), (puts.Puts, "_commit"),
@@ -45,16 +48,7 @@ STEPS = [(puts.Puts, "reserve"), (host.SlotPool, "write"), (puts.Puts, "_commit"
 
 def timed(owner, name: str, label: str) -> None:
     """Wrap owner.name so that its thread CPU adds to SPENT[label]."""
-    real = getattr(owner, name)
-
-    def call(*args, **kw):
-        t = time.thread_time()
-        try:
-            return real(*args, **kw)
-        finally:
-            SPENT[label] += time.thread_time() - t
-            CALLS[label] += 1
-    setattr(owner, name, call)
+    wrap_thread_cpu(owner, name, label, SPENT, CALLS)
 
 
 def main() -> int:
