@@ -25,8 +25,9 @@ from kvtier import fio
 import kvtier.coherence.gets as gets_mod
 import kvtier.tiers.aio as aio_mod
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after TREE
-from bench.common import wrap_thread_cpu  # noqa: E402
+# This script's own bench/common.py (its directory is sys.path[0]), whatever tree PYTHONPATH
+# names for kvtier: a base tree's bench/ may predate it.
+from common import wrap_thread_cpu  # noqa: E402
 
 SPENT: dict[str, float] = collections.defaultdict(float)
 

@@ -32,8 +32,9 @@ import kvtier.tiers.host as host
 import kvtier.tiers.nvme as nvme
 from kvtier import fio
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after TREE
-from bench.common import wrap_thread_cpu  # noqa: E402
+# This script's own bench/common.py (its directory is sys.path[0]), whatever tree PYTHONPATH
+# names for kvtier: a base tree's bench/ may predate it.
+from common import wrap_thread_cpu  # noqa: E402
 
 SPENT: dict[str, float] = collections.defaultdict(float)
 CALLS: dict[str, int] = collections.defaultdict(int)
