@@ -218,7 +218,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("checkpoint_interval", 1.0, _float,
             "seconds LMDB may lag the NVMe log's batch headers (replayed at restart); "
             "deletes and reclaims commit at once", "s"),
-    Setting("segment_bytes", "256MiB", _size, "size at which an NVMe segment file rolls over",
+    Setting("segment_bytes", "256MiB", _size,
+            "size at which an NVMe segment file rolls over; the service keeps one reclaim "
+            "read buffer of this size mapped, and the pages reclaims touched stay resident "
+            "(up to half a segment at the default compact_threshold)",
             "bytes"),
     Setting("compact_threshold", 0.5, _float,
             "compact a segment when its live fraction falls below this (once the NVMe tier is "

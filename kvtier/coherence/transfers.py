@@ -9,9 +9,9 @@ engine lock, except where a method says it takes it itself).
 
 Interface. Owns nothing. Public: prefetch_after, wants_prefetch, stage (the engine's methods of
 those names are these, bound), bring_up, install_read, give_back, from_remote (coherence.gets
-calls them), push_remote (the engine's puts and flushes). Calls: the engine's slot ops through ``TierSlots``
-(alloc, set_copy, free_slots, unpin_slots, drop_copies, the host budget it reads), the NVMe
-store's read plans, the remote tier, the settings, the counters and the namespaces.
+calls them), push_remote (the engine's puts and flushes). Calls: the engine's slot ops through
+``TierSlots`` (alloc, set_copy, free_slots, unpin_slots, drop_copies, the host budget it reads),
+the NVMe store's read plans, the remote tier, the settings, the counters and the namespaces.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class Transfers:
         try:
             plan = self.nvme.plan_read(ns, r, dst)
         except BaseException:
-            self.give_back(ns, Tier.HOST, r, dst)       # as bring_up's (fix9)
+            self.give_back(ns, _HOST, r, dst)       # as bring_up's (fix9)
             raise
         nvme = tiers[_NVME]
         nvme.hits += k
@@ -348,7 +348,7 @@ class Transfers:
                 slots = np.full(dst.size, -1, dtype=np.int64)
                 found = np.ones(dst.size, dtype=bool)
                 self.install_read(plan, Tier.HOST, pos, plan.rows, slots, found)
-                self.slots.unpin_slots(ns, Tier.HOST, slots[found])       # a promoted copy is not leased
+                self.slots.unpin_slots(ns, Tier.HOST, slots[found])    # a promoted copy: no lease
                 moved = int(found.sum())
                 self.counters.tiers[Tier.HOST].misses -= int((~found).sum())
                 self.counters.tiers[Tier.HOST].prefetched += moved
