@@ -1,0 +1,40 @@
+#!/bin/bash
+# Session 35's first device call: pytest -m gpu on the credits branch (main + put credits),
+# bench/gpu.py's 64 / 16 KiB rows with and without credits in the same process (variant
+# no_credits), the put's timeline, and main's fio and stall rows (code those do not touch),
+# on whatever card came. Usage: bash bench/results/s35-a-run.sh (fio carried in .gpu-fio).
+set -u
+T0=$(date +%s); el() { echo "$1 at $(( $(date +%s) - T0 )) s"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; cat /proc/loadavg
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+python3 setup.py -q build_ext --inplace 2>&1 | grep -i error | tail -3; ls kvtier/*/*.so kvtier/*.so 2>/dev/null | wc -l
+mkdir -p /tmp/fiobin && tar xJf .gpu-fio/fio-bin.tar.xz -C /tmp/fiobin
+printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/fiobin/fio-libs exec /tmp/fiobin/fio-libs/fio.real "$@"\n' > /tmp/fiobin/fio; chmod +x /tmp/fiobin/fio
+export PATH=/tmp/fiobin:$PATH; fio --version
+D=""; for c in /var/tmp/x /root/x /tmp/x; do mkdir -p $c && t=$(stat -f -c %T $c) && [ "$t" != tmpfs ] && [ "$t" != ramfs ] && D=$c && break; done
+echo "directory $D $(stat -f -c %T $D)"; df -h $D | tail -1
+el setup
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_plan.py -x > $OUT/pytest-gpu.txt 2>&1; tail -3 $OUT/pytest-gpu.txt
+el pytest
+for r in 1 2; do
+  timeout 110 python3 bench/gpu.py --json --cases rows64k,rows16k --variants no_credits > $OUT/gpu-rows-r$r.json 2>/tmp/g.err || tail -3 /tmp/g.err
+  python3 -c "
+import json,sys;d=json.load(open(sys.argv[1]))
+print(sys.argv[2], {k: d.get(k) for k in ('ratio_onboard_gbps_64k','ratio_offload_gbps_64k','ratio_onboard_gbps_16k','ratio_offload_gbps_16k','pinned_h2d_gbps','pinned_d2h_gbps')})
+for t in ('64k','16k'): print('  no_credits', t, d.get('variants_'+t, {}).get('no_credits'))" $OUT/gpu-rows-r$r.json r$r | tee -a $OUT/gpu-rows.txt
+  el gpu-r$r
+done
+timeout 90 python3 bench/put_timeline.py --json > $OUT/put-timeline.json 2>/tmp/pt.err || tail -3 /tmp/pt.err
+el timeline
+timeout 100 python3 -m kvtier.fio bench/jobs/randrw.fio --compare --directory $D --output-format json > $OUT/fio-r1.json 2> /tmp/fio-err.txt || tail -3 /tmp/fio-err.txt
+python3 -c "
+import json,sys; d=json.load(open(sys.argv[1]))
+for j in d['jobs']:
+  b=j['kvtier']['baseline']['result'] or {}
+  print(j['jobname'], 'kvtier r/w %.0f / %.0f' % (j['read']['bw_bytes']/2**20, j['write']['bw_bytes']/2**20), 'fio %.0f / %.0f' % (b.get('read',{}).get('bw_bytes',0)/2**20, b.get('write',{}).get('bw_bytes',0)/2**20), 'ratio', j['kvtier'].get('ratio_read'), j['kvtier'].get('ratio_write'))
+" $OUT/fio-r1.json | tee -a $OUT/fio-pairs.txt
+el fio
+timeout 70 python3 bench/stall.py --json > /tmp/stall.json 2>/dev/null
+python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print('stall', d['worst_p99_ratio'], [(r, c['alone_p99_us'], c['beside_p99_us'], c['p99_ratio']) for r, c in d['conditions'].items()])" /tmp/stall.json | tee -a $OUT/stall.txt
+el stall
