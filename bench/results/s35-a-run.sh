@@ -15,7 +15,7 @@ export PATH=/tmp/fiobin:$PATH; fio --version
 D=""; for c in /var/tmp/x /root/x /tmp/x; do mkdir -p $c && t=$(stat -f -c %T $c) && [ "$t" != tmpfs ] && [ "$t" != ramfs ] && D=$c && break; done
 echo "directory $D $(stat -f -c %T $D)"; df -h $D | tail -1
 el setup
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_plan.py -x > $OUT/pytest-gpu.txt 2>&1; tail -3 $OUT/pytest-gpu.txt
+timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_plan.py --maxfail=5 > $OUT/pytest-gpu.txt 2>&1; tail -3 $OUT/pytest-gpu.txt
 el pytest
 for r in 1 2; do
   timeout 110 python3 bench/gpu.py --json --cases rows64k,rows16k --variants no_credits > $OUT/gpu-rows-r$r.json 2>/tmp/g.err || tail -3 /tmp/g.err
@@ -25,8 +25,6 @@ print(sys.argv[2], {k: d.get(k) for k in ('ratio_onboard_gbps_64k','ratio_offloa
 for t in ('64k','16k'): print('  no_credits', t, d.get('variants_'+t, {}).get('no_credits'))" $OUT/gpu-rows-r$r.json r$r | tee -a $OUT/gpu-rows.txt
   el gpu-r$r
 done
-timeout 90 python3 bench/put_timeline.py --json > $OUT/put-timeline.json 2>/tmp/pt.err || tail -3 /tmp/pt.err
-el timeline
 timeout 100 python3 -m kvtier.fio bench/jobs/randrw.fio --compare --directory $D --output-format json > $OUT/fio-r1.json 2> /tmp/fio-err.txt || tail -3 /tmp/fio-err.txt
 python3 -c "
 import json,sys; d=json.load(open(sys.argv[1]))
