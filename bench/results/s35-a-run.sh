@@ -1,8 +1,7 @@
 #!/bin/bash
-# Session 35's first device call: pytest -m gpu on the credits branch (main + put credits),
+# Session 35's first device call: pytest -m gpu on the credits branch (main + put credits) and
 # bench/gpu.py's 64 / 16 KiB rows with and without credits in the same process (variant
-# no_credits), the put's timeline, and main's fio and stall rows (code those do not touch),
-# on whatever card came. Usage: bash bench/results/s35-a-run.sh (fio carried in .gpu-fio).
+# no_credits), twice, on whatever card came. Usage: bash bench/results/s35-a-run.sh (fio carried in .gpu-fio).
 set -u
 T0=$(date +%s); el() { echo "$1 at $(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; cat /proc/loadavg
@@ -25,14 +24,3 @@ print(sys.argv[2], {k: d.get(k) for k in ('ratio_onboard_gbps_64k','ratio_offloa
 for t in ('64k','16k'): print('  no_credits', t, d.get('variants_'+t, {}).get('no_credits'))" $OUT/gpu-rows-r$r.json r$r | tee -a $OUT/gpu-rows.txt
   el gpu-r$r
 done
-timeout 100 python3 -m kvtier.fio bench/jobs/randrw.fio --compare --directory $D --output-format json > $OUT/fio-r1.json 2> /tmp/fio-err.txt || tail -3 /tmp/fio-err.txt
-python3 -c "
-import json,sys; d=json.load(open(sys.argv[1]))
-for j in d['jobs']:
-  b=j['kvtier']['baseline']['result'] or {}
-  print(j['jobname'], 'kvtier r/w %.0f / %.0f' % (j['read']['bw_bytes']/2**20, j['write']['bw_bytes']/2**20), 'fio %.0f / %.0f' % (b.get('read',{}).get('bw_bytes',0)/2**20, b.get('write',{}).get('bw_bytes',0)/2**20), 'ratio', j['kvtier'].get('ratio_read'), j['kvtier'].get('ratio_write'))
-" $OUT/fio-r1.json | tee -a $OUT/fio-pairs.txt
-el fio
-timeout 70 python3 bench/stall.py --json > /tmp/stall.json 2>/dev/null
-python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print('stall', d['worst_p99_ratio'], [(r, c['alone_p99_us'], c['beside_p99_us'], c['p99_ratio']) for r, c in d['conditions'].items()])" /tmp/stall.json | tee -a $OUT/stall.txt
-el stall
