@@ -1,18 +1,13 @@
 #!/bin/bash
 # Session 35's first device call: pytest -m gpu on the credits branch (main + put credits) and
 # bench/gpu.py's 64 / 16 KiB rows with and without credits in the same process (variant
-# no_credits), twice, on whatever card came. Usage: bash bench/results/s35-a-run.sh (fio carried in .gpu-fio).
+# no_credits), twice, on whatever card came. Usage: bash bench/results/s35-a-run.sh.
 set -u
 T0=$(date +%s); el() { echo "$1 at $(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; cat /proc/loadavg
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 python3 setup.py -q build_ext --inplace 2>&1 | grep -i error | tail -3; ls kvtier/*/*.so kvtier/*.so 2>/dev/null | wc -l
-mkdir -p /tmp/fiobin && tar xJf .gpu-fio/fio-bin.tar.xz -C /tmp/fiobin
-printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/fiobin/fio-libs exec /tmp/fiobin/fio-libs/fio.real "$@"\n' > /tmp/fiobin/fio; chmod +x /tmp/fiobin/fio
-export PATH=/tmp/fiobin:$PATH; fio --version
-D=""; for c in /var/tmp/x /root/x /tmp/x; do mkdir -p $c && t=$(stat -f -c %T $c) && [ "$t" != tmpfs ] && [ "$t" != ramfs ] && D=$c && break; done
-echo "directory $D $(stat -f -c %T $D)"; df -h $D | tail -1
 el setup
 timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_plan.py --maxfail=5 > $OUT/pytest-gpu.txt 2>&1; tail -3 $OUT/pytest-gpu.txt
 el pytest
