@@ -190,7 +190,7 @@ def test_the_client_stashes_an_asked_credit_and_hands_it_over_once(ns, client):
     assert credits.take() is None            # asked, its reply not read yet
     client.ping()                            # a later reply read: the credit's is stashed
     got = credits.take()
-    assert got is not None and got.slots.size == credits.size_for(BB)
+    assert got is not None and got.slots.size == credits.size() == 2048 // 8
     assert got.generation == client.generation and got.use_by > time.monotonic()
     assert credits.take() is None            # handed over once
     assert _stats(client)["reservations"] == 1
@@ -214,9 +214,9 @@ def test_a_credit_of_an_earlier_connection_or_past_its_use_by_is_not_used(ns, cl
     assert _stats(client)["reservations"] == 0
 
 
-def test_a_refused_ask_backs_off(ns, client, monkeypatch):
-    monkeypatch.setattr(cr, "CREDIT_KEYS", 4096)
-    monkeypatch.setattr(cr, "CREDIT_BYTES", 1 << 40)     # 2,048 slots: past the share
+def test_a_refused_ask_backs_off(ns, client):
+    slots = 8 * 2**20 // BB
+    held = _credit(ns, int(0.75 * slots) - 8)            # the ask's 256 slots: past the share
     credits = cr.Credits(ns)
     credits.ask()
     client.ping()
@@ -227,6 +227,7 @@ def test_a_refused_ask_backs_off(ns, client, monkeypatch):
     assert client._next == sent              # none asked while backing off
     credits.ask()
     assert client._next == sent + 1
+    client._call("abort", rid=held["rid"])
 
 
 def test_closing_the_namespace_gives_a_held_credit_back(service):
