@@ -75,7 +75,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t nxt;
     int fatal;
     Py_BEGIN_ALLOW_THREADS
-    nxt = aio_loop((aio_context_t)ctx, ptrs, n, first, window, res, n, ev, &fatal);
+    nxt = aio_loop((aio_context_t)ctx, ptrs, n, first, window, res, n, ev, &fatal, NULL, NULL);
     Py_END_ALLOW_THREADS
     if (fatal) {
         errno = fatal;
