@@ -62,7 +62,13 @@ from kvtier.tiers.segfile import (  # noqa: F401 (re-exported: callers import th
     _truncate, _unpack_header, data_start, round_up)
 
 IOV_MAX = 1024
-SPARES = 1                         # reclaimed files kept per namespace for the next segment
+# Reclaimed files kept per namespace for the next segments (remove()). A compaction empties
+# several segments at once, and each one past the spares was unlinked inside the put that ran
+# it: ~11 ms a 64 MiB file on the dev VM's ext4 (mounted with discard), 7-8 ms of a reclaim's
+# ~30 in the randrw fio jobs (issue 17, fio10). Kept, it is a rename, and the next segments'
+# appends overwrite written blocks. Their bytes count as used (total_bytes), as room for the
+# next segments (bytes_for); compaction's fill test leaves them out (coherence.space).
+SPARES = 4
 _BORN = itertools.count(1)         # creation order of segments, all namespaces (oldest first)
 
 
@@ -265,6 +271,10 @@ class SegmentLog:
         reclaimed segments that readers still hold and spare files included."""
         return sum(max(s.size, s.file_bytes) for s in
                    (*self.segments.values(), *self.doomed.values(), *self.spares))
+
+    def spare_bytes(self) -> int:
+        """The spare files' bytes (in total_bytes): room the next segments take over."""
+        return sum(s.file_bytes for s in self.spares)
 
     def bytes_for(self, n: int) -> int:
         """Disk bytes that appending n records would add: the records, and the header of
