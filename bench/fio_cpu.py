@@ -45,8 +45,9 @@ def main() -> int:
     ap.add_argument("--mix", type=int, default=50)
     ap.add_argument("--iodepth", type=int, default=16)
     a = ap.parse_args()
-    if aio_mod._native is not None:
-        timed(aio_mod._native, "run", "aio_c")
+    for name in ("run", "write_run"):          # the C AIO loop (write_run: fio10's)
+        if hasattr(aio_mod._native, name):
+            timed(aio_mod._native, name, "aio_c")
     if hasattr(gets_mod, "run_batch"):         # the get's C read, as gets.py calls it
         timed(gets_mod, "run_batch", "read_c")
     timed(os, "fdatasync", "fdatasync")
