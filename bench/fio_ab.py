@@ -6,6 +6,7 @@ side. Rounds alternate the order (A B, then B A, ...), so that neither tree alwa
     COMPARE=0 ...   (no fio runs: the trees alone, alternated; ratios are then None)
     VARIANTS="main=TREE,k1=TREE@1,k2=TREE@2" ...   (more than two; TREE@N adds --calls N;
                     each round runs them in order, reversed every other round)
+    FIO_AB_SITE=/tmp/site ...   (packages installed apart, put on PYTHONPATH after the tree)
 
 Each tree must have its C extensions built (setup.py build_ext --inplace). Prints a table and
 writes one JSON line: per round and tree, every job's kvtier and fio MiB/s and the ratios.
@@ -29,7 +30,9 @@ from bench.common import header  # noqa: E402
 def run(tree: str, jobfile: str, directory: str, calls: str = "") -> tuple[dict, float]:
     """One `kvtier bench` of tree; returns its JSON and the CPU seconds it used (user +
     system, fio's runs included when compared)."""
-    env = dict(os.environ, PYTHONPATH=tree)
+    # FIO_AB_SITE: packages installed apart (a device's /tmp/site), after the tree.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (tree, os.environ.get("FIO_AB_SITE", "")) if p))
     compare = ["--compare"] if os.environ.get("COMPARE", "1") != "0" else []
     if calls:
         compare += ["--calls", calls]
