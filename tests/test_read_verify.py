@@ -5,7 +5,6 @@ anywhere in the batch refused, every other one verified, whatever order the read
 
 from __future__ import annotations
 
-import mmap
 import os
 from pathlib import Path
 
@@ -14,16 +13,13 @@ import pytest
 import xxhash
 
 from kvtier import _xxh, checksums
-from kvtier.checksums import block_checksums
 from kvtier.tiers import reads
 from kvtier.tiers.nvme import SegmentLog
+from tests.test_reads import _log_with, _pool
 
 pytestmark = pytest.mark.skipif(not reads.available() or _xxh is None,
                                 reason="kvtier.tiers._reads or kvtier._xxh not built, or no "
                                 "libxxhash: the Python read runs")
-
-BB = 65536
-
 
 def test_the_reads_xxh3_hashes_every_size_as_python_xxhash_does():
     # Sizes on both sides of XXH3's size classes (0-16, 17-128, 129-240, longer: stripes of
@@ -39,20 +35,6 @@ def test_the_reads_xxh3_hashes_every_size_as_python_xxhash_does():
         _xxh.hash_rows(reads.XXH3_READ, arr.ctypes.data + i * width, 0, size,
                        np.zeros(1, dtype=np.int64), out)
         assert int(out[0]) == xxhash.xxh3_64_intdigest(arr[i, :size].tobytes()), size
-
-
-def _log_with(tmp_path: Path, n: int):
-    log = SegmentLog(tmp_path, 1, BB, 4 << 20)
-    if log._aio_reads is None:
-        pytest.skip("no native AIO on this file system")
-    data = np.random.default_rng(1).integers(0, 256, (n, BB), dtype=np.uint8)
-    segs, offs = log.append(data)
-    return log, data, np.asarray(segs), np.asarray(offs), block_checksums(data)
-
-
-def _pool(rows: int) -> np.ndarray:
-    mm = mmap.mmap(-1, rows * BB)                   # page-aligned, as a host pool's
-    return np.frombuffer(mm, dtype=np.uint8).reshape(rows, BB)
 
 
 def _tear(log: SegmentLog, seg: int, off: int) -> None:
