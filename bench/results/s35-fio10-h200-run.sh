@@ -9,7 +9,7 @@
 # (defaults: HEAD the current directory, BASE $PWD/.gpu-base; LOCAL=1 skips the wheels)
 set -u
 T0=$(date +%s); H=${HEAD:-$PWD}; B=${BASE:-$PWD/.gpu-base}
-RT=${RT:-4}; ROUNDS=${ROUNDS:-2}; K=${K:-600}; D=${DIR:-/tmp/x}; OUT=${OUT:-/tmp/out}
+RT=${RT:-4}; ROUNDS=${ROUNDS:-2}; K=${K:-400}; D=${DIR:-/tmp/x}; OUT=${OUT:-/tmp/out}
 el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 mkdir -p $D $OUT
 echo "head $H base $B"; date -u; nproc; uname -r; python3 --version; df -T $D | tail -1
@@ -26,7 +26,7 @@ wait; ls $H/kvtier/*/*.so $B/kvtier/*/*.so | wc -l
 print("C read:", r.available(), "xxh3 dispatching:", r.XXH3_READ != c._fn)')
 el built
 sed 's/^runtime=.*/runtime='"$RT"'/' $H/bench/jobs/randrw.fio > /tmp/randrw-$RT.fio
-FIO_AB_SITE=$SITE timeout 215 python3 $H/bench/fio_ab.py $B $H $ROUNDS /tmp/randrw-$RT.fio $D \
+FIO_AB_SITE=$SITE timeout 200 python3 $H/bench/fio_ab.py $B $H $ROUNDS /tmp/randrw-$RT.fio $D \
   > $OUT/s35-fio10-h200-ab.json 2> $OUT/s35-fio10-h200-ab.txt
 echo "fio_ab rc $?"; cat $OUT/s35-fio10-h200-ab.txt
 el paired
