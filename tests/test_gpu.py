@@ -284,7 +284,8 @@ def test_async_put_commits_only_after_its_copies_complete(gpu_service, method):
         assert versions.tolist() == [1] * 200
         assert ns.get(keys(range(200)), out=host)[0].all()
         assert (host == src.cpu().numpy()).all()
-        assert c.stats()["reservations"] == 0
+        st = c.stats()             # what is left: the next put's credit (kvtier.api.credits)
+        assert st["reservations"] == st["credits"] == 1
 
 
 def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
@@ -404,6 +405,9 @@ ns = c.namespace("fault-" + mode, block_bytes=4096)
 if mode == "get":
     ns.put(keys(range(n)), blocks(n, 4096))  # from host memory
 dev = torch.zeros(n, 4096, dtype=torch.uint8, device="cuda")
+if mode == "credit":                         # a put before, whose credit the failing one uses
+    ns.put_async(keys(range(n, 2 * n)), dev).wait()
+    assert c.stats()["credits"] == 1
 s = torch.cuda.Stream()
 bad = cupy.RawKernel('extern "C" __global__ void k(unsigned long long* p) { p[0] = 1; }', "k")
 with cupy.cuda.ExternalStream(s.cuda_stream):
@@ -418,6 +422,8 @@ except Exception as exc:
     print("failed", type(exc).__name__)
 host = np.empty((n, 4096), np.uint8)
 print("found", int(ns.get(keys(range(n)), out=host)[0].sum()))
+if mode == "credit":
+    print("found before", int(ns.get(keys(range(n, 2 * n)), out=host)[0].sum()))
 st = c.stats()
 print("held", st["reservations"], st["leases"], st["puts"])
 sys.stdout.flush()
@@ -425,12 +431,14 @@ import os; os._exit(0)                       # the CUDA context is lost: no orde
 """
 
 
-@pytest.mark.parametrize("mode", ["get", "put"])
+@pytest.mark.parametrize("mode", ["get", "put", "credit"])
 def test_a_transfer_whose_copies_fail_on_the_gpu_ends_its_holds_and_never_commits(
         gpu_service, mode):
     # A real device fault (an illegal address ahead of the copies on the caller's stream) in a
     # process of its own, since it ends that process's CUDA context: the get's four leases are
-    # released, the put's reservations aborted, nothing is committed.
+    # released, the put's reservations aborted, nothing is committed. "credit": the failing
+    # put's first chunk went into the credit a put before it asked for; that credit is aborted
+    # too, and the earlier put's blocks stay.
     out = subprocess.run([sys.executable, "-c", _FAULT, str(gpu_service.socket), mode],
                          capture_output=True, text=True, timeout=180,
                          cwd=Path(__file__).resolve().parent.parent)
@@ -438,7 +446,10 @@ def test_a_transfer_whose_copies_fail_on_the_gpu_ends_its_holds_and_never_commit
     assert lines[0].startswith("failed"), out.stdout + out.stderr
     found = 2500 if mode == "get" else 0
     assert f"found {found}" in lines, out.stdout + out.stderr
-    assert f"held 0 0 {found}" in lines, out.stdout + out.stderr
+    puts = {"get": 2500, "put": 0, "credit": 2500}[mode]
+    assert f"held 0 0 {puts}" in lines, out.stdout + out.stderr
+    if mode == "credit":
+        assert "found before 2500" in lines, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("geometry", [(16384,), (65536,), (4096,) * 16, (2 << 20,)],
@@ -645,13 +656,13 @@ def test_a_put_commits_its_first_chunks_while_it_reads_the_later_reserves(
     monkeypatch.setattr(pipeline, "CUDA_PUT_CHUNK_MIN", 64)
     real = transfer._reserved
 
-    def reserved(c, mover, chunks, ids, src_rows, groups, error, early=None):
+    def reserved(c, mover, chunks, ids, src_rows, groups, error, early=None, *given):
         def slow(parts, ends):
             ends[-1].synchronize()
             torch.cuda.synchronize()               # the hash as well
             early(parts, ends)
         return real(c, mover, chunks, ids, src_rows, groups, error,
-                    slow if early is not None else None)
+                    slow if early is not None else None, *given)
     monkeypatch.setattr(transfer, "_reserved", reserved)
     with kvtier.Client(gpu_service.socket) as c:
         ns = c.namespace("early", block_bytes=BB)
@@ -672,7 +683,53 @@ def test_a_put_commits_its_first_chunks_while_it_reads_the_later_reserves(
             transfer.set_policy(None)
         c.ping()
         st = c.stats()
-        assert st["reservations"] == 0 and st["leases"] == 0
+        assert st["reservations"] == st["credits"] == 1 and st["leases"] == 0
+
+
+def test_a_put_starts_in_the_credit_the_put_before_asked_for(gpu_service):
+    # kvtier.api.credits: a put asks for a credit behind its commits; the next put's first
+    # chunk goes into it (its reservation is the credit), the rest reserved as before, and
+    # every block of both reads back. A put smaller than the credit hands the rest back; a
+    # credit past its use-by is aborted, not used; closing the namespace gives one back.
+    from kvtier.api import pipeline
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("credit", block_bytes=BB)
+        n = 3000
+        src = torch.randint(0, 255, (n, BB), dtype=torch.uint8, device="cuda")
+        ns.put_async(keys(range(n)), src).wait()
+        assert c.stats()["credits"] == 1
+        size = ns._credits.size()
+        asked = ns._credits._asked[0]
+        h = ns.put_async(keys(range(n, 2 * n)), src)
+        assert h._parts[0][:2] == (0, size)
+        assert len(h._parts) == 1 + len(pipeline.cuda_put_chunks(n - size, BB))
+        assert asked not in c._stashed and ns._credits._asked is None
+        assert h.wait().tolist() == [1] * n
+        host = np.empty((n, BB), np.uint8)
+        for lo in (0, n):
+            assert ns.get(keys(range(lo, lo + n)), out=host)[0].all()
+            assert (host == src.cpu().numpy()).all()
+        before = c.stats()["tiers"]["host"]["blocks"]          # the held credit's included
+        parents = bytes(16) + keys(range(2 * n, 2 * n + 9))
+        h = ns.put_async(keys(range(2 * n, 2 * n + 10)), src[:10], parents=parents)
+        assert [p[:2] for p in h._parts] == [(0, 10)]
+        assert h.wait().tolist() == [1] * 10
+        st = c.stats()
+        assert st["tiers"]["host"]["blocks"] == before + 10 and st["credits"] == 1
+        assert ns.get(keys(range(2 * n, 2 * n + 10)), out=host[:10])[0].all()
+        assert (host[:10] == src[:10].cpu().numpy()).all()
+        ns._credits._collect(True)
+        stale = ns._credits._held.rid
+        ns._credits._held.use_by = 0.0
+        h = ns.put_async(keys(range(4)), src[:4])
+        assert h._parts[0][2] != stale
+        assert h.wait().tolist() == [2] * 4
+        c.ping()
+        assert c.stats()["credits"] == 1                      # the stale one aborted
+        ns.close()
+        c.ping()
+        st = c.stats()
+        assert st["reservations"] == st["credits"] == 0 and st["leases"] == 0
 
 
 @pytest.mark.parametrize("put_chunk", [4096, 1024], ids=["put-one-request", "put-chunked"])

@@ -299,6 +299,8 @@ class Client:
         self._discard: set[int] = set()
         self._pending: list[int] = []
         self._puts_sent: set[int] = set()   # ids of put/commit requests not answered yet
+        self._stash_ids: set[int] = set()   # requests whose replies are kept when read past
+        self._stashed: dict[int, dict[str, Any]] = {}    # ... and those replies (credits)
         self._namespaces: dict[str, Namespace] = {}
         self.server_info: dict[str, Any] = {}
         if connect:
@@ -331,6 +333,8 @@ class Client:
         self._buf.clear()
         self._discard.clear()
         self._puts_sent.clear()
+        self._stash_ids.clear()
+        self._stashed.clear()
         self._pending.clear()           # the service ends them when the connection goes
         for fd in self._fds:
             os.close(fd)
@@ -441,6 +445,19 @@ class Client:
         """Send a request whose reply is read and dropped later (pipelined)."""
         self._discard.add(self._send(op, args))
 
+    def _stash(self, req_id: int) -> None:
+        """Keep req_id's reply when a later reply is waited for (pipelined, read in order):
+        _stashed_reply() hands it over, ok or not (a credit's ask, kvtier.api.credits)."""
+        self._stash_ids.add(req_id)
+
+    def _stashed_reply(self, req_id: int, wait: bool = False) -> dict[str, Any] | None:
+        """The stashed reply of req_id; when it has not been read yet, None, or with wait the
+        reply itself, read now (the replies before it read as _reply reads them)."""
+        if req_id in self._stashed or not wait:
+            return self._stashed.pop(req_id, None)
+        self._stash_ids.discard(req_id)
+        return self._reply(req_id, raw=True)
+
     def _release_later(self, lease: int) -> None:
         """Queue a lease to be released by the next request (``release_first``), saving the
         service one op per get. Sent at once when many are queued, and on close."""
@@ -497,16 +514,23 @@ class Client:
         self.connect()
         return self._reply(self._send(op, args))
 
-    def _reply(self, req_id: int) -> dict[str, Any]:
+    def _reply(self, req_id: int, raw: bool = False) -> dict[str, Any]:
         """The reply to request req_id (sent earlier, pipelined or not), re-raised as its
-        kvtier exception if it is an error. Replies come in request order."""
+        kvtier exception if it is an error (raw: returned as it is). Replies come in request
+        order."""
         while True:
             reply = self._recv_frame()
             rid = reply.get("id")
+            if raw and rid == req_id:
+                return reply
             if rid in self._discard:
                 self._discard.discard(rid)
                 if not reply.get("ok"):
                     self.release_errors += 1
+                continue
+            if rid in self._stash_ids:
+                self._stash_ids.discard(rid)
+                self._stashed[rid] = reply
                 continue
             if rid != req_id:
                 raise P.raise_for(reply) if not reply.get("ok") else KvtierError(

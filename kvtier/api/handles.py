@@ -118,6 +118,7 @@ class NamespaceHandle:
         self._whole_skip = 0               # gets left in chunks after a sparse whole one
         self._hbm_info: dict[str, Any] | None = None
         self._generation = -1
+        self._credits: Any = None          # kvtier.api.credits.Credits, on the first GPU put
 
     def _stale(self) -> bool:
         """True when there is no mapping yet, or it belongs to an earlier connection."""
@@ -144,6 +145,8 @@ class NamespaceHandle:
         if self._inflight:               # no copy may run into memory about to be unregistered
             from kvtier.gpu.transfer import drain
             drain(self)
+        if self._credits is not None:
+            self._credits.drop()
         for dev in (self._mapped, self._ipc):
             if dev is not None:
                 dev.close()

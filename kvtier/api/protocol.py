@@ -18,7 +18,10 @@ Operations (PROTOCOL_VERSION 1):
                                                           on GPU hosts, hbm: {ipc, slots,
                                                           device} (CUDA IPC of the HBM pool)
     reserve        {ns, keys, parents?, tier?}         -> {rid, slots}
-    commit         {rid, checksums?}                   -> {versions}
+                   {ns, count}                         -> {rid, slots, expires_s}  a credit:
+                                                          host slots before their keys
+    commit         {rid, checksums?, trusted?,         -> {versions}  keys (and parents):
+                    keys?, parents?}                      a credit's, for its first slots
     abort          {rid}                               -> {}
     put            {ns, keys, data, parents?}          -> {versions}       (inline fallback)
     get            {ns, keys, inline?, tier?}          -> {lease, found, slots, versions,

@@ -53,10 +53,13 @@ class Pins:
 
     def check(self, ns: Any, keys: bytes, share: float) -> None:
         """CapacityError when len(keys) more slots of ns would pass share of its host pool."""
+        self.check_count(ns, len(keys) // max(ns.key_width, 1), share)
+
+    def check_count(self, ns: Any, want: int, share: float) -> None:
+        """CapacityError when want more slots of ns would pass share of its host pool."""
         slots = ns.slots[Tier.HOST].pool.n_slots
         limit = int(share * slots)
         held = sum(n for name, n in self.by_id.values() if name == ns.name)
-        want = len(keys) // max(ns.key_width, 1)
         if want and held + want > max(limit, 1):
             raise CapacityError(
                 f"this connection holds {held} slots of {ns.name!r} under lease or reservation "

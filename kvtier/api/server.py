@@ -375,6 +375,8 @@ class Server(ResidentGets, SortedGets):
 
     def op_reserve(self, client: ClientInfo, req: dict[str, Any]
                    ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        if "count" in req and "keys" not in req:
+            return self._reserve_credit(client, req)
         name, keys, tier = P.arg(req, "ns", str), P.arg(req, "keys", bytes), _slot_tier(req)
         parents, device = P.arg(req, "parents", bytes, None), P.arg(req, "device", int, None)
         if tier is Tier.HOST:
@@ -392,6 +394,30 @@ class Server(ResidentGets, SortedGets):
                     return self._reserved(client, name, tier, res)
         return self._reserve_slow(client, name, keys, parents, tier, device)
 
+    def _reserve_credit(self, client: ClientInfo, req: dict[str, Any]
+                        ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        """A credit: count host slots reserved with no keys (Puts.reserve_credit), inline
+        where the room is free now, within the connection's share as any reservation."""
+        name, n = P.arg(req, "ns", str), P.arg(req, "count", int)
+        if _slot_tier(req) is not Tier.HOST:
+            raise BadRequest("a credit (reserve by count) is of host slots; leave tier out")
+        ns = self.engine.namespace(name)
+        if not 0 < n <= INLINE_PUT_KEYS:
+            raise BadRequest(f"a credit of {n} slots; ask for 1 to {INLINE_PUT_KEYS}")
+        client.pins.check_count(ns, n, self.settings.max_client_share)
+        if self.engine.lock.acquire(blocking=False):
+            try:
+                res = self.engine.puts.reserve_credit_inline(name, n, client.cid)
+            finally:
+                self.engine.lock.release()
+            if res is not None:
+                return self._reserved(client, name, Tier.HOST, res, credit=True)
+        return self._credit_slow(client, name, n)
+
+    async def _credit_slow(self, client: ClientInfo, name: str, n: int) -> dict[str, Any]:
+        res = await self._run(self.engine.puts.reserve_credit, name, n, client.cid)
+        return self._reserved(client, name, Tier.HOST, res, credit=True)
+
     async def _reserve_slow(self, client: ClientInfo, name: str, keys: bytes,
                             parents: bytes | None, tier: Tier,
                             device: int | None) -> dict[str, Any]:
@@ -399,33 +425,39 @@ class Server(ResidentGets, SortedGets):
                               tier, client.cid)
         return self._reserved(client, name, tier, res)
 
-    @staticmethod
-    def _reserved(client: ClientInfo, name: str, tier: Tier, res: Any) -> dict[str, Any]:
+    def _reserved(self, client: ClientInfo, name: str, tier: Tier, res: Any,
+                  credit: bool = False) -> dict[str, Any]:
         if tier is Tier.HOST:
             client.pins.add(res.rid, name, int(res.slots.size))
-        return {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
+        out = {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
+        if credit:                  # the writer uses it well before it expires
+            out["expires_s"] = self.settings.reserve_timeout
+        return out
 
     def op_commit(self, client: ClientInfo, req: dict[str, Any]
                   ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         sums = P.array_arg(req, "checksums", "<u8", None)
         rid = P.arg(req, "rid", int)
         trusted = P.arg(req, "trusted", bool, False)
+        # A credit's commit names its keys (Puts._bind).
+        keys, parents = P.arg(req, "keys", bytes, None), P.arg(req, "parents", bytes, None)
         client.pins.end([rid])              # committed or refused, the reservation has ended
         if (trusted and sums is not None and sums.size <= INLINE_PUT_KEYS
                 and self.engine.lock.acquire(blocking=False)):
             # Inline only with the writer's checksums (otherwise the commit hashes every
             # byte), and when it touches no disk (Puts.commit_inline).
             try:
-                versions = self.engine.puts.commit_inline(rid, client.cid, sums)
+                versions = self.engine.puts.commit_inline(rid, client.cid, sums, keys, parents)
             finally:
                 self.engine.lock.release()
             if versions is not None:
                 return {"versions": P.arr(versions, "<u8")}
-        return self._commit_slow(rid, client.cid, sums, trusted)
+        return self._commit_slow(rid, client.cid, sums, trusted, keys, parents)
 
     async def _commit_slow(self, rid: int, owner: int, sums: np.ndarray | None,
-                           trusted: bool) -> dict[str, Any]:
-        versions = await self._run(self.engine.commit, rid, owner, sums, trusted)
+                           trusted: bool, keys: bytes | None = None,
+                           parents: bytes | None = None) -> dict[str, Any]:
+        versions = await self._run(self.engine.commit, rid, owner, sums, trusted, keys, parents)
         return {"versions": P.arr(versions, "<u8")}
 
     async def op_abort(self, client: ClientInfo, req: dict[str, Any]) -> dict[str, Any]:

@@ -84,6 +84,7 @@ class Reservation:
     deadline: float
     state: HoldState = HoldState.HELD
     repeats: bool = True      # some key may occur twice (False: checked distinct at reserve)
+    credit: bool = False      # reserved by count, no keys yet: the commit names them (Puts)
 
 
 @dataclass(slots=True)

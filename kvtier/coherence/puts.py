@@ -115,11 +115,22 @@ class Puts:
         room needs dirty blocks written down first, they are written with the lock released
         and the reservation is tried again.
         """
+        return self._with_room(lambda: self._reserve(namespace, keys, parents, tier, owner))
+
+    def reserve_credit(self, namespace: str, n: int, owner: int = 0) -> Reservation:
+        """A credit: n fresh host slots reserved before their keys are known, for the writer's
+        next put, whose first copies then start without waiting for a reserve's reply (issue
+        16: a GPU put's first reply came ~0.5 ms after its sends on the H200, 8% of a 64 MiB
+        put). Its commit names the keys of its first slots (``_bind``); the rest go back
+        then. Held, quota'd, expired and ended as any reservation."""
+        return self._with_room(lambda: self._reserve_credit(namespace, n, owner))
+
+    def _with_room(self, reserve: Callable[[], Reservation]) -> Reservation:
         attempt = 0
         while True:
             try:
                 with self.lock:
-                    res = self._reserve(namespace, keys, parents, tier, owner)
+                    res = reserve()
                 if self.nvme.wanted():
                     self.nvme.drain()
                 return res
@@ -155,9 +166,32 @@ class Puts:
                     owner: int) -> Reservation:
         karr, repeats = self._put_keys(ns, keys)
         parr = self._put_parents(ns, parents, karr.size)
+        return self._hold(ns, tier, karr.size, owner, karr.copy(),
+                          None if parr is None else parr.copy(), repeats)
+
+    def _reserve_credit(self, namespace: str, n: int, owner: int) -> Reservation:
+        ns = self.namespace(namespace)
+        if type(n) is not int or not 0 < n <= ns.slots[_HOST].pool.n_slots:
+            raise BadRequest(f"a credit of {n!r} slots; reserve between 1 and "
+                             f"{ns.slots[_HOST].pool.n_slots} (the namespace's host slots)")
+        return self._hold(ns, _HOST, n, owner, ns.table.keys_array(b""), None, False,
+                          credit=True)
+
+    def reserve_credit_inline(self, namespace: str, n: int, owner: int) -> Reservation | None:
+        """reserve_credit on the service loop (the caller holds the lock), where the room is
+        free without eviction or write-down; else None with nothing taken."""
+        ns = self.namespaces.get(namespace)
+        if ns is None or type(n) is not int or not self._room_now(ns, n):
+            return None
+        return self._reserve_credit(namespace, n, owner)
+
+    def _hold(self, ns: Namespace, tier: Tier, n: int, owner: int, karr: np.ndarray,
+              parr: np.ndarray | None, repeats: bool, credit: bool = False) -> Reservation:
+        """n fresh slots of tier, pinned, as a reservation of owner's for karr (empty for a
+        credit)."""
         # int64 from here on (the pools hand it out): numpy indexes by int32 slots ~4x slower
         # (a cast per fancy index), and the commit's C helpers take int64 as they are.
-        slots = self.owner.alloc(ns, tier, karr.size).astype(np.int64, copy=False)
+        slots = self.owner.alloc(ns, tier, n).astype(np.int64, copy=False)
         st = ns.slots[tier]
         if _fast is not None:          # a reservation pins its slots like a lease
             _fast.pin_slots(st.leases, slots)
@@ -166,13 +200,13 @@ class Puts:
         if tier is not _HOST:
             # commit writes a GPU batch through to host: make that room now, while dirty
             # blocks can still be written down before the commit.
-            short = karr.size - ns.slots[Tier.HOST].pool.free_count
+            short = n - ns.slots[Tier.HOST].pool.free_count
             if short > 0:
                 self.evict_copies(ns, Tier.HOST, short)
         rid = self.owner.new_id()
-        res = Reservation(rid, ns, tier, karr.copy(), None if parr is None else parr.copy(),
-                          slots, owner, time.monotonic() + self.settings.reserve_timeout,
-                          repeats=repeats)
+        res = Reservation(rid, ns, tier, karr, parr, slots, owner,
+                          time.monotonic() + self.settings.reserve_timeout, repeats=repeats,
+                          credit=credit)
         self.reservations[rid] = res
         return res
 
@@ -213,26 +247,30 @@ class Puts:
             res = self._take_reservation(rid, owner)
             self.holds.end_reservation(res, HoldState.RELEASED)
 
-    def commit_inline(self, rid: int, owner: int, checksums: np.ndarray) -> np.ndarray | None:
+    def commit_inline(self, rid: int, owner: int, checksums: np.ndarray,
+                      keys: Any = None, parents: Any = None) -> np.ndarray | None:
         """The service loop's trusted commit (Server.op_commit; the caller holds the lock):
         commit(rid, owner, checksums, trusted=True) where put_in_memory would say it touches
         no disk now (a host reservation, not written through to NVMe or Redis), else None
         with nothing done (the caller sends commit() to a thread)."""
         if not self._commit_now(self.reservations.get(rid)):
             return None
-        versions = self._commit(rid, owner, checksums, True)[0]
+        versions = self._commit(rid, owner, checksums, True, keys=keys, parents=parents)[0]
         if self.nvme.wanted():
             self.nvme.drain()
         return versions
 
     def commit(self, rid: int, owner: int = 0,
-               checksums: np.ndarray | None = None, trusted: bool = False) -> np.ndarray:
-        """Phase two of a put. Returns the new version of each key (uint64).
+               checksums: np.ndarray | None = None, trusted: bool = False,
+               keys: Any = None, parents: Any = None) -> np.ndarray:
+        """Phase two of a put. Returns the new version of each key (uint64). keys (and
+        parents): a credit's, the keys of its first slots (``_bind``).
 
         Under write_through it returns once the batch is durable on NVMe and applied (a full
         or failing disk raises StorageError instead). See _commit for the checks.
         """
-        versions, ns, rows, through, _ = self._commit(rid, owner, checksums, trusted)
+        versions, ns, rows, through, _ = self._commit(rid, owner, checksums, trusted,
+                                                      keys=keys, parents=parents)
         if through:
             # Durable before the put is acknowledged, written with the lock released: a full
             # or failing disk fails the put (StorageError) instead of acknowledging it.
@@ -242,7 +280,8 @@ class Puts:
         return versions
 
     def commit_begin(self, rid: int, owner: int = 0, checksums: np.ndarray | None = None,
-                     trusted: bool = False) -> tuple[np.ndarray, FlushHandle]:
+                     trusted: bool = False, keys: Any = None, parents: Any = None
+                     ) -> tuple[np.ndarray, FlushHandle]:
         """commit() whose write_through flush runs on the NVMe store's flush thread: returns
         the new versions at once, with a handle that completes when the batch is durable and
         applied (its wait() raises StorageError where commit() would have). The put is
@@ -255,7 +294,8 @@ class Puts:
         (a get's room, say) passes them over instead of writing them down a second time in
         its own flush (measured: 78 of 321 gets of a 5 s rw50 job did so, 14 ms each)."""
         versions, ns, rows, through, pinned = self._commit(rid, owner, checksums, trusted,
-                                                           keep_pinned=True)
+                                                           keep_pinned=True, keys=keys,
+                                                           parents=parents)
 
         def unpin() -> None:
             if pinned is not None:
@@ -274,7 +314,7 @@ class Puts:
             raise
 
     def _commit(self, rid: int, owner: int, checksums: np.ndarray | None, trusted: bool,
-                keep_pinned: bool = False
+                keep_pinned: bool = False, keys: Any = None, parents: Any = None
                 ) -> tuple[np.ndarray, Namespace, np.ndarray, bool,
                            tuple[Tier, np.ndarray] | None]:
         """The commit under the lock. Returns the versions by position, the namespace, the
@@ -291,6 +331,8 @@ class Puts:
         """
         with self.lock:
             res = self._take_reservation(rid, owner)
+            if res.credit or keys is not None:
+                self._bind(res, keys, parents)
             ns, tier, slots, karr = res.ns, res.tier, res.slots, res.keys
             # Within one batch, the last write of a key wins; earlier duplicates are dropped.
             keep = _last_occurrences(ns.table, karr) if res.repeats else None
@@ -374,6 +416,34 @@ class Puts:
             if write_through and self.remote is not None:
                 self.transfers.push_remote(ns, rows)
         return versions_by_pos, ns, rows, write_through and ns.log is not None, pinned
+
+    def _bind(self, res: Reservation, keys: Any, parents: Any) -> None:
+        """A credit's commit: its first slots take keys (and parents), the rest go back to
+        the pool. A credit committed without keys, keys sent for a reservation that has its
+        own, or more keys than the credit's slots: BadRequest, and the reservation ends, as a
+        torn write's commit ends it (nothing of it was ever visible)."""
+        try:
+            if not res.credit:
+                raise BadRequest(f"reservation {res.rid} was made for its keys; its commit "
+                                 "names no keys")
+            if keys is None:
+                raise BadRequest(f"reservation {res.rid} is a credit (reserved by count): its "
+                                 "commit names the keys of its first slots")
+            karr, repeats = self._put_keys(res.ns, keys)
+            if karr.size > res.slots.size:
+                raise BadRequest(f"{karr.size} keys for a credit of {res.slots.size} slots; "
+                                 "commit at most as many keys as it holds slots")
+            parr = self._put_parents(res.ns, parents, karr.size)
+        except BaseException:
+            self.holds.end_reservation(res, HoldState.RELEASED)
+            raise
+        rest = res.slots[karr.size:]
+        if rest.size:
+            self.owner.unpin_slots(res.ns, res.tier, rest)
+            self.owner.free_slots(res.ns, res.tier, rest)
+        res.keys, res.repeats, res.credit = karr.copy(), repeats, False
+        res.parents = None if parr is None else parr.copy()
+        res.slots = res.slots[:karr.size]
 
     def _unnamed_back(self, ns: Namespace, karr: np.ndarray, tier: Tier,
                       slots: np.ndarray) -> None:

@@ -77,6 +77,7 @@ def engine_stats(engine: Reported) -> dict[str, Any]:
         "compactions": c.compactions, "records_dropped": c.records_dropped,
         "expired_reservations": c.expired_reservations, "expired_leases": c.expired_leases,
         "leases": len(engine.leases), "reservations": len(engine.reservations),
+        "credits": sum(1 for r in engine.reservations.values() if r.credit),
         "retired_slots": int(sum(int(st.retired.sum()) for ns in engine.namespaces.values()
                                  for st in ns.slots.values())),
         "namespaces": len(engine.namespaces), "lmdb_map_grows": engine.catalog.map_grows,

@@ -90,6 +90,9 @@ class TransferPolicy:
     # A put's chunk is committed as soon as its copies and the GPU hash have completed, also
     # while later reserve replies are still being read (False: only from done() or wait()).
     early_commits: bool = True
+    # A host put's first chunk goes into a credit (kvtier.api.credits): slots reserved by count
+    # during the namespace's previous put, so its copies start before any reply of this put.
+    put_credits: bool = True
     # A chunked get prepares its first kernel launch (the page table's upload, the kernel
     # stream's fork) while the service answers the first chunk (Mover.prepare; False: at the
     # first launch, after that reply). bench/gpu.py's onboard_timeline_16k, round 5: the first

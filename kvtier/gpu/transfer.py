@@ -34,7 +34,7 @@ Not thread-safe, like the Client.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -188,12 +188,14 @@ class PutTransfer(Transfer):
     reached host memory (None: no GPU checksums)."""
 
     def __init__(self, ns: "Namespace", events: list[Any], staging: Staging, methods: set[Any],
-                 parts: list[tuple[int, int, int, Any]], n: int, sums_addr: int,
-                 hashed: Any, device: int, commits: list[tuple[int, int, int]]) -> None:
+                 parts: list[tuple[int, int, int, Any]], n: int,
+                 send_commit: Callable[[int, int, int], int], hashed: Any, device: int,
+                 commits: list[tuple[int, int, int]], ask_credit: bool = False) -> None:
         super().__init__(ns, events, staging, methods)
         self._parts = parts
         self._n = n
-        self._sums = sums_addr
+        self._commit_of = send_commit     # (lo, hi, reservation id) -> request id
+        self._ask_credit = ask_credit and ns._credits is not None
         self._hashed = hashed
         self._device_id = device
         self._commits = commits      # (lo, hi, request id) sent, the first chunks' in order
@@ -223,18 +225,24 @@ class PutTransfer(Transfer):
 
     def _send_commit(self) -> None:
         lo, hi, rid, _ev = self._parts[len(self._commits)]
-        self._commits.append((lo, hi, _commit(self._ns._client, self._sums, lo, hi, rid)))
+        self._commits.append((lo, hi, self._commit_of(lo, hi, rid)))
 
     def _complete(self) -> None:
         c = self._ns._client
         if self._error is None:
             while len(self._commits) < len(self._parts):
                 self._send_commit()
+            if self._ask_credit:
+                # The next put's credit, asked behind this put's commits (off their path);
+                # its reply is read by the next put's take().
+                self._ns._credits.ask()
         versions, stored, error = pipeline.commit_replies(self._ns, self._commits, self._n)
         for _lo, _hi, rid, _ev in self._parts[len(self._commits):]:
             c._send_nowait("abort", rid=rid)
         failure = self._error or error
         if failure is not None:
+            if self._ns._credits is not None:
+                self._ns._credits.drop(wait=True)    # a failed writer holds nothing after
             if error is not None and self._error is None:
                 raise type(error)(f"{error} ({stored} of {self._n} blocks were stored)") from None
             if stored:
@@ -244,15 +252,29 @@ class PutTransfer(Transfer):
         self.result = versions
 
 
-def _commit(c: Any, sums_addr: int, lo: int, hi: int, rid: int) -> int:
+def _commit(c: Any, sums_addr: int, lo: int, hi: int, rid: int, keys: bytes | None = None,
+            parents: bytes | None = None) -> int:
     """Send the commit of reservation rid, keys lo..hi, with the GPU's checksums of those
-    keys (pinned, at sums_addr; 0: none, the service hashes); returns the request id."""
+    keys (pinned, at sums_addr; 0: none, the service hashes); keys (and parents): a credit's,
+    named at its commit. Returns the request id."""
     sums = None
     if sums_addr:
         import ctypes
         sums = np.ctypeslib.as_array((ctypes.c_uint64 * (hi - lo)).from_address(
             sums_addr + 8 * lo)).astype("<u8").tobytes()
-    return c._send("commit", {"rid": rid, "checksums": sums, "trusted": True if sums else None})
+    return c._send("commit", {"rid": rid, "checksums": sums, "trusted": True if sums else None,
+                              "keys": keys, "parents": parents})
+
+
+def _credit(ns: "Namespace", tier: str, pol: TransferPolicy) -> Any:
+    """The namespace's credit for this put (kvtier.api.credits), or None. (Made here, not
+    with the handle: a handle that never puts from CUDA memory never asks for one.)"""
+    if tier != "host" or not pol.put_credits:
+        return None
+    if ns._credits is None:
+        from kvtier.api.credits import Credits
+        ns._credits = Credits(ns)
+    return ns._credits.take(wait=True)
 
 
 def poll(ns: "Namespace") -> None:
@@ -470,7 +492,11 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
     table, groups, src_rows = _target(ns, blocks, rows, n, layers)
     seg = ns._gpu(tier)
     w = ns.key_width
-    chunks = pipeline.cuda_put_chunks(n, ns.block_bytes)
+    pol = policy()
+    credit = _credit(ns, tier, pol) if n else None
+    k = 0 if credit is None else min(n, credit.slots.size)     # keys 0..k go into the credit
+    chunks = [(k + lo, k + hi) for lo, hi in pipeline.cuda_put_chunks(n - k, ns.block_bytes)
+              ] if n > k else []
     ids = [c._send("reserve", {"ns": ns.name, "keys": kb[lo * w:hi * w], "tier": tier,
                                "device": table.device if tier == "hbm" else None,
                                "parents": None if parents is None else parents[lo * w:hi * w]},
@@ -478,13 +504,31 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
     with cupy.cuda.Device(table.device):
         st = Stream.resolve(stream, table.device)
         staging = Staging(st)
-        mover = Mover(seg, table, st, policy(), staging)
+        mover = Mover(seg, table, st, pol, staging)
         side, sums, hashed, error = None, 0, None, None
+        parts: list[tuple[int, int, int, np.ndarray]] = []
+        ends: list[Any] = []
+        if credit is not None:            # its copies first: no reply to wait for
+            parts.append((0, k, credit.rid, credit.slots[:k]))
+            if len(groups) == 1:
+                try:
+                    mover.move(credit.slots[:k], src_rows[:k], groups[0][0], groups[0][1], True)
+                    ends.append(mover.event())
+                except BaseException as exc:
+                    error = exc
         try:
             side, sums, hashed = _hash(ns, mover, table, src_rows, n)
         except BaseException as exc:
-            error = exc
+            error = error or exc
         commits: list[tuple[int, int, int]] = []          # (lo, hi, request id) sent
+        credit_rid = -1 if credit is None else credit.rid
+
+        def send_commit(lo: int, hi: int, rid: int) -> int:
+            """The commit of chunk lo..hi; a credit's names its keys (kvtier.api.credits)."""
+            if rid != credit_rid:
+                return _commit(c, sums, lo, hi, rid)
+            return _commit(c, sums, lo, hi, rid, kb[lo * w:hi * w],
+                           None if parents is None else parents[lo * w:hi * w])
 
         def early(parts: list[tuple[int, int, int, np.ndarray]], ends: list[Any]) -> None:
             """Commit the leading chunks whose copies and hash have completed, while later
@@ -493,9 +537,10 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
             while len(commits) < len(ends) and ends[len(commits)].done and (
                     hashed is None or hashed.done):
                 lo, hi, rid, _s = parts[len(commits)]
-                commits.append((lo, hi, _commit(c, sums, lo, hi, rid)))
+                commits.append((lo, hi, send_commit(lo, hi, rid)))
         parts, ends, error = _reserved(c, mover, chunks, ids, src_rows, groups, error,
-                                       early if mover.policy.early_commits else None)
+                                       early if mover.policy.early_commits else None,
+                                       parts, ends)
         events: list[Any] = []
         try:
             for g, (g_lo, g_hi) in enumerate(groups if error is None else ()):
@@ -523,7 +568,8 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
             ends = [events[-1]] * len(parts)
         t = PutTransfer(ns, events, staging, mover.methods,
                         [(lo, hi, rid, ev) for (lo, hi, rid, _s), ev in zip(parts, ends)],
-                        n, sums, hashed, table.device, commits)
+                        n, send_commit, hashed, table.device, commits,
+                        ask_credit=tier == "host" and pol.put_credits)
         t.batched = mover.batched
     ns._inflight.append(t)
     return t
@@ -544,17 +590,19 @@ def _hash(ns: "Namespace", mover: Mover, table: PageTable, src_rows: np.ndarray,
 
 def _reserved(c: Any, mover: Mover, chunks: list[tuple[int, int]], ids: list[int],
               src_rows: np.ndarray, groups: list[tuple[int, int]],
-              error: BaseException | None, early: Any = None
+              error: BaseException | None, early: Any = None,
+              parts: list[tuple[int, int, int, np.ndarray]] | None = None,
+              ends: list[Any] | None = None
               ) -> tuple[list[tuple[int, int, int, np.ndarray]], list[Any], BaseException | None]:
     """Read every reserve reply of a put; with one page group, enqueue each chunk's copies as
     its reply arrives and record an event after them (the chunk's end), then early(parts,
     ends) (commits what has completed). Returns (the parts as (lo, hi, reservation id,
-    slots), the chunks' end events, the first failure); after a failure nothing more is
-    launched or committed. Where the connection is lost, the launched copies are waited for
-    before ServiceUnavailable is raised, since the service frees the connection's reserved
-    slots."""
-    parts: list[tuple[int, int, int, np.ndarray]] = []
-    ends: list[Any] = []
+    slots), the chunks' end events, the first failure), after those given (a credit's
+    chunk, moved already); after a failure nothing more is launched or committed. Where the
+    connection is lost, the launched copies are waited for before ServiceUnavailable is
+    raised, since the service frees the connection's reserved slots."""
+    parts = [] if parts is None else parts
+    ends = [] if ends is None else ends
     for (lo, hi), rid in zip(chunks, ids):
         try:
             r = c._reply(rid)
