@@ -53,8 +53,9 @@ def _dispatching_xxh3() -> int | None:
     Why (issue 17, fio10): kvtier.checksums takes XXH3_64bits, which in Debian's libxxhash is
     its baseline SSE2 build: 16 x 64 KiB took 0.105-0.109 ms of CPU on the dev VM (AMD EPYC,
     AVX-512), the dispatching entry 0.059-0.065, python-xxhash's own 0.069-0.078. The result
-    is the same function whatever the vector code (XXH3's output is fixed since 0.8.0); the
-    probes, one past each size class XXH3 treats apart, check it here before it is used."""
+    is the same function whatever the vector code (XXH3's output is fixed since 0.8.0); probes
+    across the size classes XXH3 treats apart (short, mid, long, stripes, blocks, a tail)
+    check it here before it is used."""
     if checksums._fn is None:
         return None
     try:
