@@ -56,6 +56,9 @@ def summary(res: dict) -> list[dict]:
                      "ratio": [j["kvtier"].get("ratio_read"), j["kvtier"].get("ratio_write")],
                      "clat_ms": [round(j[d]["clat_ns"]["mean"] / 1e6, 2) for d in ("read", "write")],
                      "calls": j["kvtier"].get("calls_in_flight"),
+                     # blocks got from host memory, not the disk (fio's direct reads never are)
+                     "host_hits": (j["kvtier"].get("tiers", {}).get("host") or {}).get("hits"),
+                     "blocks_read": j["read"]["total_ios"],
                      "cpu_s": j["kvtier"].get("cpu_s")})
     return rows
 
@@ -86,7 +89,9 @@ def main() -> int:
                 print(f"r{r + 1} {name:6} {row['job']:13} kvtier {row['kvtier_mib'][0]:6.1f} / "
                       f"{row['kvtier_mib'][1]:6.1f}  fio {row['fio_mib'][0]:6.1f} / "
                       f"{row['fio_mib'][1]:6.1f}  ratio {row['ratio'][0]} / {row['ratio'][1]}"
-                      f"  load {load:.1f} cpu {cpu:.1f} s lanes {row['cpu_s']}", file=sys.stderr, flush=True)
+                      f"  load {load:.1f} cpu {cpu:.1f} s lanes {row['cpu_s']}"
+                      f"  host hits {row['host_hits']} of {row['blocks_read']}",
+                      file=sys.stderr, flush=True)
     print(json.dumps(out))
     return 0
 
