@@ -6,6 +6,7 @@ side. Rounds alternate the order (A B, then B A, ...), so that neither tree alwa
     COMPARE=0 ...   (no fio runs: the trees alone, alternated; ratios are then None)
     VARIANTS="main=TREE,k1=TREE@1,k2=TREE@2" ...   (more than two; TREE@N adds --calls N;
                     each round runs them in order, reversed every other round)
+    FIO_AB_SITE=/tmp/site ...   (packages installed apart, put on PYTHONPATH after the tree)
 
 Each tree must have its C extensions built (setup.py build_ext --inplace). Prints a table and
 writes one JSON line: per round and tree, every job's kvtier and fio MiB/s and the ratios.
@@ -29,7 +30,9 @@ from bench.common import header  # noqa: E402
 def run(tree: str, jobfile: str, directory: str, calls: str = "") -> tuple[dict, float]:
     """One `kvtier bench` of tree; returns its JSON and the CPU seconds it used (user +
     system, fio's runs included when compared)."""
-    env = dict(os.environ, PYTHONPATH=tree)
+    # FIO_AB_SITE: packages installed apart (a device's /tmp/site), after the tree.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (tree, os.environ.get("FIO_AB_SITE", "")) if p))
     compare = ["--compare"] if os.environ.get("COMPARE", "1") != "0" else []
     if calls:
         compare += ["--calls", calls]
@@ -53,6 +56,9 @@ def summary(res: dict) -> list[dict]:
                      "ratio": [j["kvtier"].get("ratio_read"), j["kvtier"].get("ratio_write")],
                      "clat_ms": [round(j[d]["clat_ns"]["mean"] / 1e6, 2) for d in ("read", "write")],
                      "calls": j["kvtier"].get("calls_in_flight"),
+                     # blocks got from host memory, not the disk (fio's direct reads never are)
+                     "host_hits": (j["kvtier"].get("tiers", {}).get("host") or {}).get("hits"),
+                     "blocks_read": j["read"]["total_ios"],
                      "cpu_s": j["kvtier"].get("cpu_s")})
     return rows
 
@@ -83,7 +89,9 @@ def main() -> int:
                 print(f"r{r + 1} {name:6} {row['job']:13} kvtier {row['kvtier_mib'][0]:6.1f} / "
                       f"{row['kvtier_mib'][1]:6.1f}  fio {row['fio_mib'][0]:6.1f} / "
                       f"{row['fio_mib'][1]:6.1f}  ratio {row['ratio'][0]} / {row['ratio'][1]}"
-                      f"  load {load:.1f} cpu {cpu:.1f} s lanes {row['cpu_s']}", file=sys.stderr, flush=True)
+                      f"  load {load:.1f} cpu {cpu:.1f} s lanes {row['cpu_s']}"
+                      f"  host hits {row['host_hits']} of {row['blocks_read']}",
+                      file=sys.stderr, flush=True)
     print(json.dumps(out))
     return 0
 

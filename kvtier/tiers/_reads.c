@@ -27,9 +27,10 @@
  *   Batch.run(ctx, window, xxh3) -> None
  *       The read on the calling thread, the GIL released: ctx an io_setup context of at least
  *       `window` events, xxh3 the address of uint64_t XXH3_64bits(const void *, size_t)
- *       (kvtier/checksums.py's, checked against python-xxhash). OSError when io_getevents
- *       fails with requests in flight: the context is then destroyed here (io_destroy waits
- *       for them, so no slot is written after this returns) and the caller drops it.
+ *       (tiers/reads.py's XXH3_READ, checked against python-xxhash). Each record is verified
+ *       as its read is reaped, the others still in flight. OSError when io_getevents fails
+ *       with requests in flight: the context is then destroyed here (io_destroy waits for
+ *       them, so no slot is written after this returns) and the caller drops it.
  *   Batch.ok() -> bytes
  *       After a run: per record 1 when it was read whole and its XXH3 equals the expected
  *       one, else 0. Each run (or submit) forgets the last one's verdicts first, so after a
@@ -96,8 +97,27 @@ static int cmp_cb(const void *a, const void *b)
  * (_reads._fail_next_read). 0: none. */
 static int fail_next;
 
-/* aio_loop.h's submit/reap loop over b's requests, then the verdicts. Returns 0, or the
- * errno of a failed io_getevents (requests may still be in flight: the caller destroys ctx). */
+typedef struct {
+    Batch *b;
+    xxh3_fn h;
+} verifier;
+
+/* One record's verdict, as its read completes: read whole, and its XXH3 the one its row
+ * names. Run as each request is reaped, so the records still in flight are read meanwhile
+ * (issue 17, fio10: the hash of a 16 x 64 KiB get was ~0.06-0.1 ms after the last
+ * completion, on the get's wall), and each block is hashed while it may still be in cache. */
+static void verify_record(void *arg, const struct iocb *cb)
+{
+    verifier *v = arg;
+    Batch *b = v->b;
+    uint64_t r = cb->aio_data;
+    b->ok[r] = b->res[r] == b->nbytes
+               && v->h((const void *)(uintptr_t)cb->aio_buf, (size_t)b->nbytes) == b->want[r];
+}
+
+/* aio_loop.h's submit/reap loop over b's requests, each record verified as it lands. Returns
+ * 0, or the errno of a failed io_getevents (requests may still be in flight: the caller
+ * destroys ctx; the verdicts are then not to be read, and Batch.run says so). */
 static int batch_read(Batch *b, aio_context_t ctx, long window, xxh3_fn h)
 {
     Py_ssize_t n = b->nreq;
@@ -114,31 +134,25 @@ static int batch_read(Batch *b, aio_context_t ctx, long window, xxh3_fn h)
     }
     for (Py_ssize_t i = 0; i < n; i++)
         ptrs[i] = &b->cbs[i];
+    memset(b->ok, 0, (size_t)b->n);     /* a record not read (refused, failed) is bad */
+    verifier v = {b, h};
     int fatal = 0;
     Py_ssize_t nxt = 0;
-    while ((nxt = aio_loop(ctx, ptrs, n, nxt, window, b->res, b->n, ev, &fatal)) < n
-           && !fatal) {
+    while ((nxt = aio_loop(ctx, ptrs, n, nxt, window, b->res, b->n, ev, &fatal, verify_record,
+                           &v)) < n && !fatal) {
         /* The kernel's queue is full of others' requests: this one by hand. */
         struct iocb *cb = ptrs[nxt];
         ssize_t r = pread((int)cb->aio_fildes, (void *)(uintptr_t)cb->aio_buf,
                           (size_t)cb->aio_nbytes, (off_t)cb->aio_offset);
         b->res[cb->aio_data] = r < 0 ? -(int64_t)errno : r;
+        verify_record(&v, cb);
         nxt++;
     }
     free(ptrs);
     free(ev);
     if (!fatal)
         fatal = __atomic_exchange_n(&fail_next, 0, __ATOMIC_RELAXED);
-    if (fatal)
-        return fatal;
-    memset(b->ok, 0, (size_t)b->n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        struct iocb *cb = &b->cbs[i];
-        uint64_t r = cb->aio_data;
-        if (b->res[r] == b->nbytes)
-            b->ok[r] = h((const void *)(uintptr_t)cb->aio_buf, (size_t)b->nbytes) == b->want[r];
-    }
-    return 0;
+    return fatal;
 }
 
 static int get_array(PyObject *o, Py_buffer *v, Py_ssize_t n, const char *what)

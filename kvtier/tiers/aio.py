@@ -154,6 +154,26 @@ class Aio:
         cb["opcode"] = _PLAIN.get(opcode, opcode)
         return self._run_cbs(cb, window, lambda i, o: _sync_flat(cb[i], o, i))
 
+    def write_run(self, fd: int, offset: int, addrs: np.ndarray, nbytes: int, per: int,
+                  window: int | None = None) -> np.ndarray | None:
+        """Buffers of nbytes each at addrs (int64) written to fd from offset on, consecutive,
+        as PWRITEVs of ``per`` buffers (the last of the rest), all built and run in one C call
+        (_aio.c write_run). Returns the bytes each request wrote, or -errno; None where the C
+        module is not built (the caller uses run()). The caller keeps the buffers alive."""
+        if _native is None or not hasattr(_native, "write_run"):
+            return None
+        if not self._ctx.value:
+            raise OSError(errno.EBADF, "this AIO context is closed")
+        out = np.empty(-(-len(addrs) // per) if per > 0 else 0, dtype=np.int64)
+        window = max(1, min(window or self.depth, self.depth))
+        with self._lock:
+            try:
+                _native.write_run(self._ctx.value, window, fd, offset, addrs, nbytes, per, out)
+            except OSError:
+                self.close()                # as _loop: io_destroy waited for what was in flight
+                raise
+        return out
+
     def _run_cbs(self, cbs: np.ndarray, window: int | None,
                  sync_one: Callable[[int, np.ndarray], None]) -> np.ndarray:
         if not self._ctx.value:
@@ -275,6 +295,15 @@ class AioSet:
         aio = self._take()
         try:
             return aio.run_flat(opcode, fds, offsets, addrs, nbytes, window)
+        finally:
+            self._give(aio)
+
+    def write_run(self, fd: int, offset: int, addrs: np.ndarray, nbytes: int, per: int,
+                  window: int | None = None) -> np.ndarray | None:
+        """Aio.write_run on a free context of the set."""
+        aio = self._take()
+        try:
+            return aio.write_run(fd, offset, addrs, nbytes, per, window)
         finally:
             self._give(aio)
 

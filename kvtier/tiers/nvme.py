@@ -62,7 +62,13 @@ from kvtier.tiers.segfile import (  # noqa: F401 (re-exported: callers import th
     _truncate, _unpack_header, data_start, round_up)
 
 IOV_MAX = 1024
-SPARES = 1                         # reclaimed files kept per namespace for the next segment
+# Reclaimed files kept per namespace for the next segments (remove()). A compaction empties
+# several segments at once, and each one past the spares was unlinked inside the put that ran
+# it: ~11 ms a 64 MiB file on the dev VM's ext4 (mounted with discard), 7-8 ms of a reclaim's
+# ~30 in the randrw fio jobs (issue 17, fio10). Kept, it is a rename, and the next segments'
+# appends overwrite written blocks. Their bytes count as used (total_bytes), as room for the
+# next segments (bytes_for); compaction's fill test leaves them out (coherence.space).
+SPARES = 4
 _BORN = itertools.count(1)         # creation order of segments, all namespaces (oldest first)
 
 
@@ -266,6 +272,10 @@ class SegmentLog:
         return sum(max(s.size, s.file_bytes) for s in
                    (*self.segments.values(), *self.doomed.values(), *self.spares))
 
+    def spare_bytes(self) -> int:
+        """The spare files' bytes (in total_bytes): room the next segments take over."""
+        return sum(s.file_bytes for s in self.spares)
+
     def bytes_for(self, n: int) -> int:
         """Disk bytes that appending n records would add: the records, and the header of
         every segment they open."""
@@ -350,7 +360,9 @@ class SegmentLog:
                 bufs = [head[k * rec:(k + 1) * rec] for k in range(slots)]
                 h0 = buffer_address(head)
                 addrs = [h0 + k * rec for k in range(slots)] + at if direct_ok else None
-                bufs += chunk if direct_ok else self._stage(chunk)
+                # extend, not +=: with blocks a 2-D array, list += array is numpy's
+                # elementwise add (the headers added into the blocks), and the writes failed.
+                bufs.extend(chunk if direct_ok else self._stage(chunk))
                 try:
                     if self._aio is not None and seg.direct and len(bufs) > 1:
                         self._write_aio(seg, bufs, addrs)
@@ -393,8 +405,6 @@ class SegmentLog:
         """The chunk as up to 16 concurrent PWRITEVs of consecutive records (addrs: the
         buffers' addresses, where the caller has them)."""
         per = max(1, -(-len(bufs) // 16))
-        reqs = [(seg.fd, bufs[i: i + per], seg.size + i * self.record_bytes)
-                for i in range(0, len(bufs), per)]
         # Extend the file over the chunk first. ext4 runs an O_DIRECT write that extends i_size
         # synchronously inside io_submit (it must update the size on completion), so appends
         # past the end went one at a time: io_submit took 9.8 ms per 16 MiB and io_getevents
@@ -406,12 +416,30 @@ class SegmentLog:
                 os.ftruncate(seg.fd, seg.size + len(bufs) * self.record_bytes)  # recycled file
         except OSError as exc:
             raise StorageError(f"cannot extend {seg.path}: {exc.strerror}") from None
+        rec = self.record_bytes
+        if addrs is not None and all(len(b) == rec for b in bufs):
+            # The iocbs and iovecs built in C (tiers/_aio.c write_run): None where not built.
+            res = self._aio.write_run(seg.fd, seg.size, np.asarray(addrs, dtype=np.int64),
+                                      rec, per)
+            if res is not None:
+                want = np.full(res.size, per * rec, dtype=np.int64)
+                want[-1] = (len(bufs) - per * (res.size - 1)) * rec
+                bad = np.flatnonzero(res != want)
+                if bad.size:
+                    self._write_failed(seg, int(res[bad[0]]))
+                return
+        reqs = [(seg.fd, bufs[i: i + per], seg.size + i * rec) for i in range(0, len(bufs), per)]
         res = self._aio.run(IOCB_CMD_PWRITEV, reqs, addrs=addrs)
         for (_fd, b, _off), got in zip(reqs, res.tolist()):
             if got != sum(len(x) for x in b):
-                hint = "; free space or raise nvme_capacity" if got == -errno.ENOSPC else ""
-                raise StorageError(f"write to {seg.path} failed "
-                                   f"({os.strerror(-got) if got < 0 else 'short write'}){hint}")
+                self._write_failed(seg, got)
+
+    @staticmethod
+    def _write_failed(seg: Segment, got: int) -> None:
+        """A request of an append wrote got bytes (or -errno), not all it had: StorageError."""
+        hint = "; free space or raise nvme_capacity" if got == -errno.ENOSPC else ""
+        raise StorageError(f"write to {seg.path} failed "
+                           f"({os.strerror(-got) if got < 0 else 'short write'}){hint}")
 
     def _stage(self, chunk: Sequence[memoryview]) -> list[memoryview]:
         need = len(chunk) * self.record_bytes

@@ -26,9 +26,12 @@ segments in its table must stay pinned until it is done.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+import xxhash
 
 from kvtier import checksums
 from kvtier.tiers.segfile import ALIGN
@@ -41,6 +44,35 @@ except ImportError:            # not built (no C compiler at install): the Pytho
 if TYPE_CHECKING:
     from kvtier.tiers.nvme import SegmentLog
     from kvtier.tiers.segfile import Segment
+
+
+def _dispatching_xxh3() -> int | None:
+    """The address of libxxhash's XXH3_64bits_dispatch, which picks the CPU's widest vector
+    code (AVX2, AVX-512) at run time, where it hashes probes as python-xxhash does; else None.
+
+    Why (issue 17, fio10): kvtier.checksums takes XXH3_64bits, which in Debian's libxxhash is
+    its baseline SSE2 build: 16 x 64 KiB took 0.105-0.109 ms of CPU on the dev VM (AMD EPYC,
+    AVX-512), the dispatching entry 0.059-0.065, python-xxhash's own 0.069-0.078. The result
+    is the same function whatever the vector code (XXH3's output is fixed since 0.8.0); probes
+    across the size classes XXH3 treats apart (short, mid, long, stripes, blocks, a tail)
+    check it here before it is used."""
+    if checksums._fn is None:
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("xxhash") or "").XXH3_64bits_dispatch
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_uint64, (ctypes.c_void_p, ctypes.c_size_t)
+    probe = np.random.default_rng(17).integers(0, 256, 65536 + 61, dtype=np.uint8).tobytes()
+    for size in (0, 3, 16, 128, 240, 1024, 4096, 65536, len(probe)):
+        if fn(probe[:size], size) != xxhash.xxh3_64_intdigest(probe[:size]):
+            return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+# The XXH3 the C read verifies records with (Batch.run's xxh3): the dispatching one where it
+# agrees, else the checked one kvtier.checksums hashes with.
+XXH3_READ: int | None = _dispatching_xxh3() or checksums._fn
 
 
 def available() -> bool:
@@ -76,7 +108,7 @@ def record_batch(log: SegmentLog, into: np.ndarray, rows: np.ndarray, segs: np.n
 def run_batch(log: SegmentLog, batch: Any) -> None:
     """Read batch on this thread, the GIL released for the whole read, on one of the log's
     AIO contexts. OSError when the read failed mid-way (that context is gone then)."""
-    log._aio_reads.run_native(lambda ctx, depth: batch.run(ctx, depth, checksums._fn))
+    log._aio_reads.run_native(lambda ctx, depth: batch.run(ctx, depth, XXH3_READ))
 
 
 def verdicts(log: SegmentLog, batch: Any) -> np.ndarray:
