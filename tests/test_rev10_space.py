@@ -1,0 +1,138 @@
+"""coherence.space's kept disk figure (fio7, session 34) taken while a segment file is between
+SegmentLog's counted sets (rev10, review of session 34's merges).
+
+capacity_now keeps (segment bytes + free disk bytes) from its last statvfs for DISK_CHECK_S
+and takes the free space as that figure less used_bytes() in between: right only if
+used_bytes() counts every segment file on disk at the moment of the statvfs. Two moments when
+it does not, each open while another thread may ask the disk:
+
+- a reclaimed segment whose last reader just ended (SegmentLog.unpin, an I/O thread, no
+  writer): taken out of ``doomed`` into ``_going`` before its file is closed and unlinked;
+  total_bytes() counts segments, doomed and spares, not ``_going``;
+- a spare being made the next segment (SegmentLog._new_segment, under the writer, inside an
+  append): popped from ``spares`` before two directory syncs, a header write and its
+  fdatasync, and only then put into ``segments``.
+
+Space.compaction_due() asks the disk without the writer (Flushes._finish_group calls it after
+every batch, beside the next group's append), and since session 34 its answer is kept for the
+writer's own make_room and fits too. A figure taken in either window is one segment low for
+DISK_CHECK_S: on a disk-limited tier every flush then reclaims, or refuses, a segment's worth
+that the disk holds. Before session 34 such a statvfs misled one compaction hint only.
+
+Real engines on a real 8 MiB tmpfs; one seam each, only to force the thread interleaving (the
+other thread's statvfs at that instant), which no single-threaded test can produce: the
+backend's close of the unpinned file, and the directory sync of _new_segment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.coherence import space
+from kvtier.coherence.engine import Engine
+from kvtier.config import make_settings
+from kvtier.tiers import nvme
+from tests.conftest import blocks, keys
+
+BB = 4096
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """A real 8 MiB tmpfs (root only, as test_faults' 3 MiB one): small enough that the disk,
+    not nvme_capacity, is the tier's size; large enough that a spare is not dropped for room."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs",
+                                           str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _engine(root: Path) -> Engine:
+    # A 64 MiB capacity on an 8 MiB file system: capacity_now is what the disk holds.
+    eng = Engine(make_settings({"data_dir": str(root / "data"), "host_capacity": "8MiB",
+                                "nvme_capacity": "64MiB", "segment_bytes": "1MiB",
+                                "write_policy": "write_through"}))
+    eng.create_namespace("m", BB)
+    for lo in range(0, 384, 64):                  # 1.5 MiB of records: three segments
+        eng.put("m", keys(range(lo, lo + 64)), blocks(64, BB, lo))
+    return eng
+
+
+def _kept_and_fresh(sp: space.Space) -> tuple[int, int]:
+    kept = sp.capacity_now()
+    sp.disk_changed()
+    return kept, sp.capacity_now()
+
+
+@pytest.mark.xfail(strict=True, reason="rev10: total_bytes() leaves out SegmentLog._going")
+def test_a_figure_taken_while_the_last_reader_deletes_its_segment_is_not_kept_low(
+        small_tmpfs: Path, monkeypatch):
+    monkeypatch.setattr(space, "DISK_CHECK_S", 3600.0)
+    eng = _engine(small_tmpfs)
+    ns, sp = eng.namespace("m"), eng.nvme.space
+    lg = ns.log
+    sid = min(lg.segments)
+    held = lg.pin(np.array([sid]))                # a get's read of it in flight
+    with eng.nvme.writer:
+        sp.reclaim(ns, lg.segments[sid], keep_all=True)
+    assert sid in lg.doomed                       # kept for its reader
+    fd, real_close = held[0].fd, lg.backend.close
+
+    def close(f: int) -> None:
+        if f == fd:                               # between _going and the unlink:
+            sp.disk_changed()                     # another thread's flush ends with the
+            sp.compaction_due()                   # unlocked hint, which asks the disk
+        real_close(f)
+    monkeypatch.setattr(lg.backend, "close", close)
+    lg.unpin(held)                                # the reader ends: the file is deleted
+    assert sid not in lg.doomed and not lg._going
+    kept, fresh = _kept_and_fresh(sp)
+    assert fresh - kept <= space.DISK_MARGIN      # on main: low by the segment, 1 MiB
+    eng.close(flush=False)
+
+
+@pytest.mark.xfail(strict=True, reason="rev10: _new_segment's spare is in no counted set "
+                   "during its syncs (total_bytes() does not take the log's lock)")
+def test_a_figure_taken_while_a_spare_becomes_the_next_segment_is_not_kept_low(
+        small_tmpfs: Path, monkeypatch):
+    monkeypatch.setattr(space, "DISK_CHECK_S", 3600.0)
+    eng = _engine(small_tmpfs)
+    ns, sp = eng.namespace("m"), eng.nvme.space
+    lg = ns.log
+    with eng.nvme.writer:
+        sp.reclaim(ns, lg.segments[min(lg.segments)], keep_all=True)
+    assert len(lg.spares) == 1                    # no reader: its file is kept as a spare
+    real_sync = nvme._sync_dir
+    asked: list[threading.Thread] = []
+
+    def hint() -> None:
+        sp.disk_changed()
+        sp.compaction_due()
+
+    def sync_dir(path: Path) -> None:
+        if not lg.spares and not asked:           # the spare popped, not yet a segment:
+            # the previous batch's thread ends with its unlocked hint. Waited for a while
+            # only: where total_bytes() waits for the segment to be made, it ends after.
+            asked.append(threading.Thread(target=hint))
+            asked[0].start()
+            asked[0].join(timeout=1.0)
+        real_sync(path)
+    monkeypatch.setattr(nvme, "_sync_dir", sync_dir)
+    before = len(lg.segments)
+    for lo in range(1000, 1000 + 4 * 64, 64):     # puts until the next segment opens
+        eng.put("m", keys(range(lo, lo + 64)), blocks(64, BB, lo))
+        if len(lg.segments) > before or not lg.spares:
+            break
+    assert asked and not lg.spares                # the spare is a segment now
+    asked[0].join()
+    kept, fresh = _kept_and_fresh(sp)
+    assert fresh - kept <= space.DISK_MARGIN      # on main: low by the spare, 1 MiB
+    eng.close(flush=False)
