@@ -42,28 +42,39 @@ from tests.conftest import blocks, keys
 BB = 4096
 
 
+
+
 @pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    """A real 8 MiB tmpfs (root only, as test_faults' 3 MiB one): small enough that the disk,
-    not nvme_capacity, is the tier's size; large enough that a spare is not dropped for room."""
+def disk(tmp_path: Path, request) -> Path:
+    """A real 8 MiB tmpfs (root only, as test_faults' 3 MiB one, where a spare is dropped for
+    room at once): small enough that the disk, not nvme_capacity, sizes the tier."""
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
-    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs",
-                                           str(mnt)], capture_output=True).returncode != 0:
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]
+    if os.getuid() != 0 or subprocess.run(cmd, capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(mnt)], check=False))
+    return mnt
 
 
-def _engine(root: Path) -> Engine:
+def _reclaimed(root: Path, monkeypatch, held_by_a_reader: bool):
+    """An engine whose first segment was just reclaimed, the kept figure never refreshed by
+    time: (engine, namespace, space, log, the reader's pins or None)."""
+    monkeypatch.setattr(space, "DISK_CHECK_S", 3600.0)
     # A 64 MiB capacity on an 8 MiB file system: capacity_now is what the disk holds.
     eng = Engine(make_settings({"data_dir": str(root / "data"), "host_capacity": "8MiB",
                                 "nvme_capacity": "64MiB", "segment_bytes": "1MiB",
                                 "write_policy": "write_through"}))
     eng.create_namespace("m", BB)
-    for lo in range(0, 384, 64):                  # 1.5 MiB of records: three segments
+    for lo in range(0, 384, 64):                  # 1.5 MiB of records: two segments
         eng.put("m", keys(range(lo, lo + 64)), blocks(64, BB, lo))
-    return eng
+    ns, sp = eng.namespace("m"), eng.nvme.space
+    lg = ns.log
+    sid = min(lg.segments)
+    held = lg.pin(np.array([sid])) if held_by_a_reader else None   # a get's read in flight
+    with eng.nvme.writer:
+        sp.reclaim(ns, lg.segments[sid], keep_all=True)
+    return eng, ns, sp, lg, held
 
 
 def _kept_and_fresh(sp: space.Space) -> tuple[int, int]:
@@ -74,15 +85,9 @@ def _kept_and_fresh(sp: space.Space) -> tuple[int, int]:
 
 @pytest.mark.xfail(strict=True, reason="rev10: total_bytes() leaves out SegmentLog._going")
 def test_a_figure_taken_while_the_last_reader_deletes_its_segment_is_not_kept_low(
-        small_tmpfs: Path, monkeypatch):
-    monkeypatch.setattr(space, "DISK_CHECK_S", 3600.0)
-    eng = _engine(small_tmpfs)
-    ns, sp = eng.namespace("m"), eng.nvme.space
-    lg = ns.log
-    sid = min(lg.segments)
-    held = lg.pin(np.array([sid]))                # a get's read of it in flight
-    with eng.nvme.writer:
-        sp.reclaim(ns, lg.segments[sid], keep_all=True)
+        disk: Path, monkeypatch):
+    eng, ns, sp, lg, held = _reclaimed(disk, monkeypatch, held_by_a_reader=True)
+    sid = held[0].seg_id
     assert sid in lg.doomed                       # kept for its reader
     fd, real_close = held[0].fd, lg.backend.close
 
@@ -102,13 +107,8 @@ def test_a_figure_taken_while_the_last_reader_deletes_its_segment_is_not_kept_lo
 @pytest.mark.xfail(strict=True, reason="rev10: _new_segment's spare is in no counted set "
                    "during its syncs (total_bytes() does not take the log's lock)")
 def test_a_figure_taken_while_a_spare_becomes_the_next_segment_is_not_kept_low(
-        small_tmpfs: Path, monkeypatch):
-    monkeypatch.setattr(space, "DISK_CHECK_S", 3600.0)
-    eng = _engine(small_tmpfs)
-    ns, sp = eng.namespace("m"), eng.nvme.space
-    lg = ns.log
-    with eng.nvme.writer:
-        sp.reclaim(ns, lg.segments[min(lg.segments)], keep_all=True)
+        disk: Path, monkeypatch):
+    eng, ns, sp, lg, _ = _reclaimed(disk, monkeypatch, held_by_a_reader=False)
     assert len(lg.spares) == 1                    # no reader: its file is kept as a spare
     real_sync = nvme._sync_dir
     asked: list[threading.Thread] = []
@@ -127,8 +127,8 @@ def test_a_figure_taken_while_a_spare_becomes_the_next_segment_is_not_kept_low(
         real_sync(path)
     monkeypatch.setattr(nvme, "_sync_dir", sync_dir)
     before = len(lg.segments)
-    for lo in range(1000, 1000 + 4 * 64, 64):     # puts until the next segment opens
-        eng.put("m", keys(range(lo, lo + 64)), blocks(64, BB, lo))
+    for lo in range(1000, 1000 + 8 * 32, 32):     # puts until the next segment opens
+        eng.put("m", keys(range(lo, lo + 32)), blocks(32, BB, lo))
         if len(lg.segments) > before or not lg.spares:
             break
     assert asked and not lg.spares                # the spare is a segment now
