@@ -105,7 +105,7 @@ def test_a_figure_taken_while_the_last_reader_deletes_its_segment_is_not_kept_lo
 
 
 @pytest.mark.xfail(strict=True, reason="rev10: _new_segment's spare is in no counted set "
-                   "during its syncs (total_bytes() does not take the log's lock)")
+                   "during its syncs, and compaction_due()'s unlocked statvfs is kept")
 def test_a_figure_taken_while_a_spare_becomes_the_next_segment_is_not_kept_low(
         disk: Path, monkeypatch):
     eng, ns, sp, lg, _ = _reclaimed(disk, monkeypatch, held_by_a_reader=False)
@@ -120,7 +120,7 @@ def test_a_figure_taken_while_a_spare_becomes_the_next_segment_is_not_kept_low(
     def sync_dir(path: Path) -> None:
         if not lg.spares and not asked:           # the spare popped, not yet a segment:
             # the previous batch's thread ends with its unlocked hint. Waited for a while
-            # only: where total_bytes() waits for the segment to be made, it ends after.
+            # only: a fix that makes it wait for the segment (the log's lock) ends it after.
             asked.append(threading.Thread(target=hint))
             asked[0].start()
             asked[0].join(timeout=1.0)
