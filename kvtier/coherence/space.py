@@ -143,7 +143,7 @@ class Space:
         self._disk: tuple[float, int] | None = None
         self._buf: mmap.mmap | None = None   # reclaim's read buffer, kept: see _read_buffer
 
-    def capacity_now(self, used: int | None = None) -> int:
+    def capacity_now(self, used: int | None = None, keep: bool = True) -> int:
         """nvme_capacity, or less when the file system under the data directory has less
         room than that (other files, a small disk): what the segments hold plus what the disk
         has free, less a margin for LMDB. The headroom is taken from this, so that it is
@@ -164,7 +164,8 @@ class Space:
                 free = shutil.disk_usage(self.root).free
             except OSError:
                 return self.store.capacity
-            self._disk = (now, used + free)
+            if keep:            # only with the writer held: no segment is being made then
+                self._disk = (now, used + free)
         else:
             free = self._disk[1] - used
         real = used + max(free - DISK_MARGIN, 0)
@@ -247,7 +248,8 @@ class Space:
         segments take over (tiers.nvme.SPARES), not data that compacting could free."""
         used = self.store.used_bytes()
         spare = sum(lg.spare_bytes() for lg in self.store.logs())
-        return used - spare >= COMPACT_ABOVE * self.capacity_now(used)
+        # Not kept: this statvfs runs beside the next group's append (rev10).
+        return used - spare >= COMPACT_ABOVE * self.capacity_now(used, keep=False)
 
     def compact(self, ns: "Namespace") -> None:
         """After a flush: reclaim the sealed segments below compact_threshold (writer held);

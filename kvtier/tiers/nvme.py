@@ -269,8 +269,12 @@ class SegmentLog:
     def total_bytes(self) -> int:
         """Bytes of the segment files, as on disk (no space is allocated beyond their length),
         reclaimed segments that readers still hold and spare files included."""
+        # _going first: a segment enters it only after leaving segments or doomed (both
+        # under _lock, read here without it), so it is never counted twice; counted until
+        # _delete's unlink, as the disk holds it until then (space.capacity_now, rev10).
         return sum(max(s.size, s.file_bytes) for s in
-                   (*self.segments.values(), *self.doomed.values(), *self.spares))
+                   (*self._going.values(), *self.doomed.values(), *self.segments.values(),
+                    *self.spares))
 
     def spare_bytes(self) -> int:
         """The spare files' bytes (in total_bytes): room the next segments take over."""
@@ -395,9 +399,15 @@ class SegmentLog:
         """fdatasync the segments a write() went to: its records (and every record written
         to them before this call) are then durable. Raises StorageError."""
         for seg in touched:
+            # After a failed fdatasync the kernel does not write those pages again: a later
+            # sync's success covers only later pages, and a replay stops at the hole (rev10).
+            if seg.sync_failed:
+                raise StorageError(f"an earlier fdatasync of {seg.path} failed: the batches "
+                                   "after it are not durable")
             try:
                 self.backend.sync(seg.fd)
             except OSError as exc:
+                seg.sync_failed = seg.full = True
                 raise StorageError(f"fdatasync of {seg.path} failed: {exc.strerror}") from None
 
     def _write_aio(self, seg: Segment, bufs: Sequence[memoryview],

@@ -53,6 +53,7 @@ class Segment:
     nonce: int = 0         # random per life of the file, in every batch header (batchlog)
     recycled: bool = False  # a reclaimed segment's file: old bytes lie past ``size``
     file_bytes: int = 0    # the file's length on disk (above size in a recycled file)
+    sync_failed: bool = False   # an fdatasync failed: what was written since may be lost
 
     def holds(self, offset: int, record_bytes: int) -> bool:
         """True when a whole record at file offset ``offset`` lies inside what was written."""
