@@ -2,7 +2,7 @@
 # Session 35's device call: on the merged head (this tree: put credits, fio10) against the
 # session's base 6405c3b (.gpu-base): pytest -m gpu; bench/gpu.py's 64 / 16 KiB rows with and
 # without credits in one process (variant no_credits); fio10's paired kvtier bench --compare
-# (bench/results/s35-fio10-h200-run.sh); bench/stall.py base then head. fio carried in .gpu-fio.
+# (bench/results/s35-fio10-h200-run.sh), one round. fio carried in .gpu-fio.
 set -u
 T0=$(date +%s); el() { echo "$1 at $(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; cat /proc/loadavg
@@ -25,10 +25,5 @@ import json,sys;d=json.load(open(sys.argv[1]))
 print({k: d.get(k) for k in ('ratio_onboard_gbps_64k','ratio_offload_gbps_64k','ratio_onboard_gbps_16k','ratio_offload_gbps_16k','pinned_h2d_gbps','pinned_d2h_gbps')})
 for t in ('64k','16k'): print('  no_credits', t, d.get('variants_'+t, {}).get('no_credits'))" $OUT/gpu-rows.json | tee $OUT/gpu-rows.txt
 el gpu
-BASE=$PWD/.gpu-base HEAD=$PWD DIR=$D K=150 LOCAL=1 bash bench/results/s35-fio10-h200-run.sh 2>&1 | tail -22
+BASE=$PWD/.gpu-base HEAD=$PWD DIR=$D K=100 LOCAL=1 ROUNDS=1 bash bench/results/s35-fio10-h200-run.sh 2>&1 | tail -22
 el fio
-for t in base head; do T=$PWD; [ $t = base ] && T=$PWD/.gpu-base
-  (cd $T && PYTHONPATH=/tmp/site:$T timeout 70 python3 bench/stall.py --json > /tmp/stall.json 2>/dev/null)
-  python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[2], d['worst_p99_ratio'], [(r, c['alone_p99_us'], c['beside_p99_us'], c['p99_ratio']) for r, c in d['conditions'].items()])" /tmp/stall.json $t | tee -a $OUT/stall.txt
-  el stall-$t
-done
