@@ -164,7 +164,9 @@ class Gets:
                 held, p.plan.pins = p.plan.pins, []
                 try:
                     try:
-                        yield self._read_step(p, held)
+                        # The read's C batch is made in a step of its own, not in the
+                        # decide's slice (~25 us of it on the dev VM: stall10).
+                        yield (yield Step(True, partial(self._read_step, p, held)))
                         if p.batch is not None:     # the C read's verdicts (tiers.reads)
                             p.plan.ok = verdicts(p.ns.log, p.batch)
                     except BaseException:
@@ -174,7 +176,7 @@ class Gets:
                         res = yield Step(True, partial(self._finish_get, p, held))
                         yield Step(True, partial(self.release, res.lease_id, owner))
                         raise
-                    res = yield Step(True, partial(self._finish_get, p, held))
+                    res = yield from self._install_then_lease(p, held)
                 finally:
                     if held:                    # steps abandoned before their install
                         p.ns.log.unpin(held)
@@ -194,6 +196,35 @@ class Gets:
             # a block moved on under the read: again, once.
             yield Step(True, partial(self.release, res.lease_id, owner))
             attempt += 1
+
+    def _install_then_lease(self, p: "_PendingGet", held: list[Any]
+                            ) -> Generator[Step, Any, GetResult]:
+        """After p's NVMe read: the install, then the lease, as two locked steps (two slices
+        of the server's loop, with a poll between: each ~half of the one step they were,
+        issue 17's stall, stall10). Between them the get holds a pin on every slot it serves,
+        so nothing it installed can be evicted or reused; a rewrite in between is as one
+        right after the lease (the lease serves the version read, and counts no reader on a
+        row that moved on). Thrown in before either ran (a cancel: the step did not run),
+        the get's pins end in a locked step of their own (before, a cancel thrown in at the
+        install step left them pinned for good)."""
+        try:
+            yield Step(True, partial(self._finish_get, p, held, False))
+            return (yield Step(True, partial(self._lease_step, p)))
+        except GeneratorExit:
+            raise                       # closed, not driven: no step can run any more
+        except BaseException:
+            if not p.abandoned:
+                yield Step(True, partial(self._abandon, p))
+            raise
+
+    def _lease_step(self, p: "_PendingGet") -> GetResult:
+        """Under the lock: the lease of a get installed by _finish_get(lease=False); when it
+        raises, the get's pins end (as in _finish_get)."""
+        try:
+            return self._lease_get(p)
+        except BaseException:
+            self._abandon(p)
+            raise
 
     def _read_step(self, p: "_PendingGet", held: list[Any]) -> Step:
         """The NVMe read of p's plan, unlocked: the C read where it applies (one GIL-free
@@ -403,14 +434,16 @@ class Gets:
             self._abandon(p)
             raise
 
-    def _finish_get(self, p: "_PendingGet", held: list[Any] | None = None) -> GetResult:
+    def _finish_get(self, p: "_PendingGet", held: list[Any] | None = None,
+                    lease: bool = True) -> GetResult | None:
         """The rest of a get, under the lock: NVMe copies installed, repeats share their
-        slot, misses filled from the remote tier, and the lease. Versions and checksums are
-        the ones the copies were pinned at. held: the NVMe read's segment pins, ended here
-        (and emptied) after the install."""
+        slot, misses filled from the remote tier, and the lease (lease=False: not yet, None
+        returned; _lease_step makes it). Versions and checksums are the ones the copies
+        were pinned at. held: the NVMe read's segment pins, ended here (and emptied) after
+        the install."""
         if held:
             try:
-                return self._finish_get(p)
+                return self._finish_get(p, None, lease)
             finally:
                 segs, held[:] = list(held), []
                 p.ns.log.unpin(segs)
@@ -426,7 +459,7 @@ class Gets:
                 add_one(ns.slots[tier].leases, slots[src[found[src]]])
                 slots[p.repeats] = slots[src]
                 found[p.repeats] = found[src]
-            return self._lease_get(p)
+            return self._lease_get(p) if lease else None
         except BaseException:
             # No lease was made (it is _lease_get's last step): the get's pins end here, or
             # nobody would ever end them (from_remote raising, rev8; the install, fix9).
@@ -442,6 +475,9 @@ class Gets:
         install returned, the read's positions hold only what install_read put there (a
         copy another get installed meanwhile, pinned for this get), and the read's own
         slots (plan.dst) one pin each; Transfers.give_back undoes a partial install."""
+        if p.abandoned:
+            return                      # (its pins ended already)
+        p.abandoned = True
         ns, tier, found, slots = p.ns, p.tier, p.found, p.slots
         pinned = found & (slots >= 0)
         if p.plan is not None and not p.installed:
@@ -589,4 +625,5 @@ class _PendingGet:
     repeat_src: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     short: bool = False         # some bring-ups found no room
     installed: bool = False     # the plan's install returned (its slots are the rows' now)
+    abandoned: bool = False     # _abandon ended its pins (no lease will be made)
     batch: Any = None           # the plan's read as a tiers.reads Batch (None: run_read)
