@@ -1,0 +1,180 @@
+"""An NVMe get's install and lease as two locked steps, and the read's C batch made in a step of
+its own (issue 17's stall, stall10): each is a slice of the server's loop, with other requests
+answered between them. What runs between the install and the lease must not change what the
+get serves (the bytes of the version it read, with their checksum), and a get thrown out
+between any two of its steps (a cancel) must leave no pin, no lease and no slot taken."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier import checksums
+from kvtier.api.steps import StepRunner
+from kvtier.coherence.engine import Engine
+from kvtier.coherence.gets import advance
+from kvtier.config import make_settings
+from kvtier.types import Tier
+from tests.conftest import blocks, keys
+
+BB = 4096
+N = 8
+
+
+def _on_disk(tmp_path: Path) -> tuple[Engine, np.ndarray]:
+    """An engine whose namespace m holds N blocks, the first half resident in the host tier,
+    the rest on NVMe only (a get of all N reads half of them)."""
+    eng = Engine(make_settings({"data_dir": str(tmp_path), "host_capacity": "1MiB",
+                                "nvme_capacity": "16MiB"}))
+    eng.create_namespace("m", BB)
+    data = blocks(N, BB)
+    eng.put("m", keys(range(N)), data)
+    eng.flush()
+    eng.evict(Tier.HOST, N)
+    eng.read("m", keys(range(N // 2)))
+    return eng, data
+
+
+def _name(step) -> str:
+    return getattr(step.fn, "func", step.fn).__name__
+
+
+def _drive(eng: Engine, steps, between=None, throw_at: str | None = None):
+    """Run steps as the server's loop does (locked ones under the lock); between(name) after
+    each locked step; a CancelledError thrown in instead of running the step named throw_at
+    (once). The locked steps' names in order, and the result."""
+    names = []
+    step, out = advance(steps, None, None)
+    thrown = False
+    while step is not None:
+        if step.locked and _name(step) == throw_at and not thrown:
+            thrown = True
+            step, out = advance(steps, None, asyncio.CancelledError())
+            continue
+        if step.locked:
+            names.append(_name(step))
+            with eng.lock:
+                value = step.fn()
+            if between is not None:
+                between(names[-1])
+        else:
+            value = step.fn()
+        step, out = advance(steps, value, None)
+    return names, out
+
+
+def _nothing_held(eng: Engine, data: np.ndarray) -> None:
+    ns = eng.namespace("m")
+    st = ns.slots[Tier.HOST]
+    assert not eng.leases
+    assert int(np.asarray(st.leases).sum()) == 0
+    assert int(ns.table.cols["leases"][: ns.table.n_rows].sum()) == 0
+    assert sum(seg.readers for seg in ns.log.segments.values()) == 0
+    cols, n = ns.table.cols, ns.table.n_rows
+    rows = np.flatnonzero(cols["copy_ver"][:n, Tier.HOST] > 0)
+    # every slot is free, a row's copy, or retired: none was lost to the abandoned get
+    assert st.pool.free_count + rows.size + int(st.retired.sum()) == st.pool.n_slots
+    found, out = eng.read("m", keys(range(N)))
+    assert found.all() and (out == data).all()
+
+
+def test_an_nvme_gets_install_and_lease_are_two_steps_and_its_batch_one_of_its_own(tmp_path):
+    eng, data = _on_disk(tmp_path)
+    try:
+        names, res = _drive(eng, eng.get_steps("m", keys(range(N)), 0))
+        assert names == ["_room_for_get", "_get_decide", "_read_step", "_finish_get",
+                         "_lease_step"]
+        pool = eng.namespace("m").slots[Tier.HOST].pool
+        assert res.found.all() and (pool.read(res.slots) == data).all()
+        eng.release(res.lease_id)
+        _nothing_held(eng, data)
+    finally:
+        eng.close(flush=False)
+
+
+def test_what_runs_between_the_install_and_the_lease_never_changes_what_is_served(tmp_path):
+    # Between the two steps: a rewrite of a block read (a put lands a new version in the
+    # host tier), another get of the same blocks, and an eviction of everything evictable.
+    # The get serves the bytes of the version it read, with that version's checksum; the
+    # rewritten row counts no reader of the old version; nothing it serves was evicted.
+    eng, data = _on_disk(tmp_path)
+    new = blocks(1, BB, 7)
+    try:
+        def between(name: str) -> None:
+            if name != "_finish_get":
+                return
+            eng.put("m", keys([N - 1]), new)
+            other = eng.get("m", keys(range(N)))
+            eng.release(other.lease_id)
+            eng.evict(Tier.HOST, 4 * N)
+
+        _, res = _drive(eng, eng.get_steps("m", keys(range(N)), 0), between)
+        ns = eng.namespace("m")
+        assert res.found.all()
+        got = ns.slots[Tier.HOST].pool.read(res.slots)
+        assert (got == data).all()                      # the version read, not the rewrite
+        assert res.checksums.tolist() == checksums.block_checksums(data).tolist()
+        rows = ns.table.lookup(keys(range(N)))
+        readers = ns.table.cols["leases"][rows]
+        assert readers[:-1].tolist() == [1] * (N - 1) and readers[-1] == 0
+        eng.release(res.lease_id)
+        found, out = eng.read("m", keys(range(N)))
+        assert found.all() and (out[:-1] == data[:-1]).all() and (out[-1] == new[0]).all()
+    finally:
+        eng.close(flush=False)
+
+
+@pytest.mark.parametrize("at", ["_read_step", "_finish_get", "_lease_step"])
+def test_a_get_thrown_out_before_any_step_after_its_decide_holds_nothing(tmp_path, at):
+    # The driver throws a CancelledError in instead of running the step (the server's loop
+    # does so for a get whose awaiting task was cancelled). Before stall10 one thrown in at
+    # the install step left every slot the get had pinned pinned for good.
+    eng, data = _on_disk(tmp_path)
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            _drive(eng, eng.get_steps("m", keys(range(N)), 0), throw_at=at)
+        _nothing_held(eng, data)
+    finally:
+        eng.close(flush=False)
+
+
+@pytest.mark.parametrize("at", ["_finish_get", "_lease_step"])
+def test_a_get_cancelled_while_its_install_or_lease_is_queued_on_the_loop_holds_nothing(
+        tmp_path, at):
+    # The same through the loop's StepRunner: the get's task is cancelled while the step is
+    # queued behind another slice; the runner throws the cancel in at that step, and the
+    # get's pins end in a step of their own before the cancel reaches the task.
+    eng, data = _on_disk(tmp_path)
+    loop = asyncio.new_event_loop()
+    pool = ThreadPoolExecutor(2, thread_name_prefix="test-io")
+    try:
+        runner = StepRunner(eng.lock, lambda fn, *a: loop.run_in_executor(pool, fn, *a),
+                            lambda fn, *a: loop.run_in_executor(pool, fn, *a))
+        runner.use_read_threads = False              # the read on the pool: no C threads
+
+        async def scenario() -> None:
+            queued = asyncio.Event()
+            real = runner._push
+
+            def push(fn, kind, target):
+                real(fn, kind, target)
+                if getattr(fn, "func", None) is not None and fn.func.__name__ == at:
+                    queued.set()
+
+            runner._push = push
+            task = asyncio.ensure_future(runner.drive(eng.get_steps("m", keys(range(N)), 0)))
+            await queued.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        loop.run_until_complete(scenario())
+        _nothing_held(eng, data)
+    finally:
+        pool.shutdown()
+        loop.close()
+        eng.close(flush=False)
