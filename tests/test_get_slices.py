@@ -16,6 +16,7 @@ import pytest
 from kvtier import checksums
 from kvtier.api.steps import StepRunner
 from kvtier.coherence.engine import Engine
+from kvtier.coherence import gets
 from kvtier.coherence.gets import advance
 from kvtier.config import make_settings
 from kvtier.types import Tier
@@ -178,3 +179,113 @@ def test_a_get_cancelled_while_its_install_or_lease_is_queued_on_the_loop_holds_
         pool.shutdown()
         loop.close()
         eng.close(flush=False)
+
+
+# ---------------------------------------------------------------- read_shares (the shared install)
+
+needs_c = pytest.mark.skipif(gets._read_shares is None, reason="kvtier.coherence._gets not built")
+
+
+def _numpy_shares(version, copy_ver, key, n_rows, tier, ok, rows, keys, versions):
+    """What read_shares must answer, by numpy: -1 unless every record is installable as read
+    (ok, its row in the table at the version read > 0, holding its key), else (k, have)."""
+    inside = (rows >= 0) & (rows < n_rows)
+    if not (ok.all() and inside.all()):
+        return -1, None
+    v = version[rows]
+    if not ((v > 0) & (v == versions) & (key[rows] == keys)).all():
+        return -1, None
+    have = copy_ver[rows, tier] == v
+    return int(have.sum()), have
+
+
+@needs_c
+def test_read_shares_answers_what_numpy_answers_on_random_tables():
+    rng = np.random.default_rng(10)
+    answers = {"refused": 0, "none shared": 0, "some shared": 0}
+    for _ in range(400):
+        n, nt = int(rng.integers(1, 12)), 4
+        m = int(rng.integers(0, n + 1))
+        version = rng.integers(0, 3, n).astype(np.uint64)
+        copy_ver = np.where(rng.random((n, nt)) < 0.3, version[:, None], 0).astype(np.uint64)
+        key = rng.integers(0, 2, (n, 16), dtype=np.uint8).view("V16").ravel()
+        rows = rng.permutation(n)[:m].astype(np.int64)
+        if m and rng.random() < 0.1:
+            rows[0] = n                                  # a row past the table
+        safe = np.minimum(rows, n - 1)
+        ok = rng.random(m) < 0.95
+        keys = key[safe].copy()
+        versions = version[safe].copy()
+        if m and rng.random() < 0.2:
+            versions[-1] += 1                            # moved on while read
+        tier = int(rng.integers(0, nt))
+        have = np.full(m, True)
+        k = gets._read_shares(version, copy_ver, key, n, tier, ok, rows, keys, versions, have)
+        want_k, want_have = _numpy_shares(version, copy_ver, key, n, tier, ok, rows, keys,
+                                          versions)
+        assert k == want_k
+        if k < 0:
+            assert have.all()                            # nothing written when refused
+            answers["refused"] += 1
+        else:
+            assert (have == want_have).all()
+            answers["some shared" if k else "none shared"] += 1
+        # read_installable says yes exactly when nothing is refused and nothing shared
+        assert gets._read_installable(version, copy_ver, key, n, tier, ok, rows, keys,
+                                      versions) == (k == 0)
+    assert min(answers.values()) > 30, answers
+
+
+@needs_c
+def test_read_shares_refuses_bad_input_before_any_write():
+    n = 4
+    version = np.array([1, 2, 3, 0], dtype=np.uint64)
+    copy_ver = np.zeros((n, 4), dtype=np.uint64)
+    key = np.arange(n * 16, dtype=np.uint8).view("V16")
+    ok = np.ones(2, dtype=bool)
+    rows = np.array([0, 1], dtype=np.int64)
+    args = (version, copy_ver, key, n, int(Tier.HOST), ok, rows, key[rows].copy(),
+            version[rows].copy())
+    have = np.zeros(2, dtype=bool)
+    assert gets._read_shares(*args, have) == 0
+    copy_ver[1, Tier.HOST] = 2
+    assert gets._read_shares(*args, have) == 1 and have.tolist() == [False, True]
+    for bad, match in (((version, copy_ver, key, n + 1) + args[4:], "shorter than n_rows"),
+                       (args[:4] + (9,) + args[5:], "tier is past"),
+                       (args[:5] + (ok[:1],) + args[6:], "differ in length")):
+        with pytest.raises(ValueError, match=match):
+            gets._read_shares(*bad, np.zeros(2, dtype=bool))
+    with pytest.raises(ValueError, match="out_have is shorter"):
+        gets._read_shares(*args, np.zeros(1, dtype=bool))
+    with pytest.raises(TypeError, match="10 arguments"):
+        gets._read_shares(*args)
+    read_only = np.zeros(2, dtype=bool)
+    read_only.setflags(write=False)
+    with pytest.raises((ValueError, TypeError, BufferError)):
+        gets._read_shares(*args, read_only)
+
+
+@needs_c
+@pytest.mark.parametrize("hbm", [False, True], ids=["host", "hbm-above"])
+@pytest.mark.parametrize("seed", [5, 6])
+def test_the_shared_install_leaves_the_state_the_general_install_leaves(
+        tmp_path: Path, hbm: bool, seed: int, monkeypatch):
+    # test_gets' interleavings (a rewrite between a read and its install, another get's
+    # install of the same blocks, a failed verdict), with read_shares and without it (its
+    # installs then take finish_read and install_read): the same state after every step.
+    from tests import test_gets
+
+    told: list[int] = []
+    real = gets._read_shares
+
+    def spy(*a):
+        told.append(real(*a))
+        return told[-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(gets, "_read_shares", spy)
+        with_shares = test_gets._state_after_interleaved_gets(tmp_path / "c", seed, hbm)
+    assert sum(k > 0 for k in told) > 5 and -1 in told, told
+    with monkeypatch.context() as m:
+        m.setattr(gets, "_read_shares", None)
+        assert test_gets._state_after_interleaved_gets(tmp_path / "g", seed, hbm) == with_shares

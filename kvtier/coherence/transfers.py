@@ -200,12 +200,20 @@ class Transfers:
         """Under the lock, after plan was read: install the copies that are still wanted into
         batch positions pos, pinned. A copy that another get installed meanwhile is shared
         (ours goes back); one whose block moved on is a miss."""
+        self.install_valid(plan, tier, pos, slots, found, self.nvme.finish_read(plan))
+
+    def install_valid(self, plan: ReadPlan, tier: Tier, pos: np.ndarray, slots: np.ndarray,
+                      found: np.ndarray, valid: np.ndarray, have: np.ndarray | None = None
+                      ) -> None:
+        """install_read once its records' verdicts are known: valid, those that may be
+        installed (finish_read's), and have, those of them whose copy in tier is current
+        already (another get installed it first: shared, ours goes back); None: told here."""
         ns = plan.ns
         cols = ns.table.cols
         st = ns.slots[tier]
-        valid = self.nvme.finish_read(plan)
         r, dst = plan.rows, plan.dst.astype(np.int64)
-        have = valid & (cols["copy_ver"][r, tier] == cols["version"][r])
+        if have is None:
+            have = valid & (cols["copy_ver"][r, tier] == cols["version"][r])
         fresh = valid & ~have
         if fresh.all():                 # the usual case: every copy read is installed
             self.slots.set_copy(ns, r, tier, dst, cols["version"][r])
