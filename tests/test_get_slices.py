@@ -289,3 +289,72 @@ def test_the_shared_install_leaves_the_state_the_general_install_leaves(
     with monkeypatch.context() as m:
         m.setattr(gets, "_read_shares", None)
         assert test_gets._state_after_interleaved_gets(tmp_path / "g", seed, hbm) == with_shares
+
+
+@needs_c
+def test_a_read_another_get_installed_first_is_shared_pinned_once_per_lease(tmp_path, monkeypatch):
+    # Gets A and B of the same NVMe blocks, both decided (both plan a read) before either
+    # installs: A installs, then B's install finds every copy current already and shares them
+    # (read_shares, install_shared). While both leases are held each served slot holds two
+    # pins, B's own read slots are free again, and an eviction of everything takes none of
+    # the served blocks; after both releases nothing is pinned.
+    from kvtier.coherence import transfers
+
+    eng, data = _on_disk(tmp_path)
+    shared: list[int] = []
+    real = transfers.Transfers.install_shared
+
+    def spy(self, plan, tier, pos, slots, have):
+        shared.append(int(have.sum()))
+        return real(self, plan, tier, pos, slots, have)
+
+    monkeypatch.setattr(transfers.Transfers, "install_shared", spy)
+    try:
+        ns = eng.namespace("m")
+        st = ns.slots[Tier.HOST]
+        ids = list(range(N // 2, N))                     # on NVMe only
+        a = eng.get_steps("m", keys(ids), 0)
+        b = eng.get_steps("m", keys(ids), 0)
+        sa, _ = advance(a, None, None)
+        sb, _ = advance(b, None, None)
+
+        def run(gen, step, until):
+            while step is not None and not (step.locked and _name(step) == until):
+                if step.locked:
+                    with eng.lock:
+                        value = step.fn()
+                else:
+                    value = step.fn()
+                step, out = advance(gen, value, None)
+            return step
+
+        sa = run(a, sa, "_finish_get")                   # A read, its install next
+        sb = run(b, sb, "_finish_get")                   # B read too
+        free_before = st.pool.free_count
+        res_a = _finish(eng, a, sa)
+        res_b = _finish(eng, b, sb)
+        assert shared == [len(ids)]
+        assert res_b.slots.tolist() == res_a.slots.tolist()
+        assert st.leases[res_a.slots].tolist() == [2] * len(ids)
+        assert st.pool.free_count == free_before + len(ids)   # B's read slots went back
+        eng.evict(Tier.HOST, 4 * N)
+        assert (ns.slots[Tier.HOST].pool.read(res_b.slots) == data[ids]).all()
+        eng.release(res_a.lease_id)
+        assert st.leases[res_b.slots].tolist() == [1] * len(ids)
+        eng.release(res_b.lease_id)
+        _nothing_held(eng, data)
+    finally:
+        eng.close(flush=False)
+
+
+def _finish(eng: Engine, gen, step):
+    """Run gen's remaining steps; its GetResult."""
+    out = None
+    while step is not None:
+        if step.locked:
+            with eng.lock:
+                value = step.fn()
+        else:
+            value = step.fn()
+        step, out = advance(gen, value, None)
+    return out

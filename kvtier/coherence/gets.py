@@ -561,8 +561,7 @@ class Gets:
                 # batches): shared without finish_read's checks, which would all pass.
                 have = np.empty(plan.rows.size, dtype=bool)
                 if _read_shares(*args, have) > 0:
-                    self.transfers.install_valid(plan, tier, p.plan_pos, p.slots, p.found,
-                                                 np.ones(have.size, dtype=bool), have)
+                    self.transfers.install_shared(plan, tier, p.plan_pos, p.slots, have)
                     return
             self.transfers.install_read(plan, tier, p.plan_pos, p.rows, p.slots, p.found)
             return
