@@ -56,14 +56,11 @@ def _drive(eng: Engine, steps, between=None, throw_at: str | None = None):
             thrown = True
             step, out = advance(steps, None, asyncio.CancelledError())
             continue
+        value = _run_one(eng, step)
         if step.locked:
             names.append(_name(step))
-            with eng.lock:
-                value = step.fn()
             if between is not None:
                 between(names[-1])
-        else:
-            value = step.fn()
         step, out = advance(steps, value, None)
     return names, out
 
@@ -238,14 +235,12 @@ def test_read_shares_answers_what_numpy_answers_on_random_tables():
 
 @needs_c
 def test_read_shares_refuses_bad_input_before_any_write():
-    n = 4
-    version = np.array([1, 2, 3, 0], dtype=np.uint64)
-    copy_ver = np.zeros((n, 4), dtype=np.uint64)
+    n, rows = 4, np.arange(2, dtype=np.int64)
+    version, copy_ver = np.arange(1, n + 1, dtype=np.uint64), np.zeros((n, 4), np.uint64)
     key = np.arange(n * 16, dtype=np.uint8).view("V16")
     ok = np.ones(2, dtype=bool)
-    rows = np.array([0, 1], dtype=np.int64)
-    args = (version, copy_ver, key, n, int(Tier.HOST), ok, rows, key[rows].copy(),
-            version[rows].copy())
+    args = (version, copy_ver, key, n, int(Tier.HOST), ok, rows, key[:2].copy(),
+            version[:2].copy())
     have = np.zeros(2, dtype=bool)
     assert gets._read_shares(*args, have) == 0
     copy_ver[1, Tier.HOST] = 2
@@ -318,21 +313,11 @@ def test_a_read_another_get_installed_first_is_shared_pinned_once_per_lease(tmp_
         sa, _ = advance(a, None, None)
         sb, _ = advance(b, None, None)
 
-        def run(gen, step, until):
-            while step is not None and not (step.locked and _name(step) == until):
-                if step.locked:
-                    with eng.lock:
-                        value = step.fn()
-                else:
-                    value = step.fn()
-                step, out = advance(gen, value, None)
-            return step
-
-        sa = run(a, sa, "_finish_get")                   # A read, its install next
-        sb = run(b, sb, "_finish_get")                   # B read too
+        sa, _ = _run_until(eng, a, sa, "_finish_get")    # A read, its install next
+        sb, _ = _run_until(eng, b, sb, "_finish_get")    # B read too
         free_before = st.pool.free_count
-        res_a = _finish(eng, a, sa)
-        res_b = _finish(eng, b, sb)
+        res_a = _run_until(eng, a, sa)[1]
+        res_b = _run_until(eng, b, sb)[1]
         assert shared == [len(ids)]
         assert res_b.slots.tolist() == res_a.slots.tolist()
         assert st.leases[res_a.slots].tolist() == [2] * len(ids)
@@ -347,14 +332,18 @@ def test_a_read_another_get_installed_first_is_shared_pinned_once_per_lease(tmp_
         eng.close(flush=False)
 
 
-def _finish(eng: Engine, gen, step):
-    """Run gen's remaining steps; its GetResult."""
+def _run_one(eng: Engine, step):
+    """One step's value: a locked one under the engine lock."""
+    if not step.locked:
+        return step.fn()
+    with eng.lock:
+        return step.fn()
+
+
+def _run_until(eng: Engine, gen, step, until: str | None = None):
+    """Run gen from step up to its locked step named until (not run), or to its end: (that
+    step or None, the result)."""
     out = None
-    while step is not None:
-        if step.locked:
-            with eng.lock:
-                value = step.fn()
-        else:
-            value = step.fn()
-        step, out = advance(gen, value, None)
-    return out
+    while step is not None and not (step.locked and _name(step) == until):
+        step, out = advance(gen, _run_one(eng, step), None)
+    return step, out
