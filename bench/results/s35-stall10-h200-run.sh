@@ -12,7 +12,10 @@
 # Each part stops being started once 200 s have passed (the call's limit is 240).
 # Usage, from the repository root of the device's copy:
 #     bash .gpu-stall10/bench/results/s35-stall10-h200-run.sh
-# (HEAD=... BASE=... to name other copies; OUT must be set, as the device sets it.)
+# (HEAD=... BASE=... to name other copies, relative to $PWD; OUT must be set, as the device sets
+# it. STALL_ARGS, TRACE_ARGS, STEPS_ARGS: extra arguments, for a smoke run, e.g. STALL_ARGS=
+# "--readers 1 --cold-blocks 256 --batch 16 --host-capacity 8MiB --samples 50", TRACE_ARGS the
+# same with --readers 8, STEPS_ARGS="--cold-blocks 512 --host-capacity 8MiB --gets 20".)
 set -u
 T0=$(date +%s); H=$PWD/${HEAD:-.gpu-stall10}; B=$PWD/${BASE:-.gpu-base}; PY=${PY:-python3}
 LOG=$OUT/log.txt
@@ -32,7 +35,7 @@ wait
 el built; nproc | tee -a "$LOG"; tee -a "$LOG" < /proc/loadavg
 stall() {
   left || { echo "stall $2 skipped" | tee -a "$LOG"; return; }
-  timeout 30 bash -c "cd $1 && PYTHONPATH=/tmp/site:$1 $PY bench/stall.py --json" > /tmp/stall-$2.json 2>/dev/null
+  timeout 30 bash -c "cd $1 && PYTHONPATH=/tmp/site:$1 $PY bench/stall.py --json ${STALL_ARGS:-}" > /tmp/stall-$2.json 2>/dev/null
   $PY - /tmp/stall-$2.json "$2" "$OUT/stall.jsonl" <<'PY' | tee -a "$LOG"
 import json, sys
 text = open(sys.argv[1]).read()
@@ -53,7 +56,7 @@ PARTS="$PARTS,kvtier.coherence.transfers:Transfers.install_valid,kvtier.coherenc
 PARTS="$PARTS,kvtier.coherence.gets:Gets._split_native,kvtier.coherence.transfers:Transfers.bring_up"
 for t in head base; do T=$B; P=""; [ $t = head ] && T=$H && P="--parts $PARTS"
   left 215 || { echo "trace $t skipped" | tee -a "$LOG"; continue; }
-  timeout 22 bash -c "cd $T && PYTHONPATH=/tmp/site:$T $PY bench/stall_trace.py --readers 8 --no-gc $P --json" > /tmp/trace-$t.json 2>/dev/null
+  timeout 22 bash -c "cd $T && PYTHONPATH=/tmp/site:$T $PY bench/stall_trace.py --readers 8 --no-gc $P --json ${TRACE_ARGS:-}" > /tmp/trace-$t.json 2>/dev/null
   $PY - /tmp/trace-$t.json "$t" "$OUT/trace.jsonl" <<'PY' | tee -a "$LOG"
 import json, sys
 text = open(sys.argv[1]).read()
@@ -71,7 +74,7 @@ PY
   el "trace $t"
 done
 for t in head base; do T=$B; [ $t = head ] && T=$H
-  left 225 || { echo "steps $t skipped" | tee -a "$LOG"; continue; }
-  timeout 12 bash -c "cd $T && PYTHONPATH=/tmp/site:$T $PY bench/stall_steps.py --gets 300 --json" 2>/dev/null | grep "^{" | sed "s/^/steps-$t /" | tee -a "$LOG"
+  left 215 || { echo "steps $t skipped" | tee -a "$LOG"; continue; }
+  timeout 20 bash -c "cd $T && PYTHONPATH=/tmp/site:$T $PY bench/stall_steps.py --gets 300 --json ${STEPS_ARGS:-}" 2>/dev/null | grep "^{" | sed "s/^/steps-$t /" | tee -a "$LOG"
 done
 el done
