@@ -7,6 +7,7 @@ between any two of its steps (a cancel) must leave no pin, no lease and no slot 
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -80,12 +81,12 @@ def _nothing_held(eng: Engine, data: np.ndarray) -> None:
     assert found.all() and (out == data).all()
 
 
-def test_an_nvme_gets_install_and_lease_are_two_steps_and_its_batch_one_of_its_own(tmp_path):
+def test_an_nvme_gets_decide_bring_up_batch_install_and_lease_are_steps_of_their_own(tmp_path):
     eng, data = _on_disk(tmp_path)
     try:
         names, res = _drive(eng, eng.get_steps("m", keys(range(N)), 0))
-        assert names == ["_room_for_get", "_get_decide", "_read_step", "_finish_get",
-                         "_lease_step"]
+        assert names == ["_room_for_get", "_get_decide", "_bring_up_step", "_read_step",
+                         "_finish_get", "_lease_step"]
         pool = eng.namespace("m").slots[Tier.HOST].pool
         assert res.found.all() and (pool.read(res.slots) == data).all()
         eng.release(res.lease_id)
@@ -126,7 +127,62 @@ def test_what_runs_between_the_install_and_the_lease_never_changes_what_is_serve
         eng.close(flush=False)
 
 
-@pytest.mark.parametrize("at", ["_read_step", "_finish_get", "_lease_step"])
+@pytest.mark.parametrize("what", ["rewrite", "delete", "installed"])
+def test_what_runs_between_the_decide_and_its_bring_up_is_decided_again(tmp_path, what,
+                                                                         monkeypatch):
+    # Between the decide (which pinned the resident half and left the bring-ups of the rest
+    # to the next step) and the bring-up: one block to bring up is rewritten (its new version
+    # in the host tier), deleted, or installed by another get. The bring-up step sees it and
+    # decides the whole get again: the get serves what is current then, nothing it pinned
+    # before stays pinned, and the rows' reader counts are its lease's only.
+    eng, data = _on_disk(tmp_path)
+    new = blocks(1, BB, 7)
+    decides = []
+    real = eng.gets._get_decide
+
+    @functools.wraps(real)
+    def counted(*a):
+        if a[1] == keys(range(N)):             # this get's (not the other get's, between)
+            decides.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(eng.gets, "_get_decide", counted)
+    try:
+        def between(name: str) -> None:
+            if name != "_get_decide":
+                return
+            if what == "rewrite":
+                eng.put("m", keys([N - 1]), new)
+            elif what == "delete":
+                assert eng.delete("m", keys([N - 1])) == 1
+            else:
+                other = eng.get("m", keys([N - 1]))
+                eng.release(other.lease_id)
+
+        names, res = _drive(eng, eng.get_steps("m", keys(range(N)), 0), between)
+        assert names.count("_get_decide") == 1 and "_bring_up_step" in names
+        assert len(decides) == 2                # the split's, then the whole one again
+        ns = eng.namespace("m")
+        pool = ns.slots[Tier.HOST].pool
+        want = data.copy()
+        if what == "rewrite":
+            want[-1] = new[0]
+        if what == "delete":
+            assert res.found.tolist() == [True] * (N - 1) + [False]
+        else:
+            assert res.found.all()
+        served = np.flatnonzero(res.found)
+        assert (pool.read(res.slots[served]) == want[served]).all()
+        assert res.checksums[served].tolist() == checksums.block_checksums(want[served]).tolist()
+        st = ns.slots[Tier.HOST]
+        assert int(np.asarray(st.leases).sum()) == served.size     # the lease's pins only
+        eng.release(res.lease_id)
+        assert int(np.asarray(st.leases).sum()) == 0 and not eng.leases
+    finally:
+        eng.close(flush=False)
+
+
+@pytest.mark.parametrize("at", ["_bring_up_step", "_read_step", "_finish_get", "_lease_step"])
 def test_a_get_thrown_out_before_any_step_after_its_decide_holds_nothing(tmp_path, at):
     # The driver throws a CancelledError in instead of running the step (the server's loop
     # does so for a get whose awaiting task was cancelled). Before stall10 one thrown in at
@@ -140,7 +196,7 @@ def test_a_get_thrown_out_before_any_step_after_its_decide_holds_nothing(tmp_pat
         eng.close(flush=False)
 
 
-@pytest.mark.parametrize("at", ["_finish_get", "_lease_step"])
+@pytest.mark.parametrize("at", ["_bring_up_step", "_finish_get", "_lease_step"])
 def test_a_get_cancelled_while_its_install_or_lease_is_queued_on_the_loop_holds_nothing(
         tmp_path, at):
     # The same through the loop's StepRunner: the get's task is cancelled while the step is

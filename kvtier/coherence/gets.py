@@ -153,7 +153,10 @@ class Gets:
             # finds the room made (or evicts again, if other gets took it meanwhile).
             if room_first:
                 yield Step(True, partial(self._room_for_get, namespace, keys, tier))
-            res, p = yield Step(True, partial(self._get_decide, namespace, keys, owner, tier))
+            res, p = yield Step(True, partial(self._get_decide, namespace, keys, owner, tier,
+                                              room_first))
+            if p is not None and p.todo is not None:    # its bring-ups: a step of their own
+                res, p = yield from self._bring_up_after(p, namespace, keys, owner, tier)
             if p is None:
                 return res
             raced = False
@@ -198,6 +201,43 @@ class Gets:
             # a block moved on under the read: again, once.
             yield Step(True, partial(self.release, res.lease_id, owner))
             attempt += 1
+
+    def _bring_up_after(self, p: "_PendingGet", namespace: str, keys: Any, owner: int,
+                        tier: Tier) -> Generator[Step, Any, Any]:
+        """The decide's bring-ups as a locked step of their own (stall10: the decide was the
+        longest slice of a reader's get; split here, each ~half). Thrown in before it ran (a
+        cancel), the pins of the copies the decide found end in a locked step."""
+        try:
+            return (yield Step(True, partial(self._bring_up_step, p, namespace, keys, owner,
+                                             tier)))
+        except GeneratorExit:
+            raise                       # closed, not driven: no step can run any more
+        except BaseException:
+            if not p.abandoned:
+                yield Step(True, partial(self._abandon, p))
+            raise
+
+    def _bring_up_step(self, p: "_PendingGet", namespace: str, keys: Any, owner: int,
+                       tier: Tier) -> "tuple[GetResult | None, _PendingGet | None]":
+        """Under the lock: the bring-ups of p.todo, which the decide's split left to this
+        step; _get_decide's answers. Other requests ran since the split: each position to
+        bring up must still be its key's row, at the version the split took, with no copy
+        current in tier (coherence/_gets.c read_installable, which writes nothing); else the
+        get's pins end and it is decided again, whole, here (a put, a delete or another
+        get's install of one of these blocks came between). The copies the split found are
+        pinned: nothing between could evict them."""
+        todo, p.todo = p.todo, None
+        ns = p.ns
+        cols = ns.table.cols
+        if self.namespaces.get(namespace) is not ns or not _read_installable(
+                cols["version"], cols["copy_ver"], cols["key"], ns.table.n_rows, int(tier),
+                np.ones(todo.size, dtype=bool), p.rows[todo], p.karr[todo], p.versions[todo]):
+            self._abandon(p)
+            return self._get_decide(namespace, keys, owner, tier)
+        self._bring_ups(p, todo, p.todo_repeats)
+        if p.plan is None:
+            return self._finish_get(p), p
+        return None, p
 
     def _install_then_lease(self, p: "_PendingGet", held: list[Any]
                             ) -> Generator[Step, Any, GetResult]:
@@ -269,15 +309,18 @@ class Gets:
         finally:
             self.owner.unpin_slots(ns, tier, keep)
 
-    def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier
-                    ) -> "tuple[GetResult | None, _PendingGet | None]":
+    def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier,
+                    split: bool = False) -> "tuple[GetResult | None, _PendingGet | None]":
         """Under the lock: (result, None) when nothing had to move; (result, pending) when
         it was finished here with copies from memory; (None, pending) when pending.plan
-        must be read from NVMe first."""
-        out = self._get(namespace, keys, owner, tier, io=True)
+        must be read from NVMe first. split: the bring-ups may be left to a step of their
+        own (_bring_up_step), pending.todo then naming them, pending.plan None."""
+        out = self._get(namespace, keys, owner, tier, io=True, split=split)
         if isinstance(out, GetResult):
             return out, None
         p = cast(_PendingGet, out)
+        if p.todo is not None:
+            return None, p
         if p.plan is None:
             return self._finish_get(p), p
         return None, p
@@ -321,7 +364,7 @@ class Gets:
         return bool((copy_ver[hit, Tier.HOST] == version[hit]).all())
 
     def _get(self, namespace: str, keys: Any, owner: int, tier: Tier,
-             io: bool) -> "GetResult | _PendingGet | None":
+             io: bool, split: bool = False) -> "GetResult | _PendingGet | None":
         ns = self.namespace(namespace)
         if tier not in ns.slots:
             raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
@@ -337,7 +380,7 @@ class Gets:
         if res is not None:
             return res
         if io and _split is not None:
-            return self._split_native(ns, karr, rows, owner, tier)
+            return self._split_native(ns, karr, rows, owner, tier, split)
         if not io:
             # try_get of a batch that must read the disk (an NVMe reader's, tried on the loop
             # before its steps: issue 17's stall): refused after one check, not after the
@@ -385,7 +428,7 @@ class Gets:
         return p
 
     def _split_native(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray, owner: int,
-                      tier: Tier) -> "_PendingGet":
+                      tier: Tier, split: bool = False) -> "_PendingGet":
         """_get's io path from lease_native's refusal on, its split in one C call
         (coherence/_gets.c: found, the ready copies pinned, the versions and checksums, the
         positions to bring up, whether they repeat): the same effects as the numpy path
@@ -405,7 +448,9 @@ class Gets:
                                   ns.table.n_rows, int(tier), found, slots, versions, sums, todo)
         self.counters.tiers[tier].hits += hits
         p = _PendingGet(ns, karr, rows, found, slots, tier, owner, versions, sums)
-        if k:
+        if k and split and _read_installable is not None:
+            p.todo, p.todo_repeats = todo[:k], repeats     # (_bring_up_step brings them up)
+        elif k:
             self._bring_ups(p, todo[:k], repeats)
         return p
 
@@ -635,4 +680,6 @@ class _PendingGet:
     short: bool = False         # some bring-ups found no room
     installed: bool = False     # the plan's install returned (its slots are the rows' now)
     abandoned: bool = False     # _abandon ended its pins (no lease will be made)
+    todo: np.ndarray | None = None  # positions the decide left to _bring_up_step
+    todo_repeats: bool = False      # (whether those repeat a row)
     batch: Any = None           # the plan's read as a tiers.reads Batch (None: run_read)
