@@ -1,10 +1,14 @@
 #!/bin/bash
 # stall10's one device call (issue 17's stall line): main's tree (BASE, default .gpu-base) and
-# this branch's (HEAD, default .gpu-stall10), each built in place, then
-# 1. bench/stall.py at its defaults, alternated base, head, head, base, base, head, head, base
-#    (four pairs, ~12 s a run on the H200 host), each run's JSON a line of $OUT/stall.jsonl and
-#    a summary line in $OUT/log.txt (worst ratio, load, per readers: alone p99, beside p50,
-#    beside p99, ratio);
+# this branch's (HEAD, default .gpu-stall10), each built in place, and "nosplit": a copy of
+# HEAD's kvtier, bench and tests with the last commit's split of the decide (its bring-ups in a
+# step of their own) taken out (bench/results/s35-stall10-bring-up-split.patch, reversed): on
+# the dev VM that split left the longest slice where it was and cost ~7% more loop CPU a get,
+# on the H200, whose decide is a larger share of a reader's loop work, it may not. Then
+# 1. bench/stall.py at its defaults, alternated base, head, nosplit, nosplit, head, base, base,
+#    head, nosplit (three rounds, ~12 s a run on the H200 host), each run's JSON a line of
+#    $OUT/stall.jsonl and a summary line in $OUT/log.txt (worst ratio, load, per readers:
+#    alone p99, beside p50, beside p99, ratio);
 # 2. bench/stall_trace.py --readers 8 --no-gc once per tree, head first, with this branch's
 #    tracer copied into the base tree (its hooks wrap methods both trees have), the install
 #    split by --parts (head only: the base has no install_valid);
@@ -31,6 +35,10 @@ cp "$H/bench/stall_trace_hooks/sitecustomize.py" "$B/bench/stall_trace_hooks/sit
 (cd "$H" && PYTHONPATH=/tmp/site $PY setup.py -q build_ext --inplace 2>&1 | grep -i error | tail -3) &
 (cd "$B" && PYTHONPATH=/tmp/site $PY setup.py -q build_ext --inplace 2>&1 | grep -i error | tail -3) &
 wait
+N=/tmp/stall10-nosplit; rm -rf "$N"; mkdir -p "$N"
+cp -a "$H/kvtier" "$H/bench" "$H/tests" "$N/"
+(cd "$N" && patch -R -p1 -s < bench/results/s35-stall10-bring-up-split.patch \
+  && echo "nosplit: patch reversed, _bring_up_step in gets.py: $(grep -c _bring_up_step kvtier/coherence/gets.py)") | tee -a "$LOG"
 (cd "$H" && PYTHONPATH=/tmp/site:$H $PY -c "from kvtier.coherence import _gets; print('head read_shares', hasattr(_gets, 'read_shares'))") | tee -a "$LOG"
 el built; nproc | tee -a "$LOG"; tee -a "$LOG" < /proc/loadavg
 stall() {
@@ -49,8 +57,9 @@ print(sys.argv[2], d["worst_p99_ratio"], d["loadavg_start"], d["loadavg_end"],
 PY
   el "stall $2"
 }
-stall "$B" base-r1; stall "$H" head-r1; stall "$H" head-r2; stall "$B" base-r2
-stall "$B" base-r3; stall "$H" head-r3; stall "$H" head-r4; stall "$B" base-r4
+stall "$B" base-r1; stall "$H" head-r1; stall "$N" nosplit-r1
+stall "$N" nosplit-r2; stall "$H" head-r2; stall "$B" base-r2
+stall "$B" base-r3; stall "$H" head-r3; stall "$N" nosplit-r3
 PARTS="kvtier.coherence.gets:Gets._install_read,kvtier.coherence.transfers:Transfers.install_read"
 PARTS="$PARTS,kvtier.coherence.transfers:Transfers.install_valid,kvtier.coherence.engine:Engine.make_room"
 PARTS="$PARTS,kvtier.coherence.gets:Gets._split_native,kvtier.coherence.transfers:Transfers.bring_up"
