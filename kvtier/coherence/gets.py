@@ -156,7 +156,8 @@ class Gets:
             res, p = yield Step(True, partial(self._get_decide, namespace, keys, owner, tier,
                                               room_first))
             if p is not None and p.todo is not None:    # its bring-ups: a step of their own
-                res, p = yield from self._bring_up_after(p, namespace, keys, owner, tier)
+                res, p = yield from self._steps_holding(
+                    p, partial(self._bring_up_step, p, namespace, keys, owner, tier))
             if p is None:
                 return res
             raced = False
@@ -181,7 +182,13 @@ class Gets:
                         res = yield Step(True, partial(self._finish_get, p, held))
                         yield Step(True, partial(self.release, res.lease_id, owner))
                         raise
-                    res = yield from self._install_then_lease(p, held)
+                    # The install, then the lease: between them the get pins every slot
+                    # it serves, so nothing it installed is evicted or reused; a rewrite
+                    # between is as one right after the lease (the lease serves the version
+                    # read, and counts no reader on a row that moved on).
+                    res = yield from self._steps_holding(
+                        p, partial(self._finish_get, p, held, False),
+                        partial(self._lease_step, p))
                 finally:
                     if held:                    # steps abandoned before their install
                         p.ns.log.unpin(held)
@@ -202,14 +209,18 @@ class Gets:
             yield Step(True, partial(self.release, res.lease_id, owner))
             attempt += 1
 
-    def _bring_up_after(self, p: "_PendingGet", namespace: str, keys: Any, owner: int,
-                        tier: Tier) -> Generator[Step, Any, Any]:
-        """The decide's bring-ups as a locked step of their own (stall10: the decide was the
-        longest slice of a reader's get; split here, each ~half). Thrown in before it ran (a
-        cancel), the pins of the copies the decide found end in a locked step."""
+    def _steps_holding(self, p: "_PendingGet", *fns: Callable[[], Any]
+                       ) -> Generator[Step, Any, Any]:
+        """fns as locked steps in turn, p holding its pins across them (each a slice of the
+        server's loop, with a poll between: issue 17's stall, stall10); the last one's value.
+        Thrown in before one ran (a cancel: the step did not run), p's pins end in a locked
+        step of their own (before, a cancel thrown in at the install step left them pinned
+        for good). A step that raised ended them itself (p.abandoned)."""
+        value = None
         try:
-            return (yield Step(True, partial(self._bring_up_step, p, namespace, keys, owner,
-                                             tier)))
+            for fn in fns:
+                value = yield Step(True, fn)
+            return value
         except GeneratorExit:
             raise                       # closed, not driven: no step can run any more
         except BaseException:
@@ -238,26 +249,6 @@ class Gets:
         if p.plan is None:
             return self._finish_get(p), p
         return None, p
-
-    def _install_then_lease(self, p: "_PendingGet", held: list[Any]
-                            ) -> Generator[Step, Any, GetResult]:
-        """After p's NVMe read: the install, then the lease, as two locked steps (two slices
-        of the server's loop, with a poll between: each ~half of the one step they were,
-        issue 17's stall, stall10). Between them the get holds a pin on every slot it serves,
-        so nothing it installed can be evicted or reused; a rewrite in between is as one
-        right after the lease (the lease serves the version read, and counts no reader on a
-        row that moved on). Thrown in before either ran (a cancel: the step did not run),
-        the get's pins end in a locked step of their own (before, a cancel thrown in at the
-        install step left them pinned for good)."""
-        try:
-            yield Step(True, partial(self._finish_get, p, held, False))
-            return (yield Step(True, partial(self._lease_step, p)))
-        except GeneratorExit:
-            raise                       # closed, not driven: no step can run any more
-        except BaseException:
-            if not p.abandoned:
-                yield Step(True, partial(self._abandon, p))
-            raise
 
     def _lease_step(self, p: "_PendingGet") -> GetResult:
         """Under the lock: the lease of a get installed by _finish_get(lease=False); when it
