@@ -1,8 +1,8 @@
 #!/bin/bash
 # stall10's one device call (issue 17's stall line): main's tree (BASE, default .gpu-base) and
 # this branch's (HEAD, default .gpu-stall10), each built in place, and "nosplit": a copy of
-# HEAD's kvtier, bench and tests with the last commit's split of the decide (its bring-ups in a
-# step of their own) taken out (bench/results/s35-stall10-bring-up-split.patch, reversed): on
+# HEAD's kvtier, bench and tests with the split of the decide (its bring-ups in a step of their
+# own) turned off (bench/results/s35-stall10-nosplit.patch: the decide called with split False): on
 # the dev VM that split left the longest slice where it was and cost ~7% more loop CPU a get,
 # on the H200, whose decide is a larger share of a reader's loop work, it may not. Then
 # 1. bench/stall.py at its defaults, alternated base, head, nosplit, nosplit, head, base, base,
@@ -37,8 +37,8 @@ cp "$H/bench/stall_trace_hooks/sitecustomize.py" "$B/bench/stall_trace_hooks/sit
 wait
 N=/tmp/stall10-nosplit; rm -rf "$N"; mkdir -p "$N"
 cp -a "$H/kvtier" "$H/bench" "$H/tests" "$N/"
-(cd "$N" && patch -R -p1 -s < bench/results/s35-stall10-bring-up-split.patch \
-  && echo "nosplit: patch reversed, _bring_up_step in gets.py: $(grep -c _bring_up_step kvtier/coherence/gets.py)") | tee -a "$LOG"
+(cd "$N" && patch -p1 -s < bench/results/s35-stall10-nosplit.patch \
+  && echo "nosplit: patched: $(grep -c 'owner, tier,$' kvtier/coherence/gets.py) split call(s), room_first passed: $(grep -c '^ *room_first))' kvtier/coherence/gets.py)") | tee -a "$LOG"
 (cd "$H" && PYTHONPATH=/tmp/site:$H $PY -c "from kvtier.coherence import _gets; print('head read_shares', hasattr(_gets, 'read_shares'))") | tee -a "$LOG"
 el built; nproc | tee -a "$LOG"; tee -a "$LOG" < /proc/loadavg
 stall() {
