@@ -7,7 +7,9 @@ behind: the server runs them on its loop, one per iteration).
 An engine shaped as bench/stall.py's service (64 MiB host tier, write-back, the cold set on
 NVMe), driven by get_steps as the server drives it (room first). Each locked step is timed
 under the lock; the evictions each step made are counted (the decide should find the room that
-the room step made). The read runs between them, untimed.
+the room step made). The read runs between them, untimed. "steps": the three steps' time per
+get (the decide with its read's batch, the install with its lease: stall10 split each in two
+slices); "slices": each locked step alone, as the server's loop runs it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import emit, header, percentiles  # noqa: E402
+
+
+# The locked steps an NVMe get's three steps were split into (stall10: each a slice of the
+# server's loop), counted in "steps" with the step they came from, and alone in "slices".
+STEP_OF = {"_bring_up_step": "_get_decide", "_read_step": "_get_decide",
+           "_lease_step": "_finish_get"}
 
 
 def key(i: int) -> bytes:
@@ -61,6 +69,7 @@ def main() -> None:
         rng = np.random.default_rng(1)
         host = eng.counters.tiers[Tier.HOST]
         times: dict[str, list[float]] = {}
+        slices: dict[str, list[float]] = {}
         evictions: dict[str, int] = {}
 
         def one() -> None:
@@ -68,6 +77,7 @@ def main() -> None:
                                                             replace=False))
             steps = eng.get_steps("s", ks, 0)
             step, out = advance(steps, None, None)
+            per_get: dict[str, float] = {}
             while step is not None:
                 if step.locked:
                     name = step.fn.func.__name__
@@ -75,16 +85,22 @@ def main() -> None:
                     with eng.lock:
                         t0 = time.perf_counter()
                         value = step.fn()
-                        times.setdefault(name, []).append(time.perf_counter() - t0)
+                        dt = time.perf_counter() - t0
+                    slices.setdefault(name, []).append(dt)
+                    name = STEP_OF.get(name, name)
+                    per_get[name] = per_get.get(name, 0.0) + dt
                     evictions[name] = evictions.get(name, 0) + (host.evictions > before)
                 else:
                     value = step.fn()
                 step, out = advance(steps, value, None)
+            for name, dt in per_get.items():
+                times.setdefault(name, []).append(dt)
             eng.release(out.lease_id)
 
         for _ in range(100):
             one()
         times.clear()
+        slices.clear()
         evictions.clear()
         for _ in range(args.gets):
             one()
@@ -92,7 +108,10 @@ def main() -> None:
         eng.close(flush=False)
         shutil.rmtree(base, ignore_errors=True)
     out = {"batch": args.batch, "block_bytes": bb, "cold_blocks": args.cold_blocks,
-           "gets": args.gets, "steps": {}}
+           "gets": args.gets, "steps": {},
+           "slices": {name: {"p50_us": round(percentiles(v)["p50"] * 1e6, 1),
+                             "p90_us": round(percentiles(v)["p90"] * 1e6, 1)}
+                      for name, v in slices.items()}}
     for name, v in times.items():
         p = percentiles(v)
         out["steps"][name] = {"p50_us": round(p["p50"] * 1e6, 1),

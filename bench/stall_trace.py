@@ -48,8 +48,8 @@ def _name(e: tuple) -> str:
     kind = e[0]
     if kind in ("step", "fast"):
         return f"{kind}:{e[3]}"
-    if kind == "gc":
-        return f"gc:{e[3]}"
+    if kind in ("gc", "part"):
+        return f"{kind}:{e[3]}"
     if kind in ("dr", "write", "reply", "endl"):
         return f"{kind}:{'probe' if e[3] == 'stall-probe' else 'reader'}"
     return kind
@@ -60,7 +60,7 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     # data_received is part of it; the nested ones are in loop_work_us).
     # On the I/O threads, or inside a step; a collection is in whatever work set it off (its
     # share of the tail is told apart below: tail_gc_overlap_us).
-    side = ("read", "pin", "unpin", "gc")
+    side = ("read", "pin", "unpin", "gc", "part")
     loop, end = [], -1.0
     for e in sorted((e for e in events if e[0] not in side), key=lambda e: e[1]):
         if e[1] >= end:
@@ -162,6 +162,9 @@ def main() -> None:
     ap.add_argument("--no-gc", action="store_true",
                     help="the garbage collector off in the traced service (its runs there are "
                          "mostly the tracer's own)")
+    ap.add_argument("--parts", default="",
+                    help="functions to time inside the steps, module:Class.method,... (each "
+                         "a part:<method> entry of loop_work_us)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/stall_trace.py")
@@ -171,9 +174,9 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="kvtier-stall-trace-", dir=os.getcwd())
     trace = os.path.join(base, "events.pkl")
     env = {k: os.environ.get(k) for k in ("STALL_TRACE", "STALL_TRACE_ROLE", "PYTHONPATH",
-                                          "STALL_TRACE_GC")}
+                                          "STALL_TRACE_GC", "STALL_TRACE_PARTS")}
     os.environ.update(STALL_TRACE=trace, STALL_TRACE_ROLE="serve",
-                      STALL_TRACE_GC="off" if args.no_gc else "on",
+                      STALL_TRACE_GC="off" if args.no_gc else "on", STALL_TRACE_PARTS=args.parts,
                       PYTHONPATH=os.pathsep.join(p for p in (HOOKS, ROOT, env["PYTHONPATH"])
                                                  if p))
     svc = Service(Path(base) / "svc", admin=False, host_capacity=args.host_capacity,

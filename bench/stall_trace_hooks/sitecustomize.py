@@ -185,3 +185,22 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
             def __getattr__(self, k):
                 return getattr(self.inner, k)
         S.ReadThreads._reap = _reap_t
+    # STALL_TRACE_PARTS="module:Class.method,...": each named function timed as a "part" event
+    # (nested in the step or request that calls it; bench/stall_trace.py --parts), to split a
+    # step's time in the service itself, where it costs more than in process (stall9, stall10).
+    _parts = os.environ.get("STALL_TRACE_PARTS")
+    if _parts:
+        import importlib
+        for _spec in _parts.split(","):
+            _mod, _, _attr = _spec.partition(":")
+            _owner = importlib.import_module(_mod)
+            _path_ = _attr.split(".")
+            for _p in _path_[:-1]:
+                _owner = getattr(_owner, _p)
+            def _part(orig, label):
+                def f(*a, **k):
+                    t0 = pc(); r = orig(*a, **k); t1 = pc()
+                    EV.append(("part", t0, t1, label))
+                    return r
+                return f
+            setattr(_owner, _path_[-1], _part(getattr(_owner, _path_[-1]), _path_[-1]))

@@ -31,6 +31,15 @@
  *       when it says False the caller takes the general path (finish_read, install_read),
  *       which drops the bad records and shares or frees the rest; when True that path would
  *       install every copy read, which is all the caller then does.
+ *   read_shares(version, copy_ver, key, n_rows, tier, ok, rows, keys, versions,
+ *               out_have bool[m]) -> k
+ *       read_installable's checks, but a copy current in tier already is no reason to refuse
+ *       (another get's read of the same block installed first: with 4 readers of random
+ *       batches, 56% of bench/stall.py's installs on the dev VM, each then ~125 us of
+ *       finish_read and install_read's numpy in the service; stall10): -1 where some record
+ *       is not installable as read (the caller's general path), else k, the positions whose
+ *       copy is current already, marked in out_have[:m] (the caller shares those and
+ *       installs the rest). Writes out_have only when it returns k >= 0.
  *   lease_current(version u64[c], key V[c], leases u16[c], rows i64[m], versions u64[m],
  *                 keys V[m], out_rows i64[m]) -> k
  *       A get's lease on its rows: out_rows[:k] = the rows[i] still at versions[i] and
@@ -239,20 +248,22 @@ done:
     return result;
 }
 
-static PyObject *read_installable(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* read_installable (shares 0) and read_shares (shares 1): the same checks; read_shares takes
+ * a copy current in the tier already as no reason to refuse, and marks it in out_have. */
+static PyObject *install_verdict(PyObject *const *args, Py_ssize_t nargs, int shares,
+                                 const char *name)
 {
-    (void)self;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "read_installable takes 9 arguments");
+    if (nargs != 9 + shares) {
+        PyErr_Format(PyExc_TypeError, "%s takes %d arguments", name, 9 + shares);
         return NULL;
     }
     Views v = {.n = 0};
-    Py_ssize_t cap[3], nt, n_rows, tier, m[4], kw;
+    Py_ssize_t cap[3], nt, n_rows, tier, m[5], kw;
     PyObject *result = NULL;
     if (!key_width_of(args[2], &kw, "key") || !key_width_of(args[7], &m[3], "keys"))
         return NULL;
     if (m[3] != kw) {
-        PyErr_SetString(PyExc_ValueError, "read_installable: keys of another width");
+        PyErr_Format(PyExc_ValueError, "%s: keys of another width", name);
         return NULL;
     }
     uint64_t *version = view(&v, args[0], 8, 0, &cap[0], NULL, "version");
@@ -262,30 +273,59 @@ static PyObject *read_installable(PyObject *self, PyObject *const *args, Py_ssiz
     int64_t *rows = ok ? view(&v, args[6], 8, 0, &m[1], NULL, "rows") : NULL;
     uint8_t *keys = rows ? view(&v, args[7], kw, 0, &m[2], NULL, "keys") : NULL;
     uint64_t *vers = keys ? view(&v, args[8], 8, 0, &m[3], NULL, "versions") : NULL;
+    uint8_t *have = NULL;
+    if (vers != NULL && shares) {
+        have = view(&v, args[9], 1, 1, &m[4], NULL, "out_have");
+        if (have == NULL)
+            vers = NULL;
+    }
     if (vers == NULL || as_index(args[3], &n_rows, "n_rows") < 0
             || as_index(args[4], &tier, "tier") < 0)
         goto done;
     if (cap[0] < n_rows || cap[1] < n_rows || cap[2] < n_rows || tier >= nt) {
-        PyErr_SetString(PyExc_ValueError, "read_installable: a column is shorter than n_rows, "
-                        "or tier is past them");
+        PyErr_Format(PyExc_ValueError, "%s: a column is shorter than n_rows, or tier is past "
+                     "them", name);
         goto done;
     }
-    if (m[0] != m[1] || m[2] != m[1] || m[3] != m[1]) {
-        PyErr_SetString(PyExc_ValueError, "read_installable: ok, rows, keys and versions "
-                        "differ in length");
+    if (m[0] != m[1] || m[2] != m[1] || m[3] != m[1] || (shares && m[4] < m[1])) {
+        PyErr_Format(PyExc_ValueError, "%s: ok, rows, keys and versions differ in length%s",
+                     name, shares ? ", or out_have is shorter" : "");
         goto done;
     }
     int usual = 1;
+    Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < m[1] && usual; i++) {
         int64_t r = rows[i];
         usual = ok[i] && r >= 0 && r < n_rows && version[r] && version[r] == vers[i]
-                && copy_ver[r * nt + tier] != version[r]
                 && memcmp(key + r * kw, keys + i * kw, (size_t)kw) == 0;
+        if (usual && copy_ver[r * nt + tier] == version[r]) {
+            usual = shares;
+            k++;
+        }
     }
-    result = PyBool_FromLong(usual);
+    if (!shares) {
+        result = PyBool_FromLong(usual);
+        goto done;
+    }
+    if (usual)                  /* written only once every record is known installable */
+        for (Py_ssize_t i = 0; i < m[1]; i++)
+            have[i] = copy_ver[rows[i] * nt + tier] == version[rows[i]];
+    result = PyLong_FromSsize_t(usual ? k : -1);
 done:
     views_release(&v);
     return result;
+}
+
+static PyObject *read_installable(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return install_verdict(args, nargs, 0, "read_installable");
+}
+
+static PyObject *read_shares(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return install_verdict(args, nargs, 1, "read_shares");
 }
 
 static PyObject *lease_current(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -729,6 +769,8 @@ static PyMethodDef methods[] = {
      "split_rows(...): a get's batch split into found, ready (pinned) and to bring up."},
     {"read_installable", (PyCFunction)(void (*)(void))read_installable, METH_FASTCALL,
      "read_installable(...): whether every record of an NVMe read installs as it is."},
+    {"read_shares", (PyCFunction)(void (*)(void))read_shares, METH_FASTCALL,
+     "read_shares(...): read_installable, a copy current already marked, not refused."},
     {"lease_current", (PyCFunction)(void (*)(void))lease_current, METH_FASTCALL,
      "lease_current(...): a get's lease on the rows still at the versions served."},
     {"plan_columns", (PyCFunction)(void (*)(void))plan_columns, METH_FASTCALL,

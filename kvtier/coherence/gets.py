@@ -44,10 +44,12 @@ try:
     from kvtier.coherence._gets import lease_current as _lease_current
     from kvtier.coherence._gets import must_bring as _must_bring
     from kvtier.coherence._gets import read_installable as _read_installable
+    from kvtier.coherence._gets import read_shares as _read_shares
     from kvtier.coherence._gets import room_rows as _room_rows
     from kvtier.coherence._gets import split_rows as _split
 except ImportError:             # not built: the numpy split in Gets._get, the numpy install
     _split = _read_installable = _lease_current = _room_rows = _must_bring = None
+    _read_shares = None
 if _fast_built is None:
     _split = None               # (the split follows lease_native's refusal: both in C or neither)
 from kvtier.types import Tier
@@ -151,7 +153,11 @@ class Gets:
             # finds the room made (or evicts again, if other gets took it meanwhile).
             if room_first:
                 yield Step(True, partial(self._room_for_get, namespace, keys, tier))
-            res, p = yield Step(True, partial(self._get_decide, namespace, keys, owner, tier))
+            res, p = yield Step(True, partial(self._get_decide, namespace, keys, owner, tier,
+                                              room_first))
+            if p is not None and p.todo is not None:    # its bring-ups: a step of their own
+                res, p = yield from self._steps_holding(
+                    p, partial(self._bring_up_step, p, namespace, keys, owner, tier))
             if p is None:
                 return res
             raced = False
@@ -164,7 +170,9 @@ class Gets:
                 held, p.plan.pins = p.plan.pins, []
                 try:
                     try:
-                        yield self._read_step(p, held)
+                        # The read's C batch is made in a step of its own, not in the
+                        # decide's slice (~25 us of it on the dev VM: stall10).
+                        yield (yield Step(True, partial(self._read_step, p, held)))
                         if p.batch is not None:     # the C read's verdicts (tiers.reads)
                             p.plan.ok = verdicts(p.ns.log, p.batch)
                     except BaseException:
@@ -174,7 +182,13 @@ class Gets:
                         res = yield Step(True, partial(self._finish_get, p, held))
                         yield Step(True, partial(self.release, res.lease_id, owner))
                         raise
-                    res = yield Step(True, partial(self._finish_get, p, held))
+                    # The install, then the lease: between them the get pins every slot
+                    # it serves, so nothing it installed is evicted or reused; a rewrite
+                    # between is as one right after the lease (the lease serves the version
+                    # read, and counts no reader on a row that moved on).
+                    res = yield from self._steps_holding(
+                        p, partial(self._finish_get, p, held, False),
+                        partial(self._lease_step, p))
                 finally:
                     if held:                    # steps abandoned before their install
                         p.ns.log.unpin(held)
@@ -194,6 +208,56 @@ class Gets:
             # a block moved on under the read: again, once.
             yield Step(True, partial(self.release, res.lease_id, owner))
             attempt += 1
+
+    def _steps_holding(self, p: "_PendingGet", *fns: Callable[[], Any]
+                       ) -> Generator[Step, Any, Any]:
+        """fns as locked steps in turn, p holding its pins across them (each a slice of the
+        server's loop, with a poll between: issue 17's stall, stall10); the last one's value.
+        Thrown in before one ran (a cancel: the step did not run), p's pins end in a locked
+        step of their own (before, a cancel thrown in at the install step left them pinned
+        for good). A step that raised ended them itself (p.abandoned)."""
+        value = None
+        try:
+            for fn in fns:
+                value = yield Step(True, fn)
+            return value
+        except GeneratorExit:
+            raise                       # closed, not driven: no step can run any more
+        except BaseException:
+            if not p.abandoned:
+                yield Step(True, partial(self._abandon, p))
+            raise
+
+    def _bring_up_step(self, p: "_PendingGet", namespace: str, keys: Any, owner: int,
+                       tier: Tier) -> "tuple[GetResult | None, _PendingGet | None]":
+        """Under the lock: the bring-ups of p.todo, which the decide's split left to this
+        step; _get_decide's answers. Other requests ran since the split: each position to
+        bring up must still be its key's row, at the version the split took, with no copy
+        current in tier (coherence/_gets.c read_installable, which writes nothing); else the
+        get's pins end and it is decided again, whole, here (a put, a delete or another
+        get's install of one of these blocks came between). The copies the split found are
+        pinned: nothing between could evict them."""
+        todo, p.todo = p.todo, None
+        ns = p.ns
+        cols = ns.table.cols
+        if self.namespaces.get(namespace) is not ns or not _read_installable(
+                cols["version"], cols["copy_ver"], cols["key"], ns.table.n_rows, int(tier),
+                np.ones(todo.size, dtype=bool), p.rows[todo], p.karr[todo], p.versions[todo]):
+            self._abandon(p)
+            return self._get_decide(namespace, keys, owner, tier)
+        self._bring_ups(p, todo, p.todo_repeats)
+        if p.plan is None:
+            return self._finish_get(p), p
+        return None, p
+
+    def _lease_step(self, p: "_PendingGet") -> GetResult:
+        """Under the lock: the lease of a get installed by _finish_get(lease=False); when it
+        raises, the get's pins end (as in _finish_get)."""
+        try:
+            return self._lease_get(p)
+        except BaseException:
+            self._abandon(p)
+            raise
 
     def _read_step(self, p: "_PendingGet", held: list[Any]) -> Step:
         """The NVMe read of p's plan, unlocked: the C read where it applies (one GIL-free
@@ -236,15 +300,18 @@ class Gets:
         finally:
             self.owner.unpin_slots(ns, tier, keep)
 
-    def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier
-                    ) -> "tuple[GetResult | None, _PendingGet | None]":
+    def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier,
+                    split: bool = False) -> "tuple[GetResult | None, _PendingGet | None]":
         """Under the lock: (result, None) when nothing had to move; (result, pending) when
         it was finished here with copies from memory; (None, pending) when pending.plan
-        must be read from NVMe first."""
-        out = self._get(namespace, keys, owner, tier, io=True)
+        must be read from NVMe first. split: the bring-ups may be left to a step of their
+        own (_bring_up_step), pending.todo then naming them, pending.plan None."""
+        out = self._get(namespace, keys, owner, tier, io=True, split=split)
         if isinstance(out, GetResult):
             return out, None
         p = cast(_PendingGet, out)
+        if p.todo is not None:
+            return None, p
         if p.plan is None:
             return self._finish_get(p), p
         return None, p
@@ -288,7 +355,7 @@ class Gets:
         return bool((copy_ver[hit, Tier.HOST] == version[hit]).all())
 
     def _get(self, namespace: str, keys: Any, owner: int, tier: Tier,
-             io: bool) -> "GetResult | _PendingGet | None":
+             io: bool, split: bool = False) -> "GetResult | _PendingGet | None":
         ns = self.namespace(namespace)
         if tier not in ns.slots:
             raise BadRequest(f"namespace {ns.name!r} has no {tier.label} tier to serve from")
@@ -304,7 +371,7 @@ class Gets:
         if res is not None:
             return res
         if io and _split is not None:
-            return self._split_native(ns, karr, rows, owner, tier)
+            return self._split_native(ns, karr, rows, owner, tier, split)
         if not io:
             # try_get of a batch that must read the disk (an NVMe reader's, tried on the loop
             # before its steps: issue 17's stall): refused after one check, not after the
@@ -352,7 +419,7 @@ class Gets:
         return p
 
     def _split_native(self, ns: Namespace, karr: np.ndarray, rows: np.ndarray, owner: int,
-                      tier: Tier) -> "_PendingGet":
+                      tier: Tier, split: bool = False) -> "_PendingGet":
         """_get's io path from lease_native's refusal on, its split in one C call
         (coherence/_gets.c: found, the ready copies pinned, the versions and checksums, the
         positions to bring up, whether they repeat): the same effects as the numpy path
@@ -372,7 +439,9 @@ class Gets:
                                   ns.table.n_rows, int(tier), found, slots, versions, sums, todo)
         self.counters.tiers[tier].hits += hits
         p = _PendingGet(ns, karr, rows, found, slots, tier, owner, versions, sums)
-        if k:
+        if k and split and _read_installable is not None:
+            p.todo, p.todo_repeats = todo[:k], repeats     # (_bring_up_step brings them up)
+        elif k:
             self._bring_ups(p, todo[:k], repeats)
         return p
 
@@ -403,14 +472,16 @@ class Gets:
             self._abandon(p)
             raise
 
-    def _finish_get(self, p: "_PendingGet", held: list[Any] | None = None) -> GetResult:
+    def _finish_get(self, p: "_PendingGet", held: list[Any] | None = None,
+                    lease: bool = True) -> GetResult | None:
         """The rest of a get, under the lock: NVMe copies installed, repeats share their
-        slot, misses filled from the remote tier, and the lease. Versions and checksums are
-        the ones the copies were pinned at. held: the NVMe read's segment pins, ended here
-        (and emptied) after the install."""
+        slot, misses filled from the remote tier, and the lease (lease=False: not yet, None
+        returned; _lease_step makes it). Versions and checksums are the ones the copies
+        were pinned at. held: the NVMe read's segment pins, ended here (and emptied) after
+        the install."""
         if held:
             try:
-                return self._finish_get(p)
+                return self._finish_get(p, None, lease)
             finally:
                 segs, held[:] = list(held), []
                 p.ns.log.unpin(segs)
@@ -426,7 +497,7 @@ class Gets:
                 add_one(ns.slots[tier].leases, slots[src[found[src]]])
                 slots[p.repeats] = slots[src]
                 found[p.repeats] = found[src]
-            return self._lease_get(p)
+            return self._lease_get(p) if lease else None
         except BaseException:
             # No lease was made (it is _lease_get's last step): the get's pins end here, or
             # nobody would ever end them (from_remote raising, rev8; the install, fix9).
@@ -442,6 +513,9 @@ class Gets:
         install returned, the read's positions hold only what install_read put there (a
         copy another get installed meanwhile, pinned for this get), and the read's own
         slots (plan.dst) one pin each; Transfers.give_back undoes a partial install."""
+        if p.abandoned:
+            return                      # (its pins ended already)
+        p.abandoned = True
         ns, tier, found, slots = p.ns, p.tier, p.found, p.slots
         pinned = found & (slots >= 0)
         if p.plan is not None and not p.installed:
@@ -514,10 +588,17 @@ class Gets:
         round 5: its checks were ~80 us of a ~230 us install step on the dev VM)."""
         plan, tier = p.plan, p.tier
         cols = p.ns.table.cols
-        if (_read_installable is None or plan.ok is None
-                or not _read_installable(cols["version"], cols["copy_ver"], cols["key"],
-                                         p.ns.table.n_rows, int(tier), plan.ok, plan.rows,
-                                         plan.keys, plan.versions)):
+        args = (cols["version"], cols["copy_ver"], cols["key"], p.ns.table.n_rows, int(tier),
+                plan.ok, plan.rows, plan.keys, plan.versions)
+        if _read_installable is None or plan.ok is None or not _read_installable(*args):
+            if _read_installable is not None and plan.ok is not None and _read_shares is not None:
+                # Every record installable as read, some already installed by another get's
+                # read of the same blocks (stall10: most installs beside 4 readers of random
+                # batches): shared without finish_read's checks, which would all pass.
+                have = np.empty(plan.rows.size, dtype=bool)
+                if _read_shares(*args, have) > 0:
+                    self.transfers.install_shared(plan, tier, p.plan_pos, p.slots, have)
+                    return
             self.transfers.install_read(plan, tier, p.plan_pos, p.rows, p.slots, p.found)
             return
         dst = plan.dst.astype(np.int64)
@@ -589,4 +670,7 @@ class _PendingGet:
     repeat_src: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     short: bool = False         # some bring-ups found no room
     installed: bool = False     # the plan's install returned (its slots are the rows' now)
+    abandoned: bool = False     # _abandon ended its pins (no lease will be made)
+    todo: np.ndarray | None = None  # positions the decide left to _bring_up_step
+    todo_repeats: bool = False      # (whether those repeat a row)
     batch: Any = None           # the plan's read as a tiers.reads Batch (None: run_read)
