@@ -21,9 +21,9 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              kernel_onboard, the onboard by the kernel; 64 and
                                              16 KiB: whole_gets (one request, stage_sorted),
                                              chunked_gets (whole gets off),
-                                             late_commits (no early commits), no_credits
-                                             (every chunk reserved by the put itself: no
-                                             credit, kvtier.api.credits), staged_offload
+                                             late_commits (no early commits), credits
+                                             (the first chunk into a credit the put before
+                                             asked for, kvtier.api.credits), staged_offload
                                              (each put chunk gathered on the GPU, then one
                                              copy-engine copy a run of slots); 16 KiB:
                                              prepared (the first launch set up before the
@@ -794,7 +794,7 @@ def main() -> None:
     from kvtier.gpu.plan import TransferPolicy as TP
     v2m = {"kernel": TP(copy_engine_bytes=1 << 40), "copy_per_call": TP(batch_copies=0),
            "batch_16": TP(batch_copies=16), "batch_1024": TP(batch_copies=1024),
-           "no_credits": TP(put_credits=False)}
+           "credits": TP(put_credits=True)}
     k64 = {"onboard_copy_engine_bytes": 0}      # the 64 KiB onboard by the kernel, as before
     # Whole gets (one request, then Mover.stage_sorted; off by default, measured slower) and
     # puts that commit only from wait() (before early commits).
@@ -807,7 +807,7 @@ def main() -> None:
              "sorted_2048_64m": TP(whole_onboard_keys=4096, sorted_piece_keys=2048,
                                    stage_piece_bytes=64 << 20),
              "late_commits": TP(early_commits=False),
-             "no_credits": TP(put_credits=False)}
+             "credits": TP(put_credits=True)}
     v64k = {"kernel_onboard": TP(**k64),
             "direct_kernel": TP(staged=False, **k64),
             "kernel_without_priority": TP(kernel_priority=False, **k64),

@@ -139,7 +139,7 @@ def test_stall_steps_bench_smoke():
 def test_stall_handles_bench_smoke():
     r = _bench("bench/stall_handles.py", "--gets", "10")
     kinds = r["by_kind_per_get"]
-    assert kinds["StepRunner._next"] == 3            # room, decide, install: one slice each
+    assert kinds["StepRunner._next"] == 6    # room, decide, bring-up, read batch, install, lease (stall10)
     assert "shield._inner_done_callback" not in kinds    # no task wakes between the steps
     _positive(r, "callbacks_per_get_p50", "loop_cpu_per_get_p50_us")
 

@@ -284,8 +284,7 @@ def test_async_put_commits_only_after_its_copies_complete(gpu_service, method):
         assert versions.tolist() == [1] * 200
         assert ns.get(keys(range(200)), out=host)[0].all()
         assert (host == src.cpu().numpy()).all()
-        st = c.stats()             # what is left: the next put's credit (kvtier.api.credits)
-        assert st["reservations"] == st["credits"] == 1
+        assert c.stats()["reservations"] == 0
 
 
 def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
@@ -406,6 +405,9 @@ if mode == "get":
     ns.put(keys(range(n)), blocks(n, 4096))  # from host memory
 dev = torch.zeros(n, 4096, dtype=torch.uint8, device="cuda")
 if mode == "credit":                         # a put before, whose credit the failing one uses
+    from kvtier.gpu import transfer
+    from kvtier.gpu.plan import TransferPolicy
+    transfer.set_policy(TransferPolicy(put_credits=True))
     ns.put_async(keys(range(n, 2 * n)), dev).wait()
     assert c.stats()["credits"] == 1
 s = torch.cuda.Stream()
@@ -683,15 +685,16 @@ def test_a_put_commits_its_first_chunks_while_it_reads_the_later_reserves(
             transfer.set_policy(None)
         c.ping()
         st = c.stats()
-        assert st["reservations"] == st["credits"] == 1 and st["leases"] == 0
+        assert st["reservations"] == 0 and st["leases"] == 0
 
 
-def test_a_put_starts_in_the_credit_the_put_before_asked_for(gpu_service):
+def test_a_put_starts_in_the_credit_the_put_before_asked_for(gpu_service, monkeypatch):
     # kvtier.api.credits: a put asks for a credit behind its commits; the next put's first
     # chunk goes into it (its reservation is the credit), the rest reserved as before, and
     # every block of both reads back. A put smaller than the credit hands the rest back; a
     # credit past its use-by is aborted, not used; closing the namespace gives one back.
     from kvtier.api import pipeline
+    monkeypatch.setattr(transfer, "_policy", TransferPolicy(put_credits=True))  # off by default
     with kvtier.Client(gpu_service.socket) as c:
         ns = c.namespace("credit", block_bytes=BB)
         n = 3000

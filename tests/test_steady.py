@@ -226,7 +226,7 @@ def test_get_steps_driven_by_hand_install_only_the_version_that_was_read(tmp_pat
         if not step.locked:
             eng.put("m", keys(cold), new)          # after the read, before its install
     res = drive_by_hand(eng, eng.get_steps("m", keys(cold)), after)
-    assert kinds == [True, True, False, True, True, True, True]
+    assert kinds == [True, True, True, True, False, True, True, True, True, True]
     pool = eng.namespace("m").slots[Tier.HOST].pool
     assert res.found[0] and res.versions[0] == 2
     assert (pool.read(res.slots[:1])[0] == new[0]).all()

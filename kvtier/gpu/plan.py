@@ -92,7 +92,11 @@ class TransferPolicy:
     early_commits: bool = True
     # A host put's first chunk goes into a credit (kvtier.api.credits): slots reserved by count
     # during the namespace's previous put, so its copies start before any reply of this put.
-    put_credits: bool = True
+    # Off: on an H100, three runs of bench/gpu.py in one call each, the offload ratio with
+    # credits / without in the same process, 64 KiB 0.792 / 0.766, 0.824 / 0.837, 0.813 /
+    # 0.830; 16 KiB 0.450 / 0.552, 0.427 / 0.513, 0.588 / 0.575 (bench/results/s35-h100/):
+    # no gain at 64 KiB, a loss at 16 KiB (docs/DESIGN-NOTES.md, "put credits").
+    put_credits: bool = False
     # A chunked get prepares its first kernel launch (the page table's upload, the kernel
     # stream's fork) while the service answers the first chunk (Mover.prepare; False: at the
     # first launch, after that reply). bench/gpu.py's onboard_timeline_16k, round 5: the first
