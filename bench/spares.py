@@ -5,7 +5,7 @@
 In process (kvtier.coherence.engine.Engine): puts of 16 new 64 KiB keys each, write_through,
 into a 192 MiB tier of 16 MiB segments, after an untimed fill that has already reclaimed four
 segments, so that every new segment of the timed part follows a reclaim (steady state). A: one
-spare file kept per namespace (tiers.nvme.SPARES = 1, the default: the next segment reuses a
+spare file kept per namespace (tiers.nvme.SPARES = 1; the default is 4 since fio10: the next segment reuses a
 reclaimed file, and appends overwrite written blocks); B: none (every segment a new file, and
 every append extends it). A and B alternate per round, A first in even rounds; the ratio is
 the median over rounds of each pair's puts per second. Per-put latency percentiles per side.

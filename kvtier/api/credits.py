@@ -14,7 +14,10 @@ connection), and its commit checks what any commit checks. The writer uses a cre
 the connection that got it and within half its life, so that the service never reclaims
 slots a copy may still be writing; one it will not use it aborts.
 
-Memory: one credit per namespace and connection, at most CREDIT_BYTES (and CREDIT_KEYS slots)
+Off by default (kvtier.gpu.plan.TransferPolicy.put_credits): on an H100 they bought no offload
+throughput at 64 KiB and lost some at 16 KiB (docs/DESIGN-NOTES.md, "Put credits measured").
+
+Memory, where on: one credit per namespace and connection, at most CREDIT_BYTES (and CREDIT_KEYS slots)
 pinned in the host tier while the writer is idle. A refused ask (no room, the share) is
 tried again only every REFUSED_BACKOFF puts.
 """
