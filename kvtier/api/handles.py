@@ -146,7 +146,10 @@ class NamespaceHandle:
             from kvtier.gpu.transfer import drain
             drain(self)
         if self._credits is not None:
-            self._credits.drop()
+            # wait: a put's completion asks for the next credit (PutTransfer._complete), so
+            # one asked is often in flight here; read its reply now and give it back, or it
+            # stays reserved, pinned and in the connection's share until reserve_timeout.
+            self._credits.drop(wait=True)
         for dev in (self._mapped, self._ipc):
             if dev is not None:
                 dev.close()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -34,9 +34,16 @@ from kvtier.types import Tier
 
 @dataclass(slots=True)
 class Pins:
-    """Host slots held by one connection: hold id (lease or reservation) -> (namespace, n)."""
+    """Host slots held by one connection: hold id (lease or reservation) -> (namespace, n).
+
+    live (the server's, or None): whether the engine still holds an id. A hold the engine
+    ended on its own (a reservation or lease expired, reaped) has no request that ends it
+    here; the count drops such ids before it refuses a request, so that what it counts is
+    what the service still holds (rev11: an idle writer's expired credit refused its next
+    reservations until it sent that rid again)."""
 
     by_id: dict[int, tuple[str, int]] = field(default_factory=dict)
+    live: Callable[[int], bool] | None = None
 
     def add(self, hold_id: int, namespace: str, n: int) -> None:
         self.by_id[hold_id] = (namespace, n)
@@ -59,13 +66,28 @@ class Pins:
         """CapacityError when want more slots of ns would pass share of its host pool."""
         slots = ns.slots[Tier.HOST].pool.n_slots
         limit = int(share * slots)
-        held = sum(n for name, n in self.by_id.values() if name == ns.name)
+        held = self._held(ns.name)
+        if want and held + want > max(limit, 1) and self._drop_ended():
+            held = self._held(ns.name)
         if want and held + want > max(limit, 1):
             raise CapacityError(
                 f"this connection holds {held} slots of {ns.name!r} under lease or reservation "
                 f"and asks for {want} more; one connection may pin {limit} "
                 f"(max_client_share={share} of {slots}): release leases first, or raise "
                 "max_client_share")
+
+    def _held(self, namespace: str) -> int:
+        return sum(n for name, n in self.by_id.values() if name == namespace)
+
+    def _drop_ended(self) -> bool:
+        """Forget the ids the engine no longer holds (live says so); whether there were any.
+        Only on the way to a refusal: the common request pays nothing for it."""
+        if self.live is None:
+            return False
+        ended = [i for i in self.by_id if not self.live(i)]
+        for i in ended:
+            del self.by_id[i]
+        return bool(ended)
 
 
 @dataclass(slots=True)

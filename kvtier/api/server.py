@@ -206,10 +206,17 @@ class Server(ResidentGets, SortedGets):
                                                           _PEERCRED.size))
         self._next_cid += 1
         client = ClientInfo(self._next_cid, pid, uid)
+        client.pins.live = self._holds_id
         self.clients[client.cid] = client
         self._live.add(conn)
         self._watch_frames(conn)
         return client
+
+    def _holds_id(self, hold_id: int) -> bool:
+        """Whether the engine still holds lease or reservation hold_id (Pins.live). Read
+        without the lock: a membership test of a dict is atomic, and an ended id never
+        comes back (ids are not reused)."""
+        return hold_id in self.engine.reservations or hold_id in self.engine.leases
 
     def _connection_lost(self, conn: Connection) -> None:
         self._live.discard(conn)
