@@ -113,3 +113,25 @@ def test_a_live_credit_still_counts_in_the_share(service):
         c._call("abort", rid=r["rid"])
         with pytest.raises(LeaseError):
             c._call("abort", rid=held["rid"])
+
+
+def test_a_foreign_error_read_before_the_credits_reply_does_not_orphan_it(service):
+    # Reading the asked credit's reply now (take or drop with wait) reads the replies before
+    # it as the client reads them; an error reply of an earlier request nobody waits for
+    # raised out of that read, and Credits took it for a lost connection: the credit's
+    # reply, no longer stashed, later broke an unrelated call ("reply for request N while
+    # waiting for M") and the credit stayed reserved until reserve_timeout.
+    with kvtier.Client(str(service.socket)) as c:
+        ns = c.namespace("c", block_bytes=BB)
+        credits = cr.Credits(ns)
+        c._send("abort", {"rid": 10**9})     # its reply (LeaseError) read by no one
+        credits.ask()
+        credits.drop(wait=True)
+        assert c.ping() > 0
+        assert _stats(c)["reservations"] == 0
+        c._send("abort", {"rid": 10**9})
+        credits.ask()
+        got = credits.take(wait=True)
+        assert got is not None and got.slots.size == credits.size()
+        c._call("abort", rid=got.rid)
+        assert _stats(c)["reservations"] == 0

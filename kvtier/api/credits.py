@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.errors import KvtierError
+from kvtier.errors import KvtierError, ServiceUnavailable
 
 if TYPE_CHECKING:
     from kvtier.api.client import Namespace
@@ -115,11 +115,18 @@ class Credits:
         if gen != c.generation or c._sock is None:
             self._asked = None
             return
-        try:
-            reply = c._stashed_reply(rid, wait)
-        except KvtierError:
-            self._asked = None          # the connection went: the service ended it
-            return
+        while True:
+            try:
+                reply = c._stashed_reply(rid, wait)
+                break
+            except ServiceUnavailable:
+                self._asked = None      # the connection went: the service ended it
+                return
+            except KvtierError:
+                # An earlier request's error reply, read on the way to this one's and
+                # raised (rev11): this reply is still to come, so stash it again (else it
+                # breaks a later call, and the credit stays reserved until it expires).
+                c._stash(rid)
         if reply is None:
             return                      # not read yet: asked still
         self._asked = None
