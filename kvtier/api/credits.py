@@ -125,7 +125,11 @@ class Credits:
             except KvtierError:
                 # An earlier request's error reply, read on the way to this one's and
                 # raised (rev11): this reply is still to come, so stash it again (else it
-                # breaks a later call, and the credit stays reserved until it expires).
+                # breaks a later call, and the credit stays reserved until it expires). Each
+                # such error took a frame, so this ends.
+                if c._sock is None or c.generation != gen:
+                    self._asked = None
+                    return
                 c._stash(rid)
         if reply is None:
             return                      # not read yet: asked still
