@@ -353,6 +353,8 @@ def test_bad_cuda_arguments_are_refused_with_what_to_do(gpu_service):
         out = torch.zeros(4, BB, dtype=torch.uint8, device="cuda")
         with pytest.raises(BadRequest, match="stream must be"):
             ns.get_async(keys(range(4)), out=out, stream="fast")
+        with pytest.raises(BadRequest, match="stream must be"):
+            ns.put_async(keys(range(4)), out, stream="fast")
         with pytest.raises(BadRequest, match="do not split into 3"):
             ns.get_async(keys(range(4)), out=out, layers=3)
         with pytest.raises(BadRequest, match="0..3"):
@@ -363,6 +365,8 @@ def test_bad_cuda_arguments_are_refused_with_what_to_do(gpu_service):
         with pytest.raises(BadRequest, match="namespace's blocks are"):
             ns.put(keys(range(2)), wrong)
         assert c.stats()["leases"] == 0 and c.stats()["reservations"] == 0
+        ns.put(keys(range(4)), out)          # the connection is in step: no reply left unread
+        assert ns.get(keys(range(4)), out=torch.empty_like(out))[0].all()
 
 
 def test_a_put_refused_part_way_commits_nothing_and_holds_nothing(tmp_path: Path, monkeypatch):

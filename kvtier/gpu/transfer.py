@@ -493,6 +493,10 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
     seg = ns._gpu(tier)
     w = ns.key_width
     pol = policy()
+    with cupy.cuda.Device(table.device):
+        # The stream before any request: a bad one raises with nothing reserved and no reply
+        # left unread on the connection.
+        st = Stream.resolve(stream, table.device)
     credit = _credit(ns, tier, pol) if n else None
     k = 0 if credit is None else min(n, credit.slots.size)     # keys 0..k go into the credit
     chunks = [(k + lo, k + hi) for lo, hi in pipeline.cuda_put_chunks(n - k, ns.block_bytes)
@@ -502,7 +506,6 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
                                "parents": None if parents is None else parents[lo * w:hi * w]},
                    piggyback=i == len(chunks) - 1) for i, (lo, hi) in enumerate(chunks)]
     with cupy.cuda.Device(table.device):
-        st = Stream.resolve(stream, table.device)
         staging = Staging(st)
         mover = Mover(seg, table, st, pol, staging)
         side, sums, hashed, error = None, 0, None, None
