@@ -114,6 +114,22 @@ static void release_buffers(Py_buffer *bufs, Py_ssize_t n, const int *writable)
             PyBuffer_Release(&bufs[i]);
 }
 
+/* A tuple of count (2 or 3) new references, stolen: NULL when one is (its error) or the tuple
+ * cannot be made, every reference dropped. Py_BuildValue parses its format on every call, ~1k
+ * instructions of each of a replayed request's ~4 such returns. */
+static PyObject *steal_tuple(Py_ssize_t count, PyObject *a, PyObject *b, PyObject *c)
+{
+    PyObject *items[3] = {a, b, c};
+    PyObject *t = a && b && (c || count < 3) ? PyTuple_New(count) : NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (t)
+            PyTuple_SET_ITEM(t, i, items[i]);
+        else
+            Py_XDECREF(items[i]);
+    }
+    return t;
+}
+
 static PyObject *hash_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const int writable[3] = {0, -1, 1};
@@ -516,7 +532,7 @@ static int cmp_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+static int reset_core(PyObject *columns, PyObject *fills, const int64_t *rows, Py_ssize_t n);
 
 static PyObject *remove_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -610,41 +626,37 @@ static PyObject *remove_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     } else {
         qsort(freelist + nfree, (size_t)got, sizeof(int64_t), cmp_i64);
     }
+    /* The reset reads the rows through this call's own view of them (no second request). */
+    int failed = !missing && reset && reset_core(args[10], args[11], rows, n) < 0;
     release_buffers(b, 10, writable);
     if (missing) {
         PyErr_SetString(PyExc_RuntimeError, "remove_rows: a row is not in the index");
         return NULL;
     }
-    if (reset) {
-        PyObject *const rargs[3] = {args[10], args[11], args[7]};
-        PyObject *done = reset_rows(self, rargs, 3);
-        if (done == NULL)
-            return NULL;
-        Py_DECREF(done);
-    }
-    return Py_BuildValue("nK", k, (unsigned long long)top);
+    if (failed)
+        return NULL;
+    return steal_tuple(2, PyLong_FromSsize_t(k),
+                       PyLong_FromUnsignedLongLong((unsigned long long)top), NULL);
 }
 
 /* reset_rows(columns, fills, rows): each column's row set to its fill (one row's bytes).
  * The rows are checked once against the shortest column, and a fill that is a bytes object
  * (the table's own, PageTable._row_fills) is read in place: a replayed request's eviction
  * resets ~25 rows of 16 columns, and a buffer request per fill and a bounds pass per column
- * were most of the call's ~12k instructions. Nothing is written when a check fails. */
+ * were most of the call's ~12k instructions. Nothing is written when a check fails.
+ * reset_core is its work on rows already taken (remove_rows's own view of them): 0, or -1
+ * with an exception. */
 #define RESET_MAX_COLS 32
-static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static int reset_core(PyObject *columns, PyObject *fills, const int64_t *rows, Py_ssize_t n)
 {
-    if (nargs != 3 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])
-            || PyTuple_GET_SIZE(args[0]) != PyTuple_GET_SIZE(args[1])
-            || PyTuple_GET_SIZE(args[0]) > RESET_MAX_COLS) {
+    if (!PyTuple_Check(columns) || !PyTuple_Check(fills)
+            || PyTuple_GET_SIZE(columns) != PyTuple_GET_SIZE(fills)
+            || PyTuple_GET_SIZE(columns) > RESET_MAX_COLS) {
         PyErr_SetString(PyExc_TypeError, "reset_rows(columns tuple, fills tuple, rows), at "
                         "most 32 columns");
-        return NULL;
+        return -1;
     }
-    Py_buffer rb;
-    if (PyObject_GetBuffer(args[2], &rb, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    const int64_t *rows = rb.buf;
-    Py_ssize_t n = rb.len / 8, ncols = PyTuple_GET_SIZE(args[0]);
+    Py_ssize_t ncols = PyTuple_GET_SIZE(columns);
     Py_buffer cb[RESET_MAX_COLS], fb[RESET_MAX_COLS];
     int fb_taken[RESET_MAX_COLS];
     const char *fill[RESET_MAX_COLS];
@@ -652,8 +664,8 @@ static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t got = 0, cap = PY_SSIZE_T_MAX;
     int ok = 1;
     for (; got < ncols; got++) {
-        PyObject *f = PyTuple_GET_ITEM(args[1], got);
-        if (get_kept_buffer(PyTuple_GET_ITEM(args[0], got), &cb[got], 1) < 0)
+        PyObject *f = PyTuple_GET_ITEM(fills, got);
+        if (get_kept_buffer(PyTuple_GET_ITEM(columns, got), &cb[got], 1) < 0)
             break;
         if (PyBytes_CheckExact(f)) {
             fb_taken[got] = 0;
@@ -706,14 +718,30 @@ static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
             PyBuffer_Release(&fb[c]);
         PyBuffer_Release(&cb[c]);
     }
-    PyBuffer_Release(&rb);
     if (got < ncols)
-        return NULL;                   /* a column or fill refused its buffer: its error */
+        return -1;                     /* a column or fill refused its buffer: its error */
     if (!ok) {
         PyErr_SetString(PyExc_ValueError, "reset_rows: a fill is not one row of its "
                         "column, or a row is outside it");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "reset_rows(columns tuple, fills tuple, rows), at "
+                        "most 32 columns");
         return NULL;
     }
+    Py_buffer rb;
+    if (PyObject_GetBuffer(args[2], &rb, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    int done = reset_core(args[0], args[1], rb.buf, rb.len / 8);
+    PyBuffer_Release(&rb);
+    if (done < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -759,7 +787,7 @@ static PyObject *current_prefix(PyObject *self, PyObject *const *args, Py_ssize_
         below += !in_mem;
     }
     release_buffers(b, 8, writable);
-    return Py_BuildValue("nn", done, below);
+    return steal_tuple(2, PyLong_FromSsize_t(done), PyLong_FromSsize_t(below), NULL);
 }
 
 /* insert_keys(index, keycol, width, keys, free, nfree, n_rows, out_rows, out_created)
@@ -853,7 +881,8 @@ static PyObject *insert_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
                         "or the index is full");
         return NULL;
     }
-    return Py_BuildValue("nnn", n_rows, nfree, made);
+    return steal_tuple(3, PyLong_FromSsize_t(n_rows), PyLong_FromSsize_t(nfree),
+                       PyLong_FromSsize_t(made));
 }
 
 /* key_flags(keys, width) -> bits: 1 when some key is all zeros (reserved: it means "no
@@ -1158,7 +1187,8 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     if (!linked)
         return NULL;                              /* link_each's MemoryError */
-    return Py_BuildValue("nnK", nr, nf, (unsigned long long)top);
+    return steal_tuple(3, PyLong_FromSsize_t(nr), PyLong_FromSsize_t(nf),
+                       PyLong_FromUnsignedLongLong((unsigned long long)top));
 fail:
     PyMem_Free(h);
     views_release(&v);

@@ -705,7 +705,17 @@ static PyObject *lru_take(PyObject *self, PyObject *const *args, Py_ssize_t narg
         }
     }
     views_release(&v);
-    return Py_BuildValue("nnnn", pos, k, nm, nh);
+    /* The tuple made directly: Py_BuildValue parses its format, ~1k instructions a call. */
+    Py_ssize_t got[4] = {pos, k, nm, nh};
+    PyObject *res = PyTuple_New(4);
+    for (int i = 0; res != NULL && i < 4; i++) {
+        PyObject *x = PyLong_FromSsize_t(got[i]);
+        if (x == NULL)
+            Py_CLEAR(res);             /* its items so far go with it */
+        else
+            PyTuple_SET_ITEM(res, i, x);
+    }
+    return res;
 fail:
     views_release(&v);
     return NULL;
