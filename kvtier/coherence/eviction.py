@@ -124,13 +124,14 @@ class Eviction:
         done = 0
         if not lowers and _fast is not None:
             # The lowest tier (a replay's host tier without NVMe): every victim goes as it is,
-            # nothing is written down or set aside.
+            # nothing is written down or set aside, so the policy forgets them as it hands
+            # them out (drop: no on_remove after).
             victims = policy.victims
             while done < n:
-                slots = victims(n - done)
+                slots = victims(n - done, True)
                 if slots.size == 0:
                     break
-                done += self._evict_lowest(ns, tier, st, slots, policy)
+                done += self._evict_lowest(ns, tier, st, slots, None)
             return done
         held: list[np.ndarray] = []      # victims that could not be written down: kept aside
         # The usual case (clean copies, a lower tier holding their version: an NVMe get's room
@@ -219,15 +220,17 @@ class Eviction:
         return int(n)
 
     def _evict_lowest(self, ns: Namespace, tier: Tier, st: SlotState, slots: np.ndarray,
-                      policy: TierPolicy, lower: Tier | None = None) -> int:
+                      policy: TierPolicy | None, lower: Tier | None = None) -> int:
         """_drop_victims_native with the C helper, for victims that can all go as they are
         (the lowest tier's, or copies that lower, the first lower tier, covers: a demotion
-        counted there): the policy's on_remove, then _fast.evict_slots (the victims' rows,
-        drop_rows, the freed slots pushed onto the pool's stack, a SlotStack: no row gather,
-        scratch arrays or slices between the calls), the budget, the counters, the removal."""
+        counted there): the policy's on_remove (None: the victims were handed out with drop,
+        forgotten already), then _fast.evict_slots (the victims' rows, drop_rows, the freed
+        slots pushed onto the pool's stack, a SlotStack: no row gather, scratch arrays or
+        slices between the calls), the budget, the counters, the removal."""
         table = ns.table
         cols = table.cols
-        policy.on_remove(slots)
+        if policy is not None:
+            policy.on_remove(slots)
         n = slots.size
         if self._scratch.size < 2 * n:
             self._scratch = _empty(2 * n + 64, dtype=_I64)

@@ -29,7 +29,7 @@
  *   s3_give_back(per, where, st, ring0, ring1, slots)
  *   lru_insert(per, where, st, rows, slots, last_access, out_stamps) -> epoch, or -1
  *   lru_take(per, where, cur i64[m, 3], pos, need, slot_row, last_access, leases, out i64[need],
- *            scratch i64[s, 3]) -> (pos, taken, n_moved, n_held)
+ *            scratch i64[s, 3][, drop]) -> (pos, taken, n_moved, n_held)
  *   ghost_add(fp, seq, alive, gst, hashes), ghost_take(fp, seq, alive, gst, hashes, out_found)
  * Each function's comment says which Python method it is; the numpy version is the spec.
  * The GIL is held: these run under the engine lock, on batches that take microseconds.
@@ -650,16 +650,21 @@ fail:
  * an entry no longer current is dropped, one accessed since the sort is written to moved (for
  * its new bucket), a leased one to held (it comes round again), any other is a victim (where
  * PENDING, written to out), until need victims, the end of cur, or a full moved or held.
- * Returns (pos, victims, moved, held). */
+ * With drop (a 12th argument, true) a victim's where is NONE at once: on_remove's work, for a
+ * caller that frees every victim (victims(n, drop=True)). Returns (pos, victims, moved, held). */
 static PyObject *lru_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Views v = {.n = 0};
     Pol p;
     Py_ssize_t m, mc, pos, need, nr, nl, np_, no, sm, smc;
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "lru_take takes 11 arguments");
+    if (nargs != 11 && nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "lru_take takes 11 or 12 arguments");
         return NULL;
     }
+    int drop = nargs == 12 ? PyObject_IsTrue(args[11]) : 0;
+    if (drop < 0)
+        return NULL;
+    const int8_t taken_where = drop ? NONE : PENDING;
     const int64_t *cur = pol_views(&v, args, &p, 1, 0, "lru_take") < 0 ? NULL
         : view(&v, args[3], 8, 0, &m, &mc, "cur");
     if (!cur || as_index(args[4], &pos, "pos") < 0 || as_index(args[5], &need, "need") < 0)
@@ -700,7 +705,7 @@ static PyObject *lru_take(PyObject *self, PyObject *const *args, Py_ssize_t narg
             moved[3 * (sm - nh) + 1] = stamp;
             moved[3 * (sm - nh) + 2] = now;
         } else {
-            p.where[s] = PENDING;
+            p.where[s] = taken_where;
             out[k++] = s;
         }
     }

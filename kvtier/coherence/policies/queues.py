@@ -7,6 +7,9 @@ The engine tells a policy three things (coherence.eviction is the only caller):
     on_remove(slots)         these slots are being freed (evicted, overwritten or deleted)
     victims(n)               pop up to n unleased slots in eviction order; the engine then frees
                              them (on_remove) or hands back those it could not use (give_back)
+    victims(n, drop=True)    the same, for a caller that frees every one of them at once (the
+                             lowest tier's eviction): the policy forgets them as on_remove would,
+                             in the same step, and the caller does not call on_remove
 
 Accesses are not reported: a policy reads the page table's ``freq`` and ``last_access`` columns of
 the rows it looks at, which every get already maintains (the C fast path included). So a policy
@@ -209,14 +212,17 @@ class LruQueue(_SlotPolicy):
                 return True
         return False
 
-    def victims(self, n: int) -> np.ndarray:
+    def victims(self, n: int, drop: bool = False) -> np.ndarray:
         # No more victims than slots: an admin evict of "everything" asks for 2^30, and the
         # output and scratch arrays are sized by n.
         cap = self.st.slot_row.shape[0]
         if n > cap:                # (builtin min: a tuple and an iteration, ~0.1 us)
             n = cap
         if _queues is None:
-            return self._victims_numpy(n)
+            out = self._victims_numpy(n)
+            if drop:
+                self.on_remove(out)
+            return out
         out = _empty(n, dtype=_I64)
         if self._scratch.shape[0] < 2 * n + 32:
             self._scratch = _empty((2 * n + 32, 3), dtype=_I64)
@@ -229,9 +235,11 @@ class LruQueue(_SlotPolicy):
                 self._cur = None
                 if not self._load_oldest():
                     break
+            # (drop: lru_take sets a victim's where to NONE, on_remove's frame and fancy
+            # assignment saved on every put of the replay that evicts.)
             self._pos, took, moved, held = _queues.lru_take(
                 self._per, self._where, self._st, self._cur, self._pos, n - k, slot_row,
-                last_col, self.st.leases, out if k == 0 else out[k:], scratch)
+                last_col, self.st.leases, out if k == 0 else out[k:], scratch, drop)
             k += took
             if moved:                          # accessed since the sort: to their new bucket
                 m = scratch[:moved].copy()
@@ -359,20 +367,25 @@ class S3Fifo(_SlotPolicy):
         if k >= 0:
             self._replaced = out[:k]
 
-    def victims(self, n: int) -> np.ndarray:
+    def victims(self, n: int, drop: bool = False) -> np.ndarray:
         # No more victims than slots: an admin evict of "everything" asks for 2^30, and the
         # output and scratch arrays are sized by n.
         cap = self.st.slot_row.shape[0]
         if n > cap:                # (builtin min: a tuple and an iteration, ~0.1 us)
             n = cap
         if _queues is None:
-            return self._victims_numpy(n)
-        # Probation's entries may all move to main in this call; nothing else adds entries.
-        self._rings[self.MAIN].reserve(len(self._rings[self.SMALL]))
-        out = _empty(n, dtype=_I64)
-        k = _queues.s3_victims(*self._c_args(), self.st.slot_row, self.table.cols["freq"],
-                               self.st.leases, n, out)
-        return out if k == n else out[:k]
+            out = self._victims_numpy(n)
+        else:
+            # Probation's entries may all move to main in this call; nothing else adds entries.
+            self._rings[self.MAIN].reserve(len(self._rings[self.SMALL]))
+            out = _empty(n, dtype=_I64)
+            k = _queues.s3_victims(*self._c_args(), self.st.slot_row, self.table.cols["freq"],
+                                   self.st.leases, n, out)
+            if k != n:
+                out = out[:k]
+        if drop and out.size:
+            self.on_remove(out)        # the ghost remembers them (s3_remove)
+        return out
 
     def give_back(self, slots: np.ndarray) -> None:
         if _queues is None:
