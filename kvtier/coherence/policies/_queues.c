@@ -25,7 +25,8 @@
  *             slots, rep i64[k, 3])                      S3Fifo.on_insert
  *   s3_remove(per, where, st, fp, seq, alive, gst, slot_row, keycol, width, slots,
  *             out_rep i64[n, 3]) -> k, or -1             S3Fifo.on_remove
- *   s3_victims(per, where, st, ring0, ring1, slot_row, freq, leases, n, out i64[n]) -> k
+ *   s3_victims(per, where, st, ring0, ring1, slot_row, freq, leases, n, out i64[n]
+ *              [, fp, seq, alive, gst, keycol, width]) -> k
  *   s3_give_back(per, where, st, ring0, ring1, slots)
  *   lru_insert(per, where, st, rows, slots, last_access, out_stamps) -> epoch, or -1
  *   lru_take(per, where, cur i64[m, 3], pos, need, slot_row, last_access, leases, out i64[need],
@@ -422,15 +423,22 @@ fail:
 
 /* S3Fifo.victims(n): up to n unleased slots in eviction order, written to out; returns how
  * many. Entries are taken from a queue's head in windows of max(need, 32), as the numpy
- * version does, so that every decision (which queue, which entries) is the same. */
+ * version does, so that every decision (which queue, which entries) is the same. With the
+ * ghost's arrays, the key column and its width after out (victims(n, drop=True)), the victims
+ * are then forgotten as s3_remove forgets pending ones: the ghost remembers their keys in
+ * order and their where is NONE (checked first: a victim without a row raises with them
+ * pending, as s3_remove would have refused them). */
+static int s3_drop_taken(Views *v, PyObject *const *args, Pol *p, const int64_t *slot_row,
+                         const int64_t *out, int64_t taken, uint64_t *hashes);
+
 static PyObject *s3_victims(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Views v = {.n = 0};
     Pol p;
     Py_ssize_t nr, nf, nl, n, no;
     int64_t *win = NULL;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "s3_victims takes 10 arguments");
+    if (nargs != 10 && nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "s3_victims takes 10 or 16 arguments");
         return NULL;
     }
     if (pol_views(&v, args, &p, 3, 1, "s3_victims") < 0)
@@ -555,6 +563,10 @@ static PyObject *s3_victims(PyObject *self, PyObject *const *args, Py_ssize_t na
         if (push(&p, MAIN, to_main, nup, 0) < 0 || push(&p, SMALL, to_small, nheld, 0) < 0)
             goto fail;
     }
+    /* win is spent: its first taken <= n <= wcap words hold the victims' hashes. */
+    if (nargs == 16 && taken
+            && s3_drop_taken(&v, args, &p, slot_row, out, taken, (uint64_t *)win) < 0)
+        goto fail;
     free(win);
     views_release(&v);
     return PyLong_FromLongLong(taken);
@@ -562,6 +574,36 @@ fail:
     free(win);
     views_release(&v);
     return NULL;
+}
+
+/* s3_victims's drop: the taken victims' keys (args[10..15]: the ghost's arrays, the key
+ * column, its width) into the ghost, in order, and their where NONE. 0, or -1 with an
+ * exception and nothing written. */
+static int s3_drop_taken(Views *v, PyObject *const *args, Pol *p, const int64_t *slot_row,
+                         const int64_t *out, int64_t taken, uint64_t *hashes)
+{
+    Ghost g;
+    Py_ssize_t width, nk;
+    if (ghost_views(v, args + 10, &g, "s3_victims") < 0
+            || as_index(args[15], &width, "width") < 0)
+        return -1;
+    const uint8_t *keys = width > 0 ? view(v, args[14], width, 0, &nk, NULL, "keycol") : NULL;
+    if (!keys) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "s3_victims: a key width of 0");
+        return -1;
+    }
+    for (int64_t i = 0; i < taken; i++)
+        if (slot_row[out[i]] >= nk) {
+            PyErr_SetString(PyExc_ValueError, "s3_victims: a victim's row is past the keys");
+            return -1;
+        }
+    for (int64_t i = 0; i < taken; i++) {
+        hashes[i] = hash_one(keys + slot_row[out[i]] * width, width);
+        p->where[out[i]] = NONE;
+    }
+    ghost_put(&g, hashes, taken);
+    return 0;
 }
 
 /* S3Fifo.give_back(slots): victims not used go back to the head of their queue, in order

@@ -375,17 +375,24 @@ class S3Fifo(_SlotPolicy):
             n = cap
         if _queues is None:
             out = self._victims_numpy(n)
+            if drop and out.size:
+                self.on_remove(out)
+            return out
+        # Probation's entries may all move to main in this call; nothing else adds entries.
+        self._rings[self.MAIN].reserve(len(self._rings[self.SMALL]))
+        out = _empty(n, dtype=_I64)
+        if drop:
+            # s3_remove's work on them in the same call: the ghost remembers their keys.
+            cols = self.table.cols
+            k = _queues.s3_victims(*self._c_args(), self.st.slot_row, cols["freq"],
+                                   self.st.leases, n, out, *self._ghost_args, cols["key"],
+                                   self.table.key_width)
+            if k:
+                self._replaced = _NO_REPLACED     # as on_remove of pending slots leaves it
         else:
-            # Probation's entries may all move to main in this call; nothing else adds entries.
-            self._rings[self.MAIN].reserve(len(self._rings[self.SMALL]))
-            out = _empty(n, dtype=_I64)
             k = _queues.s3_victims(*self._c_args(), self.st.slot_row, self.table.cols["freq"],
                                    self.st.leases, n, out)
-            if k != n:
-                out = out[:k]
-        if drop and out.size:
-            self.on_remove(out)        # the ghost remembers them (s3_remove)
-        return out
+        return out if k == n else out[:k]
 
     def give_back(self, slots: np.ndarray) -> None:
         if _queues is None:
