@@ -888,6 +888,7 @@ static PyObject *insert_keys(PyObject *self, PyObject *const *args, Py_ssize_t n
 /* key_flags(keys, width) -> bits: 1 when some key is all zeros (reserved: it means "no
  * parent"), 2 when two keys share a hash (a repeat, or a collision: the caller's exact path
  * settles which). One pass over a batch, a small open-addressing set of the hashes. */
+#define KEY_SET_HERE 128
 static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const int writable[2] = {0, -1};
@@ -904,22 +905,32 @@ static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t n = b[0].len / width, cap = 16;
     while (cap < 2 * n)
         cap *= 2;
-    uint64_t *set = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
-    uint8_t *used = PyMem_Calloc((size_t)cap, 1);
+    /* A put's batch of up to 64 keys (the replay's ~25) hashes into sets on the stack. */
+    uint64_t set_here[KEY_SET_HERE];
+    uint8_t used_here[KEY_SET_HERE];
+    int here = cap <= KEY_SET_HERE;
+    uint64_t *set = here ? set_here : PyMem_Calloc((size_t)cap, sizeof(uint64_t));
+    uint8_t *used = here ? used_here : PyMem_Calloc((size_t)cap, 1);
     if (!set || !used) {
         PyMem_Free(set);
         PyMem_Free(used);
         release_buffers(b, 2, writable);
         return PyErr_NoMemory();
     }
+    if (here)
+        memset(used, 0, (size_t)cap);
     const uint8_t *keys = b[0].buf;
     long flags = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *key = keys + i * width;
+        /* All zeros: 8 bytes at a time (a replayed key's first 8 bytes are zero). */
         Py_ssize_t j = 0;
-        while (j < width && key[j] == 0)
-            j++;
-        if (j == width)
+        uint64_t word = 0;
+        for (; j + 8 <= width && word == 0; j += 8)
+            memcpy(&word, key + j, 8);
+        while (j < width && word == 0)
+            word = key[j++];
+        if (word == 0)
             flags |= 1;
         uint64_t h = hash_one(key, width), at = h & (uint64_t)(cap - 1);
         while (used[at] && set[at] != h)
@@ -929,8 +940,10 @@ static PyObject *key_flags(PyObject *self, PyObject *const *args, Py_ssize_t nar
         used[at] = 1;
         set[at] = h;
     }
-    PyMem_Free(set);
-    PyMem_Free(used);
+    if (!here) {
+        PyMem_Free(set);
+        PyMem_Free(used);
+    }
     release_buffers(b, 2, writable);
     return PyLong_FromLong(flags);
 }
