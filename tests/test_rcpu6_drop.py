@@ -154,3 +154,15 @@ def test_c_returns_are_tuples_of_python_ints():
     assert t.live == live - 5 and t.version_floor == 5
     assert (t.lookup(keys(range(1, 6))) == -1).all()
     assert (t.lookup(keys(range(6, 40))) == rows[5:]).all()
+
+
+def test_lru_epochs_distinct_as_np_unique_gives_them():
+    # LruQueue._add groups a batch by epoch through queues._distinct (np.unique without its
+    # import of numpy.ma): the same sorted distinct values, for empty, single and repeated.
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 2, 3, 25, 1000):
+        for hi in (1, 3, 50, 1 << 40):
+            a = rng.integers(-hi, hi, size=n, dtype=np.int64)
+            got = queues._distinct(a)
+            assert got.dtype == np.int64
+            assert got.tolist() == np.unique(a).tolist()
