@@ -391,19 +391,23 @@ class S3Fifo(_SlotPolicy):
                 self.on_remove(out)
             return out
         # Probation's entries may all move to main in this call; nothing else adds entries.
-        self._rings[self.MAIN].reserve(len(self._rings[self.SMALL]))
+        # (Ring.reserve's test inline, and _c_args' tuple below: three frames a put.)
+        st = self._st
+        small, main = self._rings
+        if st.item(ST_LEN1) + st.item(ST_LEN0) > main._buf.shape[0]:
+            main.reserve(st.item(ST_LEN0))
         out = _empty(n, dtype=_I64)
+        cols = self.table.cols
         if drop:
             # s3_remove's work on them in the same call: the ghost remembers their keys.
-            cols = self.table.cols
-            k = _queues.s3_victims(*self._c_args(), self.st.slot_row, cols["freq"],
-                                   self.st.leases, n, out, *self._ghost_args, cols["key"],
-                                   self.table.key_width)
+            k = _queues.s3_victims(self._per, self._where, st, small._buf, main._buf,
+                                   self.st.slot_row, cols["freq"], self.st.leases, n, out,
+                                   *self._ghost_args, cols["key"], self.table.key_width)
             if k:
                 self._replaced = _NO_REPLACED     # as on_remove of pending slots leaves it
         else:
-            k = _queues.s3_victims(*self._c_args(), self.st.slot_row, self.table.cols["freq"],
-                                   self.st.leases, n, out)
+            k = _queues.s3_victims(self._per, self._where, st, small._buf, main._buf,
+                                   self.st.slot_row, cols["freq"], self.st.leases, n, out)
         return out if k == n else out[:k]
 
     def give_back(self, slots: np.ndarray) -> None:
