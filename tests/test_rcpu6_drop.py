@@ -8,10 +8,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.coherence.policies import queues
+from kvtier.coherence.namespace import SlotState
+from kvtier.coherence.policies import make_tier_policy, queues
 from kvtier.pagetable import table as table_mod
 from kvtier.pagetable.table import PageTable
+from kvtier.tiers.host import SlotPool
 from tests.conftest import keys
+
+
+def _policy(name: str, n_slots: int):
+    """A fresh page table, a slot tier of n_slots and its policy (a 2x ghost, 20% probation)."""
+    table = PageTable(16)
+    st = SlotState.for_pool(SlotPool("t", 1, n_slots))
+    return table, st, make_tier_policy(name, st, table, {"ghost": "2x", "small": "0.2"})
 
 
 def _evictions(name: str, seed: int, drop: bool, steps: int = 900) -> list:
@@ -19,13 +28,7 @@ def _evictions(name: str, seed: int, drop: bool, steps: int = 900) -> list:
     evictions whose every victim is freed at once: with drop, victims(n, drop=True) alone;
     without, victims(n) and on_remove of all of them. What each eviction returned and the
     policy's state() after every step."""
-    from kvtier.coherence.namespace import SlotState
-    from kvtier.coherence.policies import make_tier_policy
-    from kvtier.tiers.host import SlotPool
-    n_slots = 20
-    table = PageTable(16)
-    st = SlotState.for_pool(SlotPool("t", 1, n_slots))
-    pol = make_tier_policy(name, st, table, {"ghost": "2x", "small": "0.2"})
+    table, st, pol = _policy(name, 20)
     rows, _ = table.insert(keys(range(1, 120)))
     cols = table.cols
     rng = np.random.default_rng(seed)
@@ -96,12 +99,7 @@ def test_s3_victims_with_drop_refuses_a_key_column_without_the_victims_rows():
     # is a ValueError, raised before any victim's where or the ghost is written.
     if queues._queues is None:
         pytest.skip("kvtier.coherence.policies._queues was not built here")
-    from kvtier.coherence.namespace import SlotState
-    from kvtier.coherence.policies import make_tier_policy
-    from kvtier.tiers.host import SlotPool
-    table = PageTable(16)
-    st = SlotState.for_pool(SlotPool("t", 1, 8))
-    pol = make_tier_policy("s3fifo", st, table, {"ghost": "2x", "small": "0.2"})
+    table, st, pol = _policy("s3fifo", 8)
     rows, _ = table.insert(keys(range(1, 9)))
     st.slot_row[:] = rows
     pol.on_insert(rows.astype(np.int64), np.arange(8, dtype=np.int64))
