@@ -1,0 +1,86 @@
+"""The service's NVMe reads (api/steps.py's ReadThreads on _reads.c's Reader threads) hash with
+tiers.reads.XXH3_READ, libxxhash's dispatching XXH3 (issue 17, fio11), and a damaged record is
+still refused on that path: never served, the other keys of the get served with their bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvtier.tiers import reads
+from tests.conftest import key, keys
+from tests.test_reads import _engine
+
+pytestmark = pytest.mark.skipif(not reads.available(), reason="kvtier.tiers._reads not built "
+                                "or no libxxhash: the Python read runs")
+
+
+def _drive_get(eng, names):
+    from kvtier.api.steps import StepRunner
+
+    loop = asyncio.new_event_loop()
+    pool = ThreadPoolExecutor(2)
+    runner = StepRunner(eng.lock, lambda fn, *a: loop.run_in_executor(pool, fn, *a),
+                        lambda fn, *a: loop.run_in_executor(pool, fn, *a))
+
+    async def get():
+        return await runner.drive(eng.get_steps("m", names, 0))
+    try:
+        return runner, loop.run_until_complete(get())
+    finally:
+        runner.close()
+        pool.shutdown()
+        loop.close()
+
+
+def _segment_file(tmp_path: Path, seg_id: int) -> Path:
+    (path,) = (tmp_path / "nvme").glob(f"ns-*/seg-{seg_id:08d}.kvt")
+    return path
+
+
+def test_the_reader_threads_hash_with_the_dispatching_xxh3(tmp_path: Path, monkeypatch):
+    # Which function the C threads hash with is not visible from Python: a spy on the
+    # Reader's constructor (the real Reader is built and reads) notes it.
+    made: list[int] = []
+    real = reads.native.Reader
+
+    def spy(threads, depth, fn):
+        made.append(fn)
+        return real(threads, depth, fn)
+
+    import types
+    monkeypatch.setattr(reads, "native", types.SimpleNamespace(Reader=spy,
+                                                               Batch=reads.native.Batch))
+    eng, data = _engine(tmp_path)
+    try:
+        runner, res = _drive_get(eng, keys(range(8)))
+        assert runner.c_reads == 1 and res.found.all()
+        assert made == [reads.XXH3_READ]
+        eng.release(res.lease_id)
+    finally:
+        eng.close(flush=False)
+
+
+def test_a_damaged_record_is_refused_through_the_service_read(tmp_path: Path):
+    eng, data = _engine(tmp_path)
+    try:
+        nvme = eng.entry("m", key(3))["copies"]["nvme"]
+        fd = os.open(_segment_file(tmp_path, nvme["slot"]), os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"damaged!", nvme["offset"] + 1000)    # inside the block's bytes
+        finally:
+            os.close(fd)
+        failures = eng.counters.checksum_failures
+        runner, res = _drive_get(eng, keys(range(8)))
+        assert runner.c_reads == 1
+        assert res.found.tolist() == [i != 3 for i in range(8)]
+        pool = eng.namespace("m").slots[1].pool
+        assert (pool.array[res.slots[res.found]] == data[res.found]).all()
+        assert eng.counters.checksum_failures == failures + 1
+        eng.release(res.lease_id)
+    finally:
+        eng.close(flush=False)
