@@ -4,7 +4,8 @@ threads, reaped through the eventfd as the service's loop reaps them (poll, then
 
     PYTHONPATH=TREE python bench/fio_reader.py [BATCHES] [--concurrent 4] [--dir DIR]
 
-Prints one JSON line: wall and process CPU per batch, and reaps (eventfd wakes) per batch.
+Prints one JSON line: wall and process CPU per batch (the threads' and the reaping loop's),
+and reaps (eventfd wakes) per batch.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def main() -> int:
     ap.add_argument("batches", type=int, nargs="?", default=2000)
     ap.add_argument("--concurrent", type=int, default=4)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--xxh3", choices=("read", "checksums"), default="read",
+                    help="the threads' hash: reads.XXH3_READ (the service's since fio11) or "
+                    "checksums' baseline XXH3_64bits (before)")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="fio-reader-", dir=a.dir)
     log = SegmentLog(work, 1, BB, 64 << 20)
@@ -41,7 +45,7 @@ def main() -> int:
     conc = a.concurrent
     pool = np.frombuffer(mmap.mmap(-1, conc * 16 * BB), dtype=np.uint8).reshape(-1, BB)
     held = log.pin(segs)
-    fn = getattr(reads, "XXH3_READ", None) or reads.checksums._fn
+    fn = (getattr(reads, "XXH3_READ", None) if a.xxh3 == "read" else None) or reads.checksums._fn
     r = reads.native.Reader(4, 128, fn)
     rng = np.random.default_rng(2)
     picks = [rng.choice(n, 16, replace=False) for _ in range(64)]
@@ -70,7 +74,8 @@ def main() -> int:
     log.unpin(held)
     log.close()
     shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"tree": reads.__file__.rsplit("/kvtier/", 1)[0], "batches": done,
+    print(json.dumps({"tree": reads.__file__.rsplit("/kvtier/", 1)[0], "xxh3": a.xxh3,
+                      "batches": done,
                       "wall_ms": round(1e3 * wall / done, 4),
                       "cpu_ms": round(1e3 * cpu / done, 4),
                       "reaps_per_batch": round(reaps / done, 3)}))
