@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 from kvtier.coherence import space
 from kvtier.coherence.engine import Engine
 from kvtier.config import make_settings
