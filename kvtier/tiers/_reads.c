@@ -387,17 +387,40 @@ struct Reader {
     worker *w;
 };
 
+/* A finished job onto the done list; the eventfd is written after the mutex is released
+ * (the write is a syscall the other workers and the reaper would wait for) and only by the
+ * worker that found the list empty: the jobs pushed after it ride on its wake. No wake is
+ * lost: that write comes after its push, and the reaper reads the eventfd before it takes
+ * the list, so either the reaper's take comes after the push (and takes the job) or its read
+ * comes before the write (and the write wakes it again). A take that finds the list empty
+ * (a write seen after its job was taken) is a spurious wake, no more (issue 17, fio11). */
+static void finish_job(Reader *r, job *j)
+{
+    pthread_mutex_lock(&r->mu);
+    int first = r->done == NULL;
+    j->next = r->done;
+    r->done = j;
+    pthread_mutex_unlock(&r->mu);
+    if (first) {
+        uint64_t one = 1;
+        ssize_t wr = write(r->efd, &one, sizeof one);
+        (void)wr;                                   /* only fails when the count is huge */
+    }
+}
+
 static void *worker_main(void *arg)
 {
     worker *w = arg;
     Reader *r = w->r;
-    pthread_mutex_lock(&r->mu);
     for (;;) {
+        pthread_mutex_lock(&r->mu);
         while (r->todo == NULL && !r->stop)
             pthread_cond_wait(&r->cv, &r->mu);
         job *j = r->todo;
-        if (j == NULL)
+        if (j == NULL) {
+            pthread_mutex_unlock(&r->mu);
             break;                                  /* stopping, and nothing is left */
+        }
         r->todo = j->next;
         if (r->todo == NULL)
             r->todo_tail = NULL;
@@ -412,14 +435,8 @@ static void *worker_main(void *arg)
                 w->ctx = 0;                         /* a fresh one for the next batch */
             }
         }
-        pthread_mutex_lock(&r->mu);
-        j->next = r->done;
-        r->done = j;
-        uint64_t one = 1;
-        ssize_t wr = write(r->efd, &one, sizeof one);
-        (void)wr;                                   /* only fails when the count is huge */
+        finish_job(r, j);
     }
-    pthread_mutex_unlock(&r->mu);
     return NULL;
 }
 
