@@ -20,10 +20,6 @@ pytestmark = pytest.mark.skipif(not reads.available(), reason="kvtier.tiers._rea
 BB = 65536
 
 
-@pytest.mark.xfail(strict=True, reason="rev11: _reads.c verifies each record as it is reaped, "
-                   "so of two records read into one row both pass, the row holding the second "
-                   "(the fallback, hashing the rows after the reads, fails the first); "
-                   "Batch_new should refuse a row named twice (ValueError)")
 def test_two_records_into_one_row_are_refused_or_verified_against_what_the_row_holds(
         tmp_path: Path):
     log = SegmentLog(tmp_path, 1, BB, 1 << 20)

@@ -79,7 +79,7 @@ class ReadThreads:
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int = READ_THREADS,
                  depth: int = READ_DEPTH) -> None:
         self.loop = loop
-        self._reader = reads.native.Reader(threads, depth, reads.checksums._fn)
+        self._reader = reads.native.Reader(threads, depth, reads.XXH3_READ)
         self._waiting: set[asyncio.Future] = set()      # submitted, not reaped yet
         loop.add_reader(self._reader.fd, self._reap)
 

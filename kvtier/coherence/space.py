@@ -312,6 +312,11 @@ class Space:
             self.store.journal.delete(ns.ns_id, drop_keys)
             self.store.checkpoint()        # LMDB knows the moves before the file goes
         except StorageError as exc:
+            # As a flush's failed append does (Flushes._disk_full): the disk may hold less
+            # than the kept figure says (others' files), and the reclaims after this one
+            # would otherwise try to copy forward into room it does not have until the
+            # figure's DISK_CHECK_S ran out (fio11).
+            self.disk_changed()
             log.warning("reclaiming segment %d of %s failed (%s); it stays", seg.seg_id,
                         ns.name, exc)
             return

@@ -176,6 +176,36 @@ static void Batch_dealloc(Batch *b)
     Py_TYPE(b)->tp_free((PyObject *)b);
 }
 
+/* 1 when a row is named twice, -1 out of memory. Each record is verified as its read is
+ * reaped, so of two records read into one row both would pass while the row holds only the
+ * one that landed last (rev11's review; the Python fallback hashes the rows after all the
+ * reads and fails the first): such a batch is refused. An open-addressing set of the rows
+ * (they are >= 0, so -1 is free), on the stack for a get's batch. */
+static int rows_repeat(const int64_t *rw, Py_ssize_t n)
+{
+    int64_t local[256], *set = local;
+    size_t cap = 16;
+    int bits = 4;
+    while (cap < 2 * (size_t)n) {
+        cap <<= 1;
+        bits++;
+    }
+    if (cap > sizeof local / sizeof *local && (set = malloc(cap * sizeof *set)) == NULL)
+        return -1;
+    memset(set, 0xff, cap * sizeof *set);
+    int rep = 0;
+    for (Py_ssize_t i = 0; i < n && !rep; i++) {
+        size_t h = (size_t)(((uint64_t)rw[i] * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+        while (set[h] != -1 && set[h] != rw[i])
+            h = (h + 1) & (cap - 1);
+        rep = set[h] == rw[i];
+        set[h] = rw[i];
+    }
+    if (set != local)
+        free(set);
+    return rep;
+}
+
 static PyObject *Batch_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     (void)kw;
@@ -238,6 +268,15 @@ static PyObject *Batch_new(PyTypeObject *type, PyObject *args, PyObject *kw)
                          (long long)rw[i], nrows);
             goto done;
         }
+    }
+    int rep = rows_repeat(rw, n);
+    if (rep) {
+        if (rep < 0)
+            PyErr_NoMemory();
+        else
+            PyErr_SetString(PyExc_ValueError, "Batch: a row named twice (each record is "
+                            "verified as it lands: its row must hold it alone)");
+        goto done;
     }
     b = (Batch *)type->tp_alloc(type, 0);
     if (b == NULL)
@@ -387,17 +426,40 @@ struct Reader {
     worker *w;
 };
 
+/* A finished job onto the done list; the eventfd is written after the mutex is released
+ * (the write is a syscall the other workers and the reaper would wait for) and only by the
+ * worker that found the list empty: the jobs pushed after it ride on its wake. No wake is
+ * lost: that write comes after its push, and the reaper reads the eventfd before it takes
+ * the list, so either the reaper's take comes after the push (and takes the job) or its read
+ * comes before the write (and the write wakes it again). A take that finds the list empty
+ * (a write seen after its job was taken) is a spurious wake, no more (issue 17, fio11). */
+static void finish_job(Reader *r, job *j)
+{
+    pthread_mutex_lock(&r->mu);
+    int first = r->done == NULL;
+    j->next = r->done;
+    r->done = j;
+    pthread_mutex_unlock(&r->mu);
+    if (first) {
+        uint64_t one = 1;
+        ssize_t wr = write(r->efd, &one, sizeof one);
+        (void)wr;                                   /* only fails when the count is huge */
+    }
+}
+
 static void *worker_main(void *arg)
 {
     worker *w = arg;
     Reader *r = w->r;
-    pthread_mutex_lock(&r->mu);
     for (;;) {
+        pthread_mutex_lock(&r->mu);
         while (r->todo == NULL && !r->stop)
             pthread_cond_wait(&r->cv, &r->mu);
         job *j = r->todo;
-        if (j == NULL)
+        if (j == NULL) {
+            pthread_mutex_unlock(&r->mu);
             break;                                  /* stopping, and nothing is left */
+        }
         r->todo = j->next;
         if (r->todo == NULL)
             r->todo_tail = NULL;
@@ -412,14 +474,8 @@ static void *worker_main(void *arg)
                 w->ctx = 0;                         /* a fresh one for the next batch */
             }
         }
-        pthread_mutex_lock(&r->mu);
-        j->next = r->done;
-        r->done = j;
-        uint64_t one = 1;
-        ssize_t wr = write(r->efd, &one, sizeof one);
-        (void)wr;                                   /* only fails when the count is huge */
+        finish_job(r, j);
     }
-    pthread_mutex_unlock(&r->mu);
     return NULL;
 }
 
