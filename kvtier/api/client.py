@@ -40,6 +40,7 @@ stored, and are never put again blindly. Not thread-safe: use one Client per thr
 from __future__ import annotations
 
 import array
+import logging
 import os
 import select
 import socket
@@ -63,6 +64,8 @@ from kvtier.gpu.device import is_cuda_target
 
 _RECV = 1 << 20
 _CMSG = socket.CMSG_SPACE(4 * array.array("i").itemsize)   # room for the fds of one reply
+
+log = logging.getLogger("kvtier.client")
 
 
 def default_socket() -> str:
@@ -291,6 +294,7 @@ class Client:
         self.name = name or f"pid-{os.getpid()}"
         self.generation = 0
         self.release_errors = 0
+        self.orphaned_replies = 0       # replies read that no caller waited for (a bug: logged)
         self._sock: socket.socket | None = None
         self._buf = bytearray()
         self._rview = memoryview(bytearray(_RECV))
@@ -532,10 +536,28 @@ class Client:
                 self._stash_ids.discard(rid)
                 self._stashed[rid] = reply
                 continue
+            if isinstance(rid, int) and rid < req_id:
+                self._orphan(rid, reply)
+                continue
             if rid != req_id:
                 raise P.raise_for(reply) if not reply.get("ok") else KvtierError(
                     f"reply for request {rid} while waiting for {req_id}")
             return P.raise_for(reply)
+
+    def _orphan(self, rid: int, reply: dict[str, Any]) -> None:
+        """An earlier request's reply that nobody waits for (a caller left it unread: a bug).
+        Replies come in order, so it is read past rather than taken for the awaited one; the
+        hold it grants (a lease, a reservation) goes back at once instead of at its timeout,
+        and the connection stays in step for the next calls."""
+        self.orphaned_replies += 1
+        log.warning("kvtier: reply to request %d (%s) read with no caller waiting for it; "
+                    "what it holds is given back", rid, "ok" if reply.get("ok") else "error")
+        if not reply.get("ok"):
+            return
+        if reply.get("lease"):
+            self._release_later(int(reply["lease"]))
+        elif "rid" in reply and "slots" in reply:          # a reservation or a credit
+            self._send_nowait("abort", rid=int(reply["rid"]))
 
     def _open_mapped(self, name: str) -> tuple[dict[str, Any], int]:
         info = self._call("ns_open", name=name, map=True)
