@@ -3,6 +3,7 @@ decided together, then each step of each in turn (as s35-stall10-overlap.py), ev
 timed as a loop slice (fn + the generator's advance, as s35-stall10-slices.py). Prints per step
 name p50/p90 us and, for the install step, split by whether it shared a copy. Run from a tree:
     PYTHONPATH=$PWD python bench/results/s36-stall11-install.py 4 150
+STALL11_NOGC=1: the cyclic collector off after the setup (its pauses land in whichever slice).
 """
 import contextlib, importlib, json, os, shutil, sys, time
 import numpy as np
@@ -55,6 +56,10 @@ def one_round(timed):
         eng.release(g[2].lease_id)
 
 
+if os.environ.get("STALL11_NOGC"):       # the collector's pauses out of the slices
+    import gc
+    gc.collect()
+    gc.disable()
 for _ in range(20):
     one_round(False)
 for _ in range(ROUNDS):
