@@ -110,17 +110,17 @@ def _args(m=4, p=16, c=10, nt=3, tier=1):
 def test_install_shares_writes_what_it_says():
     a = _args()
     slot, copy_ver, slot_row, leases, retired, rows, tier, dst, versions, have, pos, out_slots, out = a
-    leases[2] = 2                    # our slot 2 pinned elsewhere too: retired, not freed
+    leases[2] = 2                    # our slot 2 pinned elsewhere too: its count kept
     k_mine, k_back = transfers._install_shares(*a)
-    assert (k_mine, k_back) == (2, 1)
+    assert (k_mine, k_back) == (2, 2)
     assert out[0, :2].tolist() == [1, 3] and out[1, :2].tolist() == [1, 3]
-    assert out[2, :1].tolist() == [0]
+    assert out[2, :2].tolist() == [0, 2]    # going back: retired, still pinned
     # positions reversed: row i at position 3 - i; shared rows served from 8 + row
     assert out_slots.tolist() == [3, 10, 1, 8]
     assert slot[[1, 3], tier].tolist() == [1, 3] and copy_ver[[1, 3], tier].tolist() == [5, 5]
     assert slot_row[[0, 1, 2, 3]].tolist() == [-1, 1, -1, 3]
-    assert leases[[0, 1, 2, 3, 8, 10]].tolist() == [0, 1, 1, 1, 1, 1]
-    assert retired.tolist() == [False, False, True] + [False] * 13
+    assert leases[[0, 1, 2, 3, 8, 10]].tolist() == [1, 1, 2, 1, 1, 1]
+    assert retired.tolist() == [True, False, True] + [False] * 13
 
 
 @needs_c
@@ -150,3 +150,73 @@ def test_install_shares_refuses_bad_input_before_any_write(bad):
     for x, y in zip(a, before):
         if isinstance(x, np.ndarray):
             assert np.array_equal(x, y)
+
+
+# ------------------------------------------------------------------ faults in the shared install
+
+@pytest.fixture
+def fault_eng(tmp_path: Path):
+    """test_get_faults' engine (keys 0..5 on NVMe only, RESIDENT in the host tier), with the
+    C install: the shared install then takes install_shares."""
+    from kvtier.coherence.engine import Engine
+    from kvtier.config import make_settings
+    from kvtier.types import Tier
+    from tests.conftest import blocks, keys
+    from tests.test_get_faults import BB, RESIDENT
+
+    e = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "64KiB",
+                              "nvme_capacity": "4MiB", "segment_bytes": "1MiB",
+                              "write_policy": "write_back"}))
+    e.create_namespace("m", BB)
+    e.put("m", keys(range(6)), blocks(6, BB, 1))
+    e.flush()
+    e.evict(Tier.HOST, 16)
+    e.put("m", keys([RESIDENT]), blocks(1, BB, 2))
+    yield e
+    e.close(flush=False)
+
+
+@needs_c
+@pytest.mark.parametrize("seam", ["install_shares", "unpin_slots", "placed"])
+def test_a_shared_install_that_raises_in_c_or_after_ends_every_pin_once(
+        fault_eng, monkeypatch, seam: str):
+    # test_get_faults' share-and-raise case at the C path's seams (its set_copy and free_slots
+    # seams are not called by it): key 0 is installed by another get while this one's read is
+    # in flight, so the install shares that copy and gives its own slot back. A fault in the
+    # C call (before any write: a broken table's ValueError), in the unpin that frees the
+    # read's slots going back, or in the policy's notice of the copies placed must end the
+    # share's pin and
+    # every slot of the read, each once. (Injected: none of these raises for a real fault
+    # short of no memory.)
+    from tests.conftest import drive_get, keys
+    from tests.test_get_faults import BATCH, Injected, _held, _once, _whole_get
+
+    eng = fault_eng
+    before = _held(eng)
+    ns = eng.namespace("m")
+    other = {}
+    called: list[str] = []
+
+    def meanwhile(p) -> None:
+        res = eng.get("m", keys([0]))
+        other["slot"] = int(res.slots[0])
+        eng.release(res.lease_id)
+        if seam == "install_shares":
+            m.setattr(transfers, "_install_shares", _once(transfers._install_shares))
+        else:
+            m.setattr(eng, seam, _once(getattr(eng, seam)))
+        called.append(seam)
+
+    with monkeypatch.context() as m:
+        with pytest.raises(Injected):
+            drive_get(eng, eng.get_steps("m", keys(BATCH)), before_install=meanwhile)
+    assert called == [seam]
+    after = _held(eng)
+    assert after["pins"] == 0 and after["leases"] == 0 and after["readers"] == 0
+    assert after["accounted"] and after["slot_rows"]
+    # Key 0's copy (the other get's) stays; nothing else of this get's read does.
+    row0 = int(ns.table.lookup(ns.table.keys_array(keys([0])))[0])
+    assert after["copies"] == sorted(before["copies"] + [(row0, other["slot"])])
+    assert after["free"] == before["free"] - 1
+    assert after["host_used"] == before["host_used"] + test_gets.BB
+    _whole_get(eng)

@@ -123,9 +123,10 @@
  *       out_slots[pos[i]] = dst[i]; r and dst[i] to out[0] and out[1], k_mine of them, for the
  *       caller's policy notice); where have[i] is 1 the row's current copy is shared (its
  *       slot pinned, pool_leases += 1, and out_slots[pos[i]] = that slot) and dst[i] goes
- *       back: slot_row = -1 and its pin ends; a slot left with no pin goes to out[2] (k_back
- *       of them, ascending, for the caller's free), one still pinned elsewhere is retired (as
- *       free_slots then unpin_slots do). A row past the columns, a slot (dst or shared) past
+ *       back as free_slots gives back a pinned slot: slot_row = -1, retired, its pin kept,
+ *       and dst[i] to out[2] (k_back of them) for the caller's unpin_slots, which frees it (a
+ *       fault between the two leaves it pinned for the get's give_back, never freed twice,
+ *       as install_read's tail: fix9). A row past the columns, a slot (dst or shared) past
  *       the pool, a pos past out_slots, a dst going back without a pin, a tier past the
  *       columns or lengths that differ raise ValueError before any write. Rows are distinct
  *       (a read plan's), and so are the dst slots.
@@ -807,16 +808,10 @@ static PyObject *install_shares(PyObject *self, PyObject *const *args, Py_ssize_
         int64_t theirs = slot[r * nsl + tier];
         leases[theirs] += 1;
         out_slots[pos[i]] = theirs;
-        slot_row[d] = -1;
-        if (--leases[d] == 0) {
-            retired[d] = 0;
-            back[k_back++] = d;
-        } else {
-            retired[d] = 1;
-        }
+        slot_row[d] = -1;       /* retired while pinned: the caller's unpin frees it */
+        retired[d] = 1;
+        back[k_back++] = d;
     }
-    /* Ascending, as unpin_slots hands its freed slots to the pool (the next alloc's order). */
-    qsort(back, (size_t)k_back, sizeof *back, cmp_i64);
     result = Py_BuildValue("(nn)", k_mine, k_back);
 done:
     views_release(&v);

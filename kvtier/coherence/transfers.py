@@ -63,7 +63,6 @@ class TierSlots(Protocol):
     def unpin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
     def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
                     slots: np.ndarray | None = None) -> None: ...
-    def slots_freed(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
     def placed(self, ns: Namespace, tier: Tier, rows: np.ndarray, slots: np.ndarray) -> None: ...
 
 
@@ -261,9 +260,10 @@ class Transfers:
         """install_shared's writes in one C call (_gets.c install_shares: stall11, ~86 us of
         the service's install step in numpy calls before), then the pool and the policy.
         The slots going back were never placed, so the policy is not told of them
-        (free_slots' on_remove of them changed nothing: tests/test_stall11_install.py). The
-        freed slots go back before the policy hears of ours: a policy that raises then
-        leaves ours for the get's give_back, and nothing freed twice or kept."""
+        (free_slots' on_remove of them changed nothing: tests/test_stall11_install.py); they
+        come back retired and pinned, and the unpin frees them, before the policy hears of
+        ours: whatever raises leaves the rest pinned for the get's give_back, and nothing
+        freed twice or kept."""
         cols = ns.table.cols
         out = _empty((3, dst.size), dtype=_I64)
         k_mine, k_back = _install_shares(cols["slot"], cols["copy_ver"], st.slot_row,
@@ -271,7 +271,7 @@ class Transfers:
                                          _contiguous(plan.versions, dtype=np.uint64), have,
                                          _contiguous(pos, dtype=_I64), slots, out)
         if k_back:
-            self.slots.slots_freed(ns, tier, out[2, :k_back])
+            self.slots.unpin_slots(ns, tier, out[2, :k_back])
         if k_mine:
             self.slots.placed(ns, tier, out[0, :k_mine], out[1, :k_mine])
 
