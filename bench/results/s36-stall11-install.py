@@ -5,7 +5,7 @@ name p50/p90 us and, for the install step, split by whether it shared a copy. Ru
     PYTHONPATH=$PWD python bench/results/s36-stall11-install.py 4 150
 STALL11_NOGC=1: the cyclic collector off after the setup (its pauses land in whichever slice).
 """
-import contextlib, importlib, json, os, shutil, sys, time
+import importlib, json, os, shutil, sys, time
 import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 slices = importlib.import_module("s35-stall10-slices")     # the same engine and keys
