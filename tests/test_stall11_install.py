@@ -112,7 +112,8 @@ def _args(m=4, p=16, c=10, nt=3, tier=1):
 @needs_c
 def test_install_shares_writes_what_it_says():
     a = _args()
-    slot, copy_ver, slot_row, leases, retired, rows, tier, dst, versions, have, pos, out_slots, out = a
+    slot, copy_ver, slot_row, leases, retired = a[:5]
+    tier, out_slots, out = a[6], a[11], a[12]
     leases[2] = 2                    # our slot 2 pinned elsewhere too: its count kept
     k_mine, k_back = transfers._install_shares(*a)
     assert (k_mine, k_back) == (2, 2)

@@ -64,8 +64,8 @@ for _ in range(20):
     one_round(False)
 for _ in range(ROUNDS):
     one_round(True)
-out = {k: [round(float(np.percentile(v, 50)) * 1e6, 1), round(float(np.percentile(v, 90)) * 1e6, 1),
-           len(v)] for k, v in sorted(T.items())}
+out = {k: [round(float(np.percentile(v, q)) * 1e6, 1) for q in (50, 90)] + [len(v)]
+       for k, v in sorted(T.items())}
 print(json.dumps({"K": K, "slices_p50_p90_n": out}))
 eng.close(flush=False)
 shutil.rmtree(base, ignore_errors=True)
