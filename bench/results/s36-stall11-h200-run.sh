@@ -9,7 +9,8 @@
 # 2. bench/stall_trace.py --readers 8 --no-gc once per tree, head first, with this branch's
 #    tracer copied into the base tree (its hooks wrap methods both trees have), the install
 #    and the room step split by --parts (install_shared, install_read, make_room, try_get).
-# Each part stops being started once 150 s have passed (the whole call < 3 min).
+# A stall run is not started after 130 s, a trace after 145 s (each at most 30 and 22 s: the
+# whole call < 3 min).
 # Usage, from the repository root of the device's copy:
 #     bash .gpu-stall11/bench/results/s36-stall11-h200-run.sh
 # (HEAD=... BASE=... to name other copies, relative to $PWD; OUT must be set, as the device sets
@@ -20,7 +21,7 @@ set -u
 T0=$(date +%s); H=$PWD/${HEAD:-.gpu-stall11}; B=$PWD/${BASE:-.gpu-base}; PY=${PY:-python3}
 LOG=$OUT/log.txt
 el() { echo "$1 at $(( $(date +%s) - T0 )) s" | tee -a "$LOG"; }
-left() { [ $(( $(date +%s) - T0 )) -lt "${1:-150}" ]; }
+left() { [ $(( $(date +%s) - T0 )) -lt "${1:-130}" ]; }
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl 2>&1 | tail -2
@@ -59,7 +60,7 @@ stall "$B" base-r3; stall "$H" head-r3
 PARTS="kvtier.coherence.transfers:Transfers.install_shared,kvtier.coherence.transfers:Transfers.install_read"
 PARTS="$PARTS,kvtier.coherence.engine:Engine.make_room,kvtier.coherence.gets:Gets.try_get"
 for t in head base; do T=$B; [ $t = head ] && T=$H
-  left 160 || { echo "trace $t skipped" | tee -a "$LOG"; continue; }
+  left 145 || { echo "trace $t skipped" | tee -a "$LOG"; continue; }
   timeout 22 bash -c "cd $T && PYTHONPATH=/tmp/site:$T $PY bench/stall_trace.py --readers 8 --no-gc --parts $PARTS --json ${TRACE_ARGS:-}" > /tmp/trace-$t.json 2>/dev/null
   $PY - /tmp/trace-$t.json "$t" "$OUT/trace.jsonl" <<'PY' | tee -a "$LOG"
 import json, sys
