@@ -111,6 +111,26 @@
  *       lengths that differ raise ValueError before any write. The policy is told by the
  *       caller.
  *
+ *   install_shares(slot i32[c, s], copy_ver u64[c, t], slot_row i64[p], pool_leases u32[p],
+ *                  retired bool[p], rows i64[m], tier, dst i64[m], versions u64[m],
+ *                  have bool[m], pos i64[m], out_slots i64[n], out i64[3, m])
+ *       -> (k_mine, k_back)
+ *       Transfers.install_shared's writes (stall11: two selections, eight fancy reads and
+ *       writes, set_copy, free_slots' policy notice for slots never inserted and the unpin,
+ *       ~86 us of the service's install step beside 4 readers): for each record i of an NVMe
+ *       read that read_shares passed, in order, where have[i] is 0 the copy read is the row's
+ *       (slot[r, tier] = dst[i], copy_ver[r, tier] = versions[i], slot_row[dst[i]] = r,
+ *       out_slots[pos[i]] = dst[i]; r and dst[i] to out[0] and out[1], k_mine of them, for the
+ *       caller's policy notice); where have[i] is 1 the row's current copy is shared (its
+ *       slot pinned, pool_leases += 1, and out_slots[pos[i]] = that slot) and dst[i] goes
+ *       back as free_slots gives back a pinned slot: slot_row = -1, retired, its pin kept,
+ *       and dst[i] to out[2] (k_back of them) for the caller's unpin_slots, which frees it (a
+ *       fault between the two leaves it pinned for the get's give_back, never freed twice,
+ *       as install_read's tail: fix9). A row past the columns, a slot (dst or shared) past
+ *       the pool, a pos past out_slots, a dst going back without a pin, a tier past the
+ *       columns or lengths that differ raise ValueError before any write. Rows are distinct
+ *       (a read plan's), and so are the dst slots.
+ *
  *   touch_rows(last_access u64[c], prev_access u64[c], freq u32[c], rows i64[n], clock)
  *       -> None
  *       Engine.touch's writes (stall9: three fancy writes and an arange, ~15 us of the install
@@ -720,6 +740,84 @@ done:
     return result;
 }
 
+static PyObject *install_shares(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "install_shares takes 13 arguments");
+        return NULL;
+    }
+    Views v = {.n = 0};
+    Py_ssize_t cap[2], nsl, nt, np_[3], m[5], n_out, out_len, out_w, tier;
+    int32_t *slot = view(&v, args[0], 4, 1, &cap[0], &nsl, "slot");
+    uint64_t *copy_ver = slot ? view(&v, args[1], 8, 1, &cap[1], &nt, "copy_ver") : NULL;
+    int64_t *slot_row = copy_ver ? view(&v, args[2], 8, 1, &np_[0], NULL, "slot_row") : NULL;
+    uint32_t *leases = slot_row ? view(&v, args[3], 4, 1, &np_[1], NULL, "pool_leases")
+                                : NULL;
+    uint8_t *retired = leases ? view(&v, args[4], 1, 1, &np_[2], NULL, "retired") : NULL;
+    int64_t *rows = retired ? view(&v, args[5], 8, 0, &m[0], NULL, "rows") : NULL;
+    int64_t *dst = rows ? view(&v, args[7], 8, 0, &m[1], NULL, "dst") : NULL;
+    uint64_t *vers = dst ? view(&v, args[8], 8, 0, &m[2], NULL, "versions") : NULL;
+    uint8_t *have = vers ? view(&v, args[9], 1, 0, &m[3], NULL, "have") : NULL;
+    int64_t *pos = have ? view(&v, args[10], 8, 0, &m[4], NULL, "pos") : NULL;
+    int64_t *out_slots = pos ? view(&v, args[11], 8, 1, &n_out, NULL, "out_slots") : NULL;
+    int64_t *out = out_slots ? view(&v, args[12], 8, 1, &out_len, &out_w, "out") : NULL;
+    PyObject *result = NULL;
+    if (out == NULL || as_index(args[6], &tier, "tier") < 0)
+        goto done;
+    Py_ssize_t n = m[0], c = cap[0] < cap[1] ? cap[0] : cap[1], p = np_[0];
+    if (tier >= nsl || tier >= nt || np_[1] != p || np_[2] != p) {
+        PyErr_SetString(PyExc_ValueError, "install_shares: tier past the columns, or the "
+                        "pool's arrays differ in length");
+        goto done;
+    }
+    if (m[1] != n || m[2] != n || m[3] != n || m[4] != n || out_len != 3 || out_w < n) {
+        PyErr_SetString(PyExc_ValueError, "install_shares: rows, dst, versions, have and pos "
+                        "differ in length, or out is not 3 rows of at least that many");
+        goto done;
+    }
+    /* Check everything before writing anything. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i], d = dst[i];
+        int bad = r < 0 || r >= c || d < 0 || d >= p || d > INT32_MAX || pos[i] < 0
+                  || pos[i] >= n_out;
+        if (!bad && have[i]) {
+            int64_t theirs = slot[r * nsl + tier];
+            bad = theirs < 0 || theirs >= p || leases[theirs] == UINT32_MAX || leases[d] == 0;
+        }
+        if (bad) {
+            PyErr_SetString(PyExc_ValueError, "install_shares: a row past the columns, a slot "
+                            "past the pool, a position past out_slots, or a slot going back "
+                            "without a pin");
+            goto done;
+        }
+    }
+    int64_t *mine_rows = out, *mine_slots = out + out_w, *back = out + 2 * out_w;
+    Py_ssize_t k_mine = 0, k_back = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = rows[i], d = dst[i];
+        if (!have[i]) {
+            slot[r * nsl + tier] = (int32_t)d;
+            copy_ver[r * nt + tier] = vers[i];
+            slot_row[d] = r;
+            out_slots[pos[i]] = d;
+            mine_rows[k_mine] = r;
+            mine_slots[k_mine++] = d;
+            continue;
+        }
+        int64_t theirs = slot[r * nsl + tier];
+        leases[theirs] += 1;
+        out_slots[pos[i]] = theirs;
+        slot_row[d] = -1;       /* retired while pinned: the caller's unpin frees it */
+        retired[d] = 1;
+        back[k_back++] = d;
+    }
+    result = Py_BuildValue("(nn)", k_mine, k_back);
+done:
+    views_release(&v);
+    return result;
+}
+
 static PyObject *touch_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -785,6 +883,8 @@ static PyMethodDef methods[] = {
      "nvme_hits(...): the bring-up positions whose row NVMe holds at its version."},
     {"set_copies", (PyCFunction)(void (*)(void))set_copies, METH_FASTCALL,
      "set_copies(...): rows' copies placed in slots of a tier (slot, copy_ver, slot_row)."},
+    {"install_shares", (PyCFunction)(void (*)(void))install_shares, METH_FASTCALL,
+     "install_shares(...): an NVMe read installed, the copies others installed shared."},
     {"touch_rows", (PyCFunction)(void (*)(void))touch_rows, METH_FASTCALL,
      "touch_rows(...): an access of rows in batch order (prev, last, freq)."},
     {NULL, NULL, 0, NULL},

@@ -525,6 +525,12 @@ class Engine:
         # _placed, without its two frames where the tier's policy exists already
         (st.policy or self._tier_policy(ns, tier)).on_insert(rows, slots)
 
+    def placed(self, ns: Namespace, tier: Tier, rows: np.ndarray, slots: np.ndarray) -> None:
+        """The tier's policy told of rows' copies now in slots (their columns written by the
+        caller: _gets.c install_shares), as set_copy tells it."""
+        st = ns.slots[tier]
+        (st.policy or self._tier_policy(ns, tier)).on_insert(rows, slots)
+
     def touch(self, ns: Namespace, rows: np.ndarray) -> None:
         """An access of rows, in batch order: the clock advances by one per row (a repeated
         row: its last position's stamp, its freq counted once). One C call where _gets is

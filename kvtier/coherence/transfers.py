@@ -31,6 +31,10 @@ try:        # the NVMe bring-up's hit check in one call (_gets.c nvme_hits); num
     from kvtier.coherence._gets import nvme_hits as _nvme_hits
 except ImportError:
     _nvme_hits = None
+try:        # a shared install's writes in one call (_gets.c install_shares); numpy otherwise
+    from kvtier.coherence._gets import install_shares as _install_shares
+except ImportError:
+    _install_shares = None
 try:        # the C helper (setup.py builds it where a compiler is present); numpy otherwise
     from kvtier.coherence import _fast
 except ImportError:
@@ -59,6 +63,7 @@ class TierSlots(Protocol):
     def unpin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
     def drop_copies(self, ns: Namespace, rows: np.ndarray, tier: Tier,
                     slots: np.ndarray | None = None) -> None: ...
+    def placed(self, ns: Namespace, tier: Tier, rows: np.ndarray, slots: np.ndarray) -> None: ...
 
 
 class Transfers:
@@ -235,6 +240,9 @@ class Transfers:
         ns = plan.ns
         st = ns.slots[tier]
         r, dst = plan.rows, plan.dst.astype(np.int64)
+        if _install_shares is not None:
+            self._install_shares_native(ns, st, plan, tier, pos, slots, have, dst)
+            return
         mine, shared = np.flatnonzero(~have), np.flatnonzero(have)
         self.slots.set_copy(ns, r[mine], tier, dst[mine], plan.versions[mine])
         slots[pos[mine]] = dst[mine]
@@ -245,6 +253,29 @@ class Transfers:
         # Freed while pinned (retired), then unpinned, as in install_read (fix9).
         self.slots.free_slots(ns, tier, back)
         self.slots.unpin_slots(ns, tier, back)
+
+    def _install_shares_native(self, ns: Namespace, st: Any, plan: ReadPlan, tier: Tier,
+                               pos: np.ndarray, slots: np.ndarray, have: np.ndarray,
+                               dst: np.ndarray) -> None:
+        """install_shared's writes in one C call (_gets.c install_shares: stall11, ~83 us of
+        the service's install step in numpy calls before, ~31 after), then the unpin and the
+        policy.
+        The slots going back were never placed, so the policy is not told of them
+        (free_slots' on_remove of them changed nothing: tests/test_stall11_install.py); they
+        come back retired and pinned, and the unpin frees them, before the policy hears of
+        ours: whatever raises leaves the rest pinned for the get's give_back, and nothing
+        freed twice or kept."""
+        cols = ns.table.cols
+        out = _empty((3, dst.size), dtype=_I64)
+        k_mine, k_back = _install_shares(
+            cols["slot"], cols["copy_ver"], st.slot_row, st.leases, st.retired,
+            _contiguous(plan.rows, dtype=_I64), int(tier), dst,
+            _contiguous(plan.versions, dtype=np.uint64), have, _contiguous(pos, dtype=_I64),
+            slots, out)
+        if k_back:
+            self.slots.unpin_slots(ns, tier, out[2, :k_back])
+        if k_mine:
+            self.slots.placed(ns, tier, out[0, :k_mine], out[1, :k_mine])
 
     def give_back(self, ns: Namespace, tier: Tier, rows: np.ndarray, dst: np.ndarray) -> None:
         """Under the lock, after a step that raised (an NVMe read's install, a remote fill):
