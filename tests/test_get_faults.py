@@ -166,6 +166,10 @@ def test_an_install_that_shares_another_gets_copy_and_raises_ends_that_pin_too(
     # shares that copy (one more pin on it) and gives its own slot back. A fault in the
     # install of the others (set_copy) or in that give-back (free_slots, after the share's
     # pin) must end the share's pin and every slot of the read, each once.
+    from kvtier.coherence import transfers
+    if gets._read_installable is not None and transfers._install_shares is not None:
+        pytest.skip("the C shared install (_gets.c install_shares) calls neither seam: "
+                    "tests/test_stall11_install.py injects at its own")
     before = _held(eng)
     ns = eng.namespace("m")
     other = {}
