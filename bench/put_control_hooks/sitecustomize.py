@@ -40,7 +40,7 @@ if _path:
 # Written at exit as JSON, one row per request in the service's order.
 _serve = os.environ.get("PUT_CONTROL_SERVE")
 if _serve:
-    import json
+    import json as _json
     import kvtier.api.connection as CN
     import kvtier.api.server as SV
     pc = time.perf_counter
@@ -104,5 +104,5 @@ if _serve:
 
     def _dump_serve():
         with open(_serve, "w") as f:
-            json.dump(ROWS, f)
+            _json.dump(ROWS, f)
     atexit.register(_dump_serve)
