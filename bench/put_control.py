@@ -8,7 +8,8 @@ ended are sent after each launch (early commits) and the rest as they end; then 
 reply is read. Commits carry checksums (trusted), as a GPU put's do.
 
     python bench/put_control.py [--block 16384] [--n 4096] [--puts 40] [--copy-gbps 44]
-                                [--gap-ms 1.5] [--trace | --later --serve] [--json]
+                                [--gap-ms 1.5] [--trace | --later --serve] [--pack-buf B]
+                                [--host-capacity 6GiB] [--json]
 
 --copy-gbps 0: no copies (the service's chain alone). --trace: the service runs with
 bench/get_control_hooks as its sitecustomize (every dispatch, pack and write timed); --later:
@@ -88,7 +89,8 @@ def one_put(c, ns, kb: bytes, n: int, sums: np.ndarray, chunks: list, per_key_s:
 
 
 def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us: float,
-        gap_ms: float, later: bool = False, serve: bool = False) -> dict:
+        gap_ms: float, later: bool = False, serve: bool = False, pack_buf: int = 0,
+        host_capacity: str = "", tree: str = ROOT) -> dict:
     from kvtier import Client
     from kvtier.api import pipeline
     from tests.service import Service
@@ -97,10 +99,10 @@ def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us:
     lpath = os.path.join(work, "serve.later")
     spath = os.path.join(work, "serve.times")
     env_saved = dict(os.environ)
-    hooks = ("get_control_hooks" if trace else "put_control_hooks" if later or serve
+    hooks = ("get_control_hooks" if trace else "put_control_hooks" if later or serve or pack_buf
              else None)
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        ([os.path.join(ROOT, "bench", hooks)] if hooks else []) + [ROOT]
+        ([os.path.join(ROOT, "bench", hooks)] if hooks else []) + [tree]
         + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if trace:
         os.environ["GET_CONTROL_TRACE"] = tpath
@@ -108,10 +110,16 @@ def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us:
         os.environ["PUT_CONTROL_LATER"] = lpath
     if serve:
         os.environ["PUT_CONTROL_SERVE"] = spath
+    if pack_buf:
+        os.environ["PUT_CONTROL_PACK_BUF"] = str(pack_buf)
+    cwd = os.getcwd()
+    os.chdir(tree)            # `python -m kvtier.cli` puts its cwd first on sys.path
     try:      # as bench/gpu.py's service: no NVMe, room for a put beside the blocks it rewrites
-        svc = Service(Path(work) / "d", admin=False, host_capacity=str(max(64 << 20, 4 * n * block)),
+        svc = Service(Path(work) / "d", admin=False,
+                      host_capacity=host_capacity or str(max(64 << 20, 4 * n * block)),
                       nvme_capacity="0").start()
     finally:
+        os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env_saved)
     chunks = pipeline.cuda_put_chunks(n, block)
@@ -139,7 +147,8 @@ def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us:
     evs = evs[5:]
     out: dict = {"puts": len(evs), "chunks": [hi - lo for lo, hi in chunks],
                  "block": block, "copy_gbps": copy_gbps, "launch_us": launch_us,
-                 "gap_ms": gap_ms}
+                 "gap_ms": gap_ms, "pack_buf": pack_buf, "host_capacity": host_capacity,
+                 "tree": tree}
     med = lambda xs: round(float(np.median(xs)) * 1e3, 4)     # noqa: E731
     out["total_ms"] = med([e["total"] for _t, e in evs])
     for kind in ("reserve_reply", "commit_sent", "commit_reply"):
@@ -163,7 +172,8 @@ def serve_split(path: str, evs: list) -> dict:
     the reply was written, from the put's entry (the client's first send)."""
     import json
     with open(path) as f:
-        rows = {r["id"]: r for r in json.load(f) if r.get("id") is not None}
+        dump = json.load(f)
+    rows = {r["id"]: r for r in dump["rows"] if r.get("id") is not None}
     keys = ("serve_ms", "wait_ms", "dispatch_ms", "write_ms", "written_at_ms", "arrived_at_ms")
     per: dict = {k: [] for k in keys}
     later = 0
@@ -181,7 +191,8 @@ def serve_split(path: str, evs: list) -> dict:
         per["arrived_at_ms"].append([r["arrived"] - e["t0"] for r in got])
     if not per["serve_ms"]:
         return {"serve_puts": 0}
-    out: dict = {"serve_puts": len(per["serve_ms"]), "serve_later_requests": later}
+    out: dict = {"serve_puts": len(per["serve_ms"]), "serve_later_requests": later,
+                 "serve_kvtier": dump["kvtier"]}
     for k, v in per.items():
         out[f"serve_{k}"] = np.round(np.median(np.array(v) * 1e3, 0), 4).tolist()
     out["serve_busy_ms"] = round(float(np.median(
@@ -245,13 +256,22 @@ def main() -> None:
     ap.add_argument("--later", action="store_true")
     ap.add_argument("--serve", action="store_true",
                     help="each request's time in the service, arrival to reply written")
+    ap.add_argument("--pack-buf", type=int, default=0,
+                    help="measurement only: the service's protocol.pack with msgpack's Packer "
+                    "buffer of this many bytes (bench/put_control_hooks)")
+    ap.add_argument("--host-capacity", default="",
+                    help="the service's host tier (bench/gpu.py's: 6GiB; default 4 puts' bytes)")
+    ap.add_argument("--tree", default=ROOT,
+                    help="the kvtier tree the client and the service run (pairs: main's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    sys.path.insert(0, os.path.abspath(args.tree))   # kvtier from there, the harness from here
     if args.trace and (args.later or args.serve):
         raise SystemExit("--trace or --later/--serve, not both (one sitecustomize)")
     m = header("bench/put_control.py")
     res = run(args.block, args.n, args.puts, args.trace, args.copy_gbps, args.launch_us,
-              args.gap_ms, args.later, args.serve)
+              args.gap_ms, args.later, args.serve, args.pack_buf, args.host_capacity,
+              os.path.abspath(args.tree))
     res["loadavg"] = os.getloadavg()[0]
     res["machine"] = m
     emit(res, args.json)

@@ -1,5 +1,5 @@
-"""bench/put_control.py --later's hooks, loaded into `kvtier serve` as sitecustomize (PYTHONPATH)
-when PUT_CONTROL_LATER names a file: what each Server._dispatch returned (a reply, an awaitable,
+"""bench/put_control.py's hooks (--later, --serve, --pack-buf), loaded into `kvtier serve` as
+sitecustomize (PYTHONPATH). --later, when PUT_CONTROL_LATER names a file: what each Server._dispatch returned (a reply, an awaitable,
 or a Later: a long request run a poll later as a slice of the step queue, stall6) in order, and
 how long each Later waited for its turn (Connection._later's start against the frame's t0);
 written at exit as JSON. For measuring only: it wraps kvtier.api.server and .connection.
@@ -103,6 +103,22 @@ if _serve:
     SV.Server._dispatch, SV.Server._dispatch_req = dispatch, dispatch_req
 
     def _dump_serve():
+        import kvtier
         with open(_serve, "w") as f:
-            _json.dump(ROWS, f)
+            _json.dump({"kvtier": kvtier.__file__, "rows": ROWS}, f)
     atexit.register(_dump_serve)
+
+# PUT_CONTROL_PACK_BUF (bytes): measurement only, what a protocol.pack that gives msgpack's
+# Packer a buffer under the service's mmap threshold would buy. `kvtier serve` pins glibc's
+# mmap threshold at 128 KiB (kvtier.memory.tune_malloc), and msgpack.packb makes a Packer of
+# 256 KiB on every call: in the service every reply's pack is an mmap, a page fault and a
+# munmap (dev VM: 12.5 us a pack against 0.9 with a 64 KiB buffer).
+_pack_buf = int(os.environ.get("PUT_CONTROL_PACK_BUF") or 0)
+if _pack_buf:
+    import msgpack
+    import kvtier.api.protocol as _P
+
+    def _pack(obj, _packb=msgpack.packb, _length=_P.LENGTH.pack):
+        body = _packb(obj, use_bin_type=True, buf_size=_pack_buf)
+        return _length(len(body)) + body
+    _P.pack = _pack
