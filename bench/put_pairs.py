@@ -34,7 +34,8 @@ def one(tree: str, pack_buf: int, block: int, args: argparse.Namespace) -> dict:
            "--launch-us", str(args.launch_us), "--host-capacity", args.host_capacity]
     if pack_buf:
         cmd += ["--pack-buf", str(pack_buf)]
-    env = {**os.environ, "PYTHONPATH": tree}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [tree] + [p for p in [os.environ.get("PYTHONPATH")] if p])}   # the tree first
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode or not lines:

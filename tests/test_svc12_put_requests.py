@@ -104,3 +104,15 @@ def test_a_trusted_commit_with_the_wrong_count_of_checksums_ends_its_reservation
         client._call("commit", rid=r["rid"], trusted=True, checksums=bytes(8 * 4))
     assert _held(client) == 0
     assert not ns.get(keys(range(5)))[0].any()
+
+
+@pytest.mark.parametrize("size", [0, 1, (64 << 10) - 40, 64 << 10, (64 << 10) + 1, 3 << 20])
+def test_a_frame_packs_and_unpacks_whole_whatever_its_size_against_the_packers_buffer(size):
+    """Guards a pack with a smaller Packer buffer than msgpack's default (svc12's proposed
+    protocol.pack, bench/results/s36-svc12-pack.patch): a body past the buffer grows it."""
+    from kvtier.api import protocol as P
+    body = {"id": 7, "ok": True, "data": np.random.default_rng(size).bytes(size),
+            "slots": np.arange(size // 64, dtype="<i4").tobytes()}
+    frame = P.pack(body)
+    assert P.LENGTH.unpack_from(frame)[0] == len(frame) - 4
+    assert P.unpack(frame[4:]) == body
