@@ -90,7 +90,7 @@ def one_put(c, ns, kb: bytes, n: int, sums: np.ndarray, chunks: list, per_key_s:
 
 def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us: float,
         gap_ms: float, later: bool = False, serve: bool = False, pack_buf: int = 0,
-        host_capacity: str = "", tree: str = ROOT) -> dict:
+        host_capacity: str = "", tree: str = ROOT, sizes: str = "") -> dict:
     from kvtier import Client
     from kvtier.api import pipeline
     from tests.service import Service
@@ -123,6 +123,11 @@ def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us:
         os.environ.clear()
         os.environ.update(env_saved)
     chunks = pipeline.cuda_put_chunks(n, block)
+    if sizes:                 # another cut, for the GPU path to try (its sizes, in order)
+        ends = np.cumsum([int(k) for k in sizes.split(",")])
+        if ends[-1] != n:
+            raise SystemExit(f"--chunks {sizes} add up to {ends[-1]}, not --n {n}")
+        chunks = list(zip([0] + ends[:-1].tolist(), ends.tolist()))
     per_key_s = block / (copy_gbps * 1e9) if copy_gbps else 0.0
     evs = []
     t_first = time.perf_counter()
@@ -261,6 +266,8 @@ def main() -> None:
                     "buffer of this many bytes (bench/put_control_hooks)")
     ap.add_argument("--host-capacity", default="",
                     help="the service's host tier (bench/gpu.py's: 6GiB; default 4 puts' bytes)")
+    ap.add_argument("--chunks", default="",
+                    help="the put's chunk sizes, comma-separated (default: cuda_put_chunks')")
     ap.add_argument("--tree", default=ROOT,
                     help="the kvtier tree the client and the service run (pairs: main's)")
     ap.add_argument("--json", action="store_true")
@@ -271,7 +278,7 @@ def main() -> None:
     m = header("bench/put_control.py")
     res = run(args.block, args.n, args.puts, args.trace, args.copy_gbps, args.launch_us,
               args.gap_ms, args.later, args.serve, args.pack_buf, args.host_capacity,
-              os.path.abspath(args.tree))
+              os.path.abspath(args.tree), args.chunks)
     res["loadavg"] = os.getloadavg()[0]
     res["machine"] = m
     emit(res, args.json)

@@ -252,11 +252,17 @@ class Server(ResidentGets, SortedGets):
                 op = "invalid"
                 raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
             if op in LONG_OPS and self._long(req) and (self.steps.busy
-                                                        or self._frames_waiting(own)):
+                                                        or self._another_waits(own)):
                 return Later(partial(self._dispatch_req, client, req, req_id, op))
         except Exception as exc:
             return failed_reply(exc, req_id, op)
         return self._dispatch_req(client, req, req_id, op)
+
+    def _another_waits(self, own: int) -> bool:
+        """_frames_waiting(own), with no epoll where no other connection's socket is watched
+        (kvtier.api.resident): a lone worker's long requests (a GPU put's reserves and
+        commits) pay no syscall each."""
+        return len(getattr(self, "_frame_fds", ())) > 1 and self._frames_waiting(own)
 
     def _long(self, req: dict[str, Any]) -> bool:
         """Whether a request of LONG_OPS is long: more than SHORT_KEYS keys (or checksums, a
