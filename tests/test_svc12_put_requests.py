@@ -21,14 +21,15 @@ BB = 4096
 
 
 @pytest.fixture
-def client(service):
+def ns(service):
+    """A namespace of a client of a real `kvtier serve` (ns._client: the client)."""
     with kvtier.Client(str(service.socket)) as c:
-        yield c
+        yield c.namespace("p", block_bytes=BB)
 
 
 @pytest.fixture
-def ns(client):
-    return client.namespace("p", block_bytes=BB)
+def client(ns):
+    return ns._client
 
 
 def _sums(data: np.ndarray) -> bytes:
