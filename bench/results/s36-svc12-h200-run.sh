@@ -1,5 +1,6 @@
 #!/bin/bash
-# issue 16's offload rows, svc12 (< 3 min): bench/gpu.py --json --cases rows64k,rows16k on the base
+# issue 16's offload rows, svc12 (< 3 min): bench/gpu.py --json --cases rows64k,rows16k (no transfer
+# policy variants, 5 repetitions, 45 s at most a run) on the base
 # tree (main, in .gpu-base as in s36-b-run.sh) and on svc12's head, alternated: base, head,
 # head+pack, then head+pack, head, base while time is left. head+pack is head with
 # bench/put_control_hooks as sitecustomize and PUT_CONTROL_PACK_BUF=65536: measurement only,
@@ -20,7 +21,7 @@ wait; el setup
 run() {   # $1 name, $2 tree, $3 extra PYTHONPATH (the hooks) or ""
   [ $(( $(date +%s) - T0 )) -lt ${4:-135} ] || { echo "$1 skipped"; return; }
   (cd $2 && PYTHONPATH=$3/tmp/site:$2 timeout 45 python3 bench/gpu.py --json --reps 5 \
-      --cases rows64k,rows16k) > $OUT/gpu-$1.json 2> $OUT/gpu-$1-err.txt || tail -3 $OUT/gpu-$1-err.txt
+      --cases rows64k,rows16k --variants "") > $OUT/gpu-$1.json 2> $OUT/gpu-$1-err.txt || tail -3 $OUT/gpu-$1-err.txt
   python3 - $OUT/gpu-$1.json $1 <<'PY' | tee -a $OUT/rows.txt
 import json, sys
 text = open(sys.argv[1]).read()
