@@ -8,14 +8,17 @@ ended are sent after each launch (early commits) and the rest as they end; then 
 reply is read. Commits carry checksums (trusted), as a GPU put's do.
 
     python bench/put_control.py [--block 16384] [--n 4096] [--puts 40] [--copy-gbps 44]
-                                [--gap-ms 1.5] [--trace | --later] [--json]
+                                [--gap-ms 1.5] [--trace | --later --serve] [--pack-buf B]
+                                [--host-capacity 6GiB] [--json]
 
 --copy-gbps 0: no copies (the service's chain alone). --trace: the service runs with
 bench/get_control_hooks as its sitecustomize (every dispatch, pack and write timed); --later:
 with bench/put_control_hooks (which of the put's requests the service ran a poll later, as a
 Later of its step queue, and how long those waited: stall6's short-requests-first). Medians
 over the puts of: the whole put, each reserve and commit reply's arrival from the put's entry,
-the service's dispatches (traced). A gap is spun between puts (bench/gpu.py's GPU wait; the
+the service's dispatches (traced). --serve (bench/put_control_hooks, PUT_CONTROL_SERVE): each
+request's time in the service from its frame's arrival to its reply written, the wait before
+its dispatch and the dispatch, and when its reply was written from the put's entry. A gap is spun between puts (bench/gpu.py's GPU wait; the
 service's loop may sleep meanwhile).
 """
 
@@ -53,7 +56,8 @@ def one_put(c, ns, kb: bytes, n: int, sums: np.ndarray, chunks: list, per_key_s:
     ends: list[float] = []          # each chunk's simulated end of copies
     rids: list[int] = []
     commits: list[int] = []
-    ev = {"reserve_reply": [], "commit_sent": [], "commit_reply": []}
+    ev = {"reserve_reply": [], "commit_sent": [], "commit_reply": [], "ids": ids,
+          "t0": t0}
     gpu_free = t0
 
     def commit_ready(now: float) -> None:
@@ -80,33 +84,50 @@ def one_put(c, ns, kb: bytes, n: int, sums: np.ndarray, chunks: list, per_key_s:
         c._reply(cid)
         ev["commit_reply"].append(pc() - t0)
     ev["total"] = pc() - t0
+    ev["ids"] = ids + commits
     return ev
 
 
 def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us: float,
-        gap_ms: float, later: bool = False) -> dict:
+        gap_ms: float, later: bool = False, serve: bool = False, pack_buf: int = 0,
+        host_capacity: str = "", tree: str = ROOT, sizes: str = "") -> dict:
     from kvtier import Client
     from kvtier.api import pipeline
     from tests.service import Service
     work = tempfile.mkdtemp(prefix="kvtier-putctl-")
     tpath = os.path.join(work, "serve.trace")
     lpath = os.path.join(work, "serve.later")
+    spath = os.path.join(work, "serve.times")
     env_saved = dict(os.environ)
-    hooks = "get_control_hooks" if trace else "put_control_hooks" if later else None
+    hooks = ("get_control_hooks" if trace else "put_control_hooks" if later or serve or pack_buf
+             else None)
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        ([os.path.join(ROOT, "bench", hooks)] if hooks else []) + [ROOT]
+        ([os.path.join(ROOT, "bench", hooks)] if hooks else []) + [tree]
         + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if trace:
         os.environ["GET_CONTROL_TRACE"] = tpath
     if later:
         os.environ["PUT_CONTROL_LATER"] = lpath
+    if serve:
+        os.environ["PUT_CONTROL_SERVE"] = spath
+    if pack_buf:
+        os.environ["PUT_CONTROL_PACK_BUF"] = str(pack_buf)
+    cwd = os.getcwd()
+    os.chdir(tree)            # `python -m kvtier.cli` puts its cwd first on sys.path
     try:      # as bench/gpu.py's service: no NVMe, room for a put beside the blocks it rewrites
-        svc = Service(Path(work) / "d", admin=False, host_capacity=str(max(64 << 20, 4 * n * block)),
+        svc = Service(Path(work) / "d", admin=False,
+                      host_capacity=host_capacity or str(max(64 << 20, 4 * n * block)),
                       nvme_capacity="0").start()
     finally:
+        os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env_saved)
     chunks = pipeline.cuda_put_chunks(n, block)
+    if sizes:                 # another cut, for the GPU path to try (its sizes, in order)
+        ends = np.cumsum([int(k) for k in sizes.split(",")])
+        if ends[-1] != n:
+            raise SystemExit(f"--chunks {sizes} add up to {ends[-1]}, not --n {n}")
+        chunks = list(zip([0] + ends[:-1].tolist(), ends.tolist()))
     per_key_s = block / (copy_gbps * 1e9) if copy_gbps else 0.0
     evs = []
     t_first = time.perf_counter()
@@ -131,7 +152,8 @@ def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us:
     evs = evs[5:]
     out: dict = {"puts": len(evs), "chunks": [hi - lo for lo, hi in chunks],
                  "block": block, "copy_gbps": copy_gbps, "launch_us": launch_us,
-                 "gap_ms": gap_ms}
+                 "gap_ms": gap_ms, "pack_buf": pack_buf, "host_capacity": host_capacity,
+                 "tree": tree}
     med = lambda xs: round(float(np.median(xs)) * 1e3, 4)     # noqa: E731
     out["total_ms"] = med([e["total"] for _t, e in evs])
     for kind in ("reserve_reply", "commit_sent", "commit_reply"):
@@ -142,6 +164,44 @@ def run(block: int, n: int, puts: int, trace: bool, copy_gbps: float, launch_us:
         out.update(service_split(sev, evs, len(chunks), t_first))
     if later:
         out.update(later_split(lpath, len(evs), 2 * len(chunks)))
+    if serve:
+        out.update(serve_split(spath, evs))
+    return out
+
+
+def serve_split(path: str, evs: list) -> dict:
+    """Each of a put's requests (the reserves, then the commits) in the service, medians over
+    the puts, ms: from its frame's arrival to its reply written (the service's time from
+    request to reply), of it the wait before its dispatch, the dispatch itself and the reply's
+    write (Connection._write: its pack and send); and when
+    the reply was written, from the put's entry (the client's first send)."""
+    import json
+    with open(path) as f:
+        dump = json.load(f)
+    rows = {r["id"]: r for r in dump["rows"] if r.get("id") is not None}
+    keys = ("serve_ms", "wait_ms", "dispatch_ms", "write_ms", "written_at_ms", "arrived_at_ms")
+    per: dict = {k: [] for k in keys}
+    later = 0
+    for _t, e in evs:
+        got = [rows.get(i) for i in e["ids"]]
+        if any(r is None or r.get("written") is None or r.get("arrived") is None
+               for r in got):
+            continue
+        later += sum(1 for r in got if r.get("later"))
+        per["serve_ms"].append([r["written"] - r["arrived"] for r in got])
+        per["wait_ms"].append([r["start"] - r["arrived"] for r in got])
+        per["dispatch_ms"].append([r["end"] - r["start"] for r in got])
+        per["write_ms"].append([r["written"] - r["write_start"] for r in got])
+        per["written_at_ms"].append([r["written"] - e["t0"] for r in got])
+        per["arrived_at_ms"].append([r["arrived"] - e["t0"] for r in got])
+    if not per["serve_ms"]:
+        return {"serve_puts": 0}
+    out: dict = {"serve_puts": len(per["serve_ms"]), "serve_later_requests": later,
+                 "serve_kvtier": dump["kvtier"]}
+    for k, v in per.items():
+        out[f"serve_{k}"] = np.round(np.median(np.array(v) * 1e3, 0), 4).tolist()
+    out["serve_busy_ms"] = round(float(np.median(
+        np.sum(np.array(per["dispatch_ms"]), 1) * 1e3)), 4)
     return out
 
 
@@ -199,13 +259,26 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=1.5)
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--later", action="store_true")
+    ap.add_argument("--serve", action="store_true",
+                    help="each request's time in the service, arrival to reply written")
+    ap.add_argument("--pack-buf", type=int, default=0,
+                    help="measurement only: the service's protocol.pack with msgpack's Packer "
+                    "buffer of this many bytes (bench/put_control_hooks)")
+    ap.add_argument("--host-capacity", default="",
+                    help="the service's host tier (bench/gpu.py's: 6GiB; default 4 puts' bytes)")
+    ap.add_argument("--chunks", default="",
+                    help="the put's chunk sizes, comma-separated (default: cuda_put_chunks')")
+    ap.add_argument("--tree", default=ROOT,
+                    help="the kvtier tree the client and the service run (pairs: main's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.trace and args.later:
-        raise SystemExit("--trace or --later, not both (one sitecustomize)")
+    sys.path.insert(0, os.path.abspath(args.tree))   # kvtier from there, the harness from here
+    if args.trace and (args.later or args.serve):
+        raise SystemExit("--trace or --later/--serve, not both (one sitecustomize)")
     m = header("bench/put_control.py")
     res = run(args.block, args.n, args.puts, args.trace, args.copy_gbps, args.launch_us,
-              args.gap_ms, args.later)
+              args.gap_ms, args.later, args.serve, args.pack_buf, args.host_capacity,
+              os.path.abspath(args.tree), args.chunks)
     res["loadavg"] = os.getloadavg()[0]
     res["machine"] = m
     emit(res, args.json)

@@ -63,6 +63,10 @@ SHORT_KEYS = 4
 # how long one request holds the loop (a 4,096-key commit with the writer's checksums: ~1 ms).
 INLINE_PUT_KEYS = 4096
 _PEERCRED = struct.Struct("3i")
+# Read as module names on the put path (an Enum member read on its class goes through
+# EnumType's __getattr__, a dtype built from a string costs a parse each time).
+_HOST = Tier.HOST
+_I4, _U8 = np.dtype("<i4"), np.dtype("<u8")
 
 
 class Server(ResidentGets, SortedGets):
@@ -248,11 +252,17 @@ class Server(ResidentGets, SortedGets):
                 op = "invalid"
                 raise BadRequest(f"unknown op {req.get('op')!r}; known: {', '.join(P.OPS)}")
             if op in LONG_OPS and self._long(req) and (self.steps.busy
-                                                        or self._frames_waiting(own)):
+                                                        or self._another_waits(own)):
                 return Later(partial(self._dispatch_req, client, req, req_id, op))
         except Exception as exc:
             return failed_reply(exc, req_id, op)
         return self._dispatch_req(client, req, req_id, op)
+
+    def _another_waits(self, own: int) -> bool:
+        """_frames_waiting(own), with no epoll where no other connection's socket is watched
+        (kvtier.api.resident): a lone worker's long requests (a GPU put's reserves and
+        commits) pay no syscall each."""
+        return len(getattr(self, "_frame_fds", ())) > 1 and self._frames_waiting(own)
 
     def _long(self, req: dict[str, Any]) -> bool:
         """Whether a request of LONG_OPS is long: more than SHORT_KEYS keys (or checksums, a
@@ -285,7 +295,8 @@ class Server(ResidentGets, SortedGets):
             if left:
                 return self._dispatch_after(client, req, req_id, op, left)
             result = self._ops[op](client, req)
-            if inspect.isawaitable(result):
+            # (an inline op answers a dict: no isawaitable's protocol checks for it)
+            if type(result) is not dict and inspect.isawaitable(result):
                 return self._await_op(result, req_id, op)
             return ok_reply(result, req_id, op)
         except Exception as exc:
@@ -384,9 +395,11 @@ class Server(ResidentGets, SortedGets):
                    ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         if "count" in req and "keys" not in req:
             return self._reserve_credit(client, req)
-        name, keys, tier = P.arg(req, "ns", str), P.arg(req, "keys", bytes), _slot_tier(req)
+        name, keys = P.arg(req, "ns", str), P.arg(req, "keys", bytes)
+        # A GPU put's reserves name the host tier (or none): its parse only for the others.
+        tier = _HOST if req.get("tier", "host") == "host" else _slot_tier(req)
         parents, device = P.arg(req, "parents", bytes, None), P.arg(req, "device", int, None)
-        if tier is Tier.HOST:
+        if tier is _HOST:
             ns = self.engine.namespace(name)
             client.pins.check(ns, keys, self.settings.max_client_share)
             # Inline on the loop when the engine lock is free now and the reserve touches no
@@ -434,16 +447,16 @@ class Server(ResidentGets, SortedGets):
 
     def _reserved(self, client: ClientInfo, name: str, tier: Tier, res: Any,
                   credit: bool = False) -> dict[str, Any]:
-        if tier is Tier.HOST:
+        if tier is _HOST:
             client.pins.add(res.rid, name, int(res.slots.size))
-        out = {"rid": res.rid, "slots": P.arr(res.slots, "<i4")}
+        out = {"rid": res.rid, "slots": res.slots.astype(_I4).tobytes()}   # P.arr's bytes
         if credit:                  # the writer uses it well before it expires
             out["expires_s"] = self.settings.reserve_timeout
         return out
 
     def op_commit(self, client: ClientInfo, req: dict[str, Any]
                   ) -> dict[str, Any] | Awaitable[dict[str, Any]]:
-        sums = P.array_arg(req, "checksums", "<u8", None)
+        sums = P.array_arg(req, "checksums", _U8, None)
         rid = P.arg(req, "rid", int)
         trusted = P.arg(req, "trusted", bool, False)
         # A credit's commit names its keys (Puts._bind).
