@@ -67,8 +67,16 @@ OPS = ("hello", "ns_create", "ns_open", "reserve", "commit", "abort", "put", "ge
        "match_prefix", "delete", "flush", "stats", "report")
 
 
+# msgpack.packb makes a Packer, with a buffer of 256 KiB by default, on every call; `kvtier serve`
+# pins glibc's mmap threshold at 128 KiB (kvtier.memory.tune_malloc), so in the service every
+# reply's pack mapped, faulted in and unmapped that buffer: 12.5 us a pack on the dev VM against
+# 0.9 with 64 KiB, ~20-30 us of each reply's write under load (a GPU put's ten replies, a
+# chunked get's five: bench/put_control.py --serve, svc12). The buffer grows for larger frames.
+_PACK_BUF = 64 << 10
+
+
 def pack(obj: dict[str, Any]) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+    body = msgpack.packb(obj, use_bin_type=True, buf_size=_PACK_BUF)
     return LENGTH.pack(len(body)) + body
 
 
