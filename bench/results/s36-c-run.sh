@@ -4,7 +4,8 @@
 # main before them). 1. bench/stall.py, base and head alternated three rounds (issue 17's
 # stall line); 2. pytest -m gpu on head; 3. bench/gpu.py's 64 / 16 KiB rows, no variants, base,
 # head, head, base (issue 16's offload and onboard rows). Each part is skipped once its start
-# would pass the call's budget; every result lands under $OUT as it is made.
+# would pass the call's budget (STALL_END, PYTEST_END, ROWS_END: the seconds after which each
+# part is no longer started; PYTEST_S: pytest's limit); every result lands under $OUT as made.
 set -u
 T0=$(date +%s); el() { echo "$1 at $(( $(date +%s) - T0 )) s"; }
 left() { [ $(( $(date +%s) - T0 )) -lt "$1" ]; }
@@ -16,7 +17,7 @@ export PYTHONUNBUFFERED=1 OPENBLAS_NUM_THREADS=1
 (cd $B && PYTHONPATH=/tmp/site:$B python3 setup.py -q build_ext --inplace 2>&1 | grep -i error | tail -3) &
 wait; ls $H/kvtier/*/*.so $B/kvtier/*/*.so | wc -l; el setup
 for r in base-r1 head-r1 head-r2 base-r2 base-r3 head-r3; do T=$B; case $r in head*) T=$H;; esac
-  left 120 || { echo "stall $r skipped"; continue; }
+  left ${STALL_END:-120} || { echo "stall $r skipped"; continue; }
   (cd $T && PYTHONPATH=/tmp/site:$T timeout 30 python3 bench/stall.py --json) > /tmp/s.json 2>/dev/null
   python3 - /tmp/s.json $r $OUT/stall.jsonl <<'PY'
 import json, sys
@@ -29,10 +30,10 @@ print(sys.argv[2], d["worst_p99_ratio"], d["loadavg_start"],
 PY
 done
 el stall
-left 220 && PYTHONPATH=/tmp/site:$H timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_plan.py --maxfail=5 > $OUT/pytest-gpu.txt 2>&1; tail -3 $OUT/pytest-gpu.txt
+left ${PYTEST_END:-220} && PYTHONPATH=/tmp/site:$H timeout ${PYTEST_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_plan.py --maxfail=5 > $OUT/pytest-gpu.txt 2>&1; tail -3 $OUT/pytest-gpu.txt
 el pytest
 for r in base-r1 head-r1 head-r2 base-r2; do T=$B; case $r in head*) T=$H;; esac
-  left 330 || { echo "rows $r skipped"; continue; }
+  left ${ROWS_END:-330} || { echo "rows $r skipped"; continue; }
   (cd $T && PYTHONPATH=/tmp/site:$T timeout 40 python3 bench/gpu.py --json --reps 5 \
       --cases rows64k,rows16k --variants "") > $OUT/gpu-$r.json 2> /tmp/g.err || tail -3 /tmp/g.err
   python3 - $OUT/gpu-$r.json $r <<'PY'
