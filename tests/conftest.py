@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,6 +38,16 @@ def keys(ids: range | list[int], width: int = 16) -> bytes:
 
 def blocks(n: int, block_bytes: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Whether pred() became true within timeout seconds (checked every 50 ms): for what a
+    service does after its reply (an abort or release sent without waiting)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def drive_get(eng: Engine, steps: Any, before_install: Callable[[Any], None] | None = None

@@ -7,23 +7,13 @@ for M" and every call after it read the reply before its own."""
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
 import kvtier
-from tests.conftest import blocks, keys
+from tests.conftest import blocks, keys, wait_for
 
 BB = 4096
-
-
-def _eventually(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_an_unread_reserve_reply_is_read_past_and_its_slots_aborted(service, caplog):
@@ -34,7 +24,7 @@ def test_an_unread_reserve_reply_is_read_past_and_its_slots_aborted(service, cap
             assert c.stats()["reservations"] in (0, 1)      # the abort may still be in flight
         assert c.orphaned_replies == 1
         assert any("no caller waiting" in r.message for r in caplog.records)
-        assert _eventually(lambda: c.stats()["reservations"] == 0)
+        assert wait_for(lambda: c.stats()["reservations"] == 0)
         data = blocks(8, BB)
         ns.put(keys(range(8)), data)                          # in step: its own reply
         out = np.zeros_like(data)
@@ -49,7 +39,7 @@ def test_an_unread_get_reply_has_its_lease_released(service):
         c._send("get", {"ns": "orph2", "keys": keys(range(4))})
         c.stats()
         assert c.orphaned_replies == 1
-        assert _eventually(lambda: c.stats()["leases"] == 0)
+        assert wait_for(lambda: c.stats()["leases"] == 0)
         assert ns.get(keys(range(4)), out=np.zeros((4, BB), np.uint8))[0].all()
 
 

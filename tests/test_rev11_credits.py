@@ -4,7 +4,6 @@ counted as what the service still holds for it (the connection's share, kvtier.a
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import pytest
 import kvtier
 from kvtier.api import credits as cr
 from kvtier.errors import CapacityError, LeaseError
-from tests.conftest import blocks, keys
+from tests.conftest import blocks, keys, wait_for
 
 BB = 4096
 HOST_SLOTS = 8 * 2**20 // BB                 # the services' host tier: 8 MiB
@@ -20,15 +19,6 @@ HOST_SLOTS = 8 * 2**20 // BB                 # the services' host tier: 8 MiB
 
 def _stats(c) -> dict:
     return c._call("stats")
-
-
-def _wait_for(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture
@@ -80,7 +70,7 @@ def test_an_expired_credit_no_longer_counts_in_the_connections_share(short_lived
     with kvtier.Client(str(short_lived.socket)) as c:
         ns = c.namespace("c", block_bytes=BB)
         c._call("reserve", ns="c", count=int(0.75 * HOST_SLOTS) - 8)
-        assert _wait_for(lambda: _stats(c)["expired_reservations"] == 1)
+        assert wait_for(lambda: _stats(c)["expired_reservations"] == 1)
         assert _stats(c)["reservations"] == 0
         r = c._call("reserve", ns="c", count=64)          # within the share: nothing is held
         c._call("abort", rid=r["rid"])
@@ -96,7 +86,7 @@ def test_an_expired_lease_no_longer_counts_in_the_connections_share(short_lived)
         ns.put(keys(range(n)), blocks(n, BB, seed=3))
         got = c._call("get", ns="c", keys=keys(range(n)))      # leased, never released
         assert np.frombuffer(got["found"], np.bool_).all()
-        assert _wait_for(lambda: _stats(c)["expired_leases"] >= 1)
+        assert wait_for(lambda: _stats(c)["expired_leases"] >= 1)
         r = c._call("reserve", ns="c", count=64)
         c._call("abort", rid=r["rid"])
 
