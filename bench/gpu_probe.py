@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -155,10 +156,42 @@ def case(name: str, call, reps: int) -> dict:
             "median_steps": steps}
 
 
+def layerwise(c, reps: int) -> dict:
+    """bench/gpu.py's layer-wise overlap (1,024 blocks as 32 per-layer pages of 64 KiB, rows
+    permuted) under the default policy and under copy engines for every page (no staging
+    placement kernel on the SMs the compute uses), alternated, each in the same process."""
+    import torch
+    from bench.gpu import LAYERS, namespace, overlap
+    from kvtier.api.layouts import Pages
+    from kvtier.gpu import transfer
+    from kvtier.gpu.plan import TransferPolicy
+    n, page = 1024, 65536
+    ns = namespace(c, "layers", LAYERS * page)
+    keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
+    caches = [torch.randint(0, 255, (n, page), dtype=torch.uint8, device="cuda")
+              for _ in range(LAYERS)]
+    rows = np.random.default_rng(7).permutation(n)
+    dst = Pages.from_layers([torch.zeros_like(t) for t in caches])
+    torch.cuda.synchronize()
+    ns.put_async(keys, Pages.from_layers(caches), rows=rows).wait()
+    out: dict = {}
+    for rnd in range(2):
+        for name, pol in (("default", None), ("copy_engines", TransferPolicy(copy_engine_bytes=0))):
+            transfer.set_policy(pol)
+            try:
+                r = overlap(ns, keys, dst, rows, reps)
+            finally:
+                transfer.set_policy(None)
+            out.setdefault(name, []).append(r)
+            print(f"## layerwise {name} round {rnd}: {r}", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-layers", action="store_true", help="skip the layer-wise overlaps")
     args = ap.parse_args()
     m = header("bench/gpu_probe.py")
     import torch
@@ -170,7 +203,7 @@ def main() -> None:
     warm()
     out = {"machine": m, **ceilings(3)}
     work = tempfile.mkdtemp(prefix="kvtier-probe-")
-    svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="3GiB",
+    svc = Service(os.path.join(work, "svc"), admin=False, host_capacity="4GiB",
                   nvme_capacity="0").start()
     try:
         with kvtier.Client(str(svc.socket), timeout=300) as c:
@@ -194,6 +227,8 @@ def main() -> None:
                 finally:
                     transfer.set_policy(None)
                 out[f"offload_{tag}"] = case(f"offload {tag}", put, args.reps)
+            if not args.no_layers:
+                out["layerwise"] = layerwise(c, 5)
     finally:
         svc.stop()
     emit(out, args.json)
