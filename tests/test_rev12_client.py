@@ -121,3 +121,18 @@ def test_the_orphaned_ns_open_fd_is_closed(service):
         c._send("ns_open", {"name": "fd-c", "map": True})
         c.stats()
         assert c.orphaned_replies == 1 and not c._fds
+
+
+def test_replies_never_asked_for_are_kept_only_up_to_the_bound(service, monkeypatch, caplog):
+    # A caller that leaves replies unread for ever (a bug) keeps at most READ_PAST_KEEP of
+    # them; the oldest go, logged, and a late reader of a dropped one is not answered by
+    # another's reply.
+    from kvtier.api import client as client_mod
+    monkeypatch.setattr(client_mod, "READ_PAST_KEEP", 2)
+    with kvtier.Client(str(service.socket), timeout=QUICK) as c:
+        ids = [c._send("stats", {}) for _ in range(3)]
+        c.ping()
+        assert c.orphaned_replies == 3 and sorted(c._read_past) == ids[1:]
+        assert any("never asked for" in r.message for r in caplog.records)
+        assert "tiers" in c._reply(ids[2])
+        assert list(c._read_past) == [ids[1]]

@@ -589,11 +589,12 @@ class Client:
             if self._fds:
                 os.close(self._fds.pop(0))
             return "memory fd"
-        if reply.get("lease"):
-            self._release_later(int(reply["lease"]))
+        lease, rid = reply.get("lease"), reply.get("rid")
+        if type(lease) is int and lease:
+            self._release_later(lease)
             return "lease"
-        if "rid" in reply and "slots" in reply:             # a reservation or a credit
-            self._send_nowait("abort", rid=int(reply["rid"]))
+        if type(rid) is int and "slots" in reply:            # a reservation or a credit
+            self._send_nowait("abort", rid=rid)
             return "reservation"
         return ""
 
