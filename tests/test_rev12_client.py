@@ -23,10 +23,16 @@ import kvtier
 from kvtier.api import protocol as P
 from kvtier.api.buffers import checksums
 from kvtier.errors import ChecksumError, KvtierError, ServiceUnavailable
-from tests.conftest import blocks, keys
+from tests.conftest import blocks, keys, wait_for
 
 BB = 4096
 QUICK = 3.0          # the client's reply timeout here: main waits it out, then drops the link
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (/proc/PID/stat: T once it is stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _reserve_and_write(ns, ids, data) -> int:
@@ -136,3 +142,44 @@ def test_replies_never_asked_for_are_kept_only_up_to_the_bound(service, monkeypa
         assert any("never asked for" in r.message for r in caplog.records)
         assert "tiers" in c._reply(ids[2])
         assert list(c._read_past) == [ids[1]]
+
+
+def test_a_late_reader_after_the_connection_went_gets_its_reply_or_a_lost_connection(
+        tmp_path):
+    # A CUDA put in flight when its service goes: its commits' replies are read by wait().
+    # One read past before the loss is still the commit's outcome (stored: its versions); one
+    # never answered is PutOutcomeUnknown; any other reader gets ServiceUnavailable. On main
+    # each was an AttributeError (the reader read a socket that was gone).
+    import signal
+
+    from kvtier.errors import PutOutcomeUnknown
+    from tests.service import Service
+    svc = Service(tmp_path / "svc", host_capacity="8MiB").start()
+    try:
+        with kvtier.Client(str(svc.socket), timeout=QUICK) as c:
+            ns = c.namespace("gone", block_bytes=BB)
+            data = blocks(4, BB, seed=9)
+            rid = _reserve_and_write(ns, range(2), data[:2])
+            answered = c._send("commit", {"rid": rid,
+                                          "checksums": P.arr(checksums(data[:2]), "<u8")})
+            c.ping()                                       # reads the commit's reply past
+            rid = _reserve_and_write(ns, range(2, 4), data[2:])
+            svc.proc.send_signal(signal.SIGSTOP)          # nothing more is answered
+            assert wait_for(lambda: _state(svc.proc.pid) == "T")
+            stats = c._send("stats", {})
+            unanswered = c._send("commit", {"rid": rid,
+                                            "checksums": P.arr(checksums(data[2:]), "<u8")})
+            svc.proc.kill()
+            svc.proc.wait()
+            with pytest.raises(ServiceUnavailable):
+                c._reply(stats)
+            assert c._sock is None
+            assert np.frombuffer(c._reply(answered)["versions"], "<u8").tolist() == [1, 1]
+            with pytest.raises(PutOutcomeUnknown):
+                c._reply(unanswered)
+            with pytest.raises(ServiceUnavailable):
+                c._reply(stats)
+            assert not c._read_past
+    finally:
+        svc.proc = None if svc.proc is not None and svc.proc.poll() is not None else svc.proc
+        svc.stop()

@@ -342,10 +342,15 @@ class Client:
             self._sock = None
         self._buf.clear()
         self._discard.clear()
+        # Replies read past stay for their readers (a reply read is what the service did; ids
+        # are not reused), and a put left unanswered tells a reader that asks later that its
+        # outcome is unknown (a CUDA put's commits: kvtier.gpu.transfer.PutTransfer.wait).
+        for pid in self._puts_sent:
+            self._keep(pid, P.error_reply(pid, connection_lost(
+                self.path, f"the connection went before request {pid}'s reply", 1)))
         self._puts_sent.clear()
         self._stash_ids.clear()
         self._stashed.clear()
-        self._read_past.clear()
         self._pending.clear()           # the service ends them when the connection goes
         for fd in self._fds:
             os.close(fd)
@@ -533,8 +538,15 @@ class Client:
             early = self._read_past.pop(req_id, None)
             if early is not None:           # read past by an earlier call (_orphan)
                 return early if raw else P.raise_for(early)
+        if self._sock is None:              # a reader after the connection went
+            raise ServiceUnavailable(f"not connected to kvtier at {self.path}: the connection "
+                                     f"went before request {req_id}'s reply was read")
         while True:
-            reply = self._recv_frame()
+            try:
+                reply = self._recv_frame()
+            except ServiceUnavailable:
+                self._read_past.pop(req_id, None)   # (close_socket's note: this call raises)
+                raise
             rid = reply.get("id")
             if raw and rid == req_id:
                 return reply
@@ -571,6 +583,10 @@ class Client:
             reply = P.error_reply(rid, KvtierError(
                 f"the reply to request {rid} was read before this call asked for it, and its "
                 f"{held} was given back then"))
+        self._keep(rid, reply)
+
+    def _keep(self, rid: int, reply: dict[str, Any]) -> None:
+        """Keep rid's reply for its reader (_reply looks here first), at most READ_PAST_KEEP."""
         self._read_past[rid] = reply
         if len(self._read_past) > READ_PAST_KEEP:
             old = next(iter(self._read_past))
