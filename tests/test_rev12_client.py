@@ -181,5 +181,4 @@ def test_a_late_reader_after_the_connection_went_gets_its_reply_or_a_lost_connec
                 c._reply(stats)
             assert not c._read_past
     finally:
-        svc.proc = None if svc.proc is not None and svc.proc.poll() is not None else svc.proc
-        svc.stop()
+        svc.stop(signal.SIGKILL)                          # (stopped or gone already)
