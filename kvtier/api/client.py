@@ -67,6 +67,11 @@ _CMSG = socket.CMSG_SPACE(4 * array.array("i").itemsize)   # room for the fds of
 
 log = logging.getLogger("kvtier.client")
 
+# Replies read past (an earlier request's, read while a later one's was waited for) kept for a
+# reader that asks later: a CUDA put reads its commits' replies only at wait() (kvtier.gpu.
+# transfer.PutTransfer), so any call made meanwhile reads them first. The oldest go beyond this.
+READ_PAST_KEEP = 1024
+
 
 def default_socket() -> str:
     env = os.environ.get("KVTIER_SOCKET")
@@ -294,7 +299,7 @@ class Client:
         self.name = name or f"pid-{os.getpid()}"
         self.generation = 0
         self.release_errors = 0
-        self.orphaned_replies = 0       # replies read that no caller waited for (a bug: logged)
+        self.orphaned_replies = 0       # replies read before their caller asked (_orphan)
         self._sock: socket.socket | None = None
         self._buf = bytearray()
         self._rview = memoryview(bytearray(_RECV))
@@ -305,6 +310,7 @@ class Client:
         self._puts_sent: set[int] = set()   # ids of put/commit requests not answered yet
         self._stash_ids: set[int] = set()   # requests whose replies are kept when read past
         self._stashed: dict[int, dict[str, Any]] = {}    # ... and those replies (credits)
+        self._read_past: dict[int, dict[str, Any]] = {}  # replies read before asked (_orphan)
         self._namespaces: dict[str, Namespace] = {}
         self.server_info: dict[str, Any] = {}
         if connect:
@@ -336,6 +342,12 @@ class Client:
             self._sock = None
         self._buf.clear()
         self._discard.clear()
+        # Replies read past stay for their readers (a reply read is what the service did; ids
+        # are not reused), and a put left unanswered tells a reader that asks later that its
+        # outcome is unknown (a CUDA put's commits: kvtier.gpu.transfer.PutTransfer.wait).
+        for pid in self._puts_sent:
+            self._keep(pid, P.error_reply(pid, connection_lost(
+                self.path, f"the connection went before request {pid}'s reply", 1)))
         self._puts_sent.clear()
         self._stash_ids.clear()
         self._stashed.clear()
@@ -522,8 +534,19 @@ class Client:
         """The reply to request req_id (sent earlier, pipelined or not), re-raised as its
         kvtier exception if it is an error (raw: returned as it is). Replies come in request
         order."""
+        if self._read_past:
+            early = self._read_past.pop(req_id, None)
+            if early is not None:           # read past by an earlier call (_orphan)
+                return early if raw else P.raise_for(early)
+        if self._sock is None:              # a reader after the connection went
+            raise ServiceUnavailable(f"not connected to kvtier at {self.path}: the connection "
+                                     f"went before request {req_id}'s reply was read")
         while True:
-            reply = self._recv_frame()
+            try:
+                reply = self._recv_frame()
+            except ServiceUnavailable:
+                self._read_past.pop(req_id, None)   # (close_socket's note: this call raises)
+                raise
             rid = reply.get("id")
             if raw and rid == req_id:
                 return reply
@@ -545,19 +568,51 @@ class Client:
             return P.raise_for(reply)
 
     def _orphan(self, rid: int, reply: dict[str, Any]) -> None:
-        """An earlier request's reply that nobody waits for (a caller left it unread: a bug).
-        Replies come in order, so it is read past rather than taken for the awaited one; the
-        hold it grants (a lease, a reservation) goes back at once instead of at its timeout,
-        and the connection stays in step for the next calls."""
+        """An earlier request's reply, read while a later one's is waited for (replies come in
+        order, so it is not the awaited one). Its reader may still ask (a CUDA put reads its
+        commits' replies at wait()): the reply is kept for it (READ_PAST_KEEP). What it grants
+        goes back at once instead of at its timeout (a lease released, a reservation or
+        credit aborted, a mapped open's fd closed), since a caller that left it unread may
+        never come (a bug); a reader that does come then gets an error, never slots that are
+        no longer its own."""
         self.orphaned_replies += 1
-        log.warning("kvtier: reply to request %d (%s) read with no caller waiting for it; "
-                    "what it holds is given back", rid, "ok" if reply.get("ok") else "error")
+        held = self._give_back(reply)
+        if held:
+            log.warning("kvtier: reply to request %d read with no caller waiting for it; its "
+                        "%s is given back", rid, held)
+            reply = P.error_reply(rid, KvtierError(
+                f"the reply to request {rid} was read before this call asked for it, and its "
+                f"{held} was given back then"))
+        self._keep(rid, reply)
+
+    def _keep(self, rid: int, reply: dict[str, Any]) -> None:
+        """Keep rid's reply for its reader (_reply looks here first), at most READ_PAST_KEEP."""
+        self._read_past[rid] = reply
+        if len(self._read_past) > READ_PAST_KEEP:
+            old = next(iter(self._read_past))
+            lost = self._read_past.pop(old)
+            log.warning("kvtier: reply to request %d (%s) was never asked for; dropped", old,
+                        "ok" if lost.get("ok") else "error")
+
+    def _give_back(self, reply: dict[str, Any]) -> str:
+        """End what an ok reply grants (_orphan); what it was, or "" for nothing."""
         if not reply.get("ok"):
-            return
-        if reply.get("lease"):
-            self._release_later(int(reply["lease"]))
-        elif "rid" in reply and "slots" in reply:          # a reservation or a credit
-            self._send_nowait("abort", rid=int(reply["rid"]))
+            return ""
+        if "map_bytes" in reply:
+            # Its memory fd came with it (the same sendmsg), first in _fds: _open_mapped pops
+            # them in reply order, so one left there would map the next namespace's view on
+            # this one's memory.
+            if self._fds:
+                os.close(self._fds.pop(0))
+            return "memory fd"
+        lease, rid = reply.get("lease"), reply.get("rid")
+        if type(lease) is int and lease:
+            self._release_later(lease)
+            return "lease"
+        if type(rid) is int and "slots" in reply:            # a reservation or a credit
+            self._send_nowait("abort", rid=rid)
+            return "reservation"
+        return ""
 
     def _open_mapped(self, name: str) -> tuple[dict[str, Any], int]:
         info = self._call("ns_open", name=name, map=True)
