@@ -72,6 +72,37 @@ def _float(value: Any, name: str) -> float:
     return out
 
 
+# On a host of at least this many usable cores (a GPU server's) busy_poll_us "auto" is
+# BUSY_POLL_LONG_US, else BUSY_POLL_SHORT_US. A GPU worker's get of 4,096 small blocks waits 2-6
+# ms on the GPU between requests: past a 1 ms window the service's loop is asleep when the next
+# get's first request comes, and on an H100 host that request waited 0.10-0.28 ms for the loop
+# to wake, against 0.11-0.18 with 10 ms (bench/results/s37-h100-busy; docs/DESIGN-NOTES.md,
+# "the service's busy-poll window"). One core of eight or more spinning while such a worker is
+# active is the price; on fewer cores it would take a core from the workers.
+BUSY_POLL_CORES = 8
+BUSY_POLL_LONG_US = 10000.0
+BUSY_POLL_SHORT_US = 1000.0
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_busy_poll_us(cores: int | None = None) -> float:
+    """busy_poll_us "auto": BUSY_POLL_LONG_US on BUSY_POLL_CORES or more, else BUSY_POLL_SHORT_US."""
+    cores = usable_cores() if cores is None else cores
+    return BUSY_POLL_LONG_US if cores >= BUSY_POLL_CORES else BUSY_POLL_SHORT_US
+
+
+def _busy_poll(value: Any, name: str) -> float:
+    if value == "auto":
+        return auto_busy_poll_us()
+    return _float(value, name)
+
+
 def _int(value: Any, name: str) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
@@ -234,10 +265,10 @@ SETTINGS: tuple[Setting, ...] = (
             "may pin; the rest stays free for other clients' gets and puts (a pipelined "
             "client pins up to about two batches at once)", "fraction"),
     Setting("io_threads", 4, _int, "threads issuing NVMe reads and writes"),
-    Setting("busy_poll_us", 1000.0, _float,
+    Setting("busy_poll_us", "auto", _busy_poll,
             "after each request the socket loop polls, not sleeps, this long (a waiting worker's "
-            "next request is read at once; costs up to a core while clients are active); 0: off",
-            "us"),
+            "next request is read at once; costs up to a core while clients are active); auto: "
+            "10000 on hosts of 8 or more usable cores, 1000 below; 0: off", "us"),
     Setting("max_frame", "64MiB", _size, "largest socket frame accepted, and largest reply "
             "(an inline get of more bytes is refused)", "bytes"),
     Setting("max_buffered", "256MiB", _size,
@@ -303,7 +334,7 @@ class Settings:
     lease_timeout: float = 600.0
     max_client_share: float = 0.75
     io_threads: int = 4
-    busy_poll_us: float = 1000.0
+    busy_poll_us: float = field(default_factory=auto_busy_poll_us)
     max_frame: int = 64 << 20
     max_buffered: int = 256 << 20
     max_host_slots: int = 1 << 20

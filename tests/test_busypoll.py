@@ -169,3 +169,19 @@ def test_it_stops_spinning_for_clients_whose_requests_come_further_apart_than_th
     assert not any(armed[1:9])                   # (each had ended before the next request)
     assert fast[-1] == slow[-1] + 1 and all(armed[-5:])    # the fast one: spun for throughout
     assert bp.gap_s < bp.window_s
+
+
+def test_busy_poll_us_auto_follows_the_usable_cores(monkeypatch):
+    """auto (the default): the long window on a host of BUSY_POLL_CORES or more usable cores
+    (a GPU server's), the short one below; a number given is kept as it is."""
+    from kvtier import config
+    assert config.auto_busy_poll_us(config.BUSY_POLL_CORES) == config.BUSY_POLL_LONG_US
+    assert config.auto_busy_poll_us(config.BUSY_POLL_CORES - 1) == config.BUSY_POLL_SHORT_US
+    assert config.BUSY_POLL_LONG_US > config.BUSY_POLL_SHORT_US > 0
+    for cores, want in ((16, config.BUSY_POLL_LONG_US), (2, config.BUSY_POLL_SHORT_US)):
+        monkeypatch.setattr(config, "usable_cores", lambda cores=cores: cores)
+        assert config.load(env={}).busy_poll_us == want
+        assert config.load(env={"KVTIER_BUSY_POLL_US": "auto"}).busy_poll_us == want
+        assert config.load(env={"KVTIER_BUSY_POLL_US": "250"}).busy_poll_us == 250.0
+        assert config.Settings().busy_poll_us == want
+    assert config.usable_cores() >= 1
