@@ -367,6 +367,17 @@ def test_bad_cuda_arguments_are_refused_with_what_to_do(gpu_service):
         assert c.stats()["leases"] == 0 and c.stats()["reservations"] == 0
         ns.put(keys(range(4)), out)          # the connection is in step: no reply left unread
         assert ns.get(keys(range(4)), out=torch.empty_like(out))[0].all()
+        # A chunked get sends its requests before it builds its device side (transfer.
+        # get_async): stored keys are leased first, and a bad stream or rows then raise with
+        # every lease ended and the connection in step.
+        with pytest.raises(BadRequest, match="stream must be"):
+            ns.get_async(keys(range(4)), out=out, stream="fast")
+        with pytest.raises(BadRequest, match="0..3"):
+            ns.get_async(keys(range(2)), out=out, rows=[0, 9])
+        assert c.stats()["leases"] == 0
+        back = torch.zeros_like(out)
+        assert ns.get_async(keys(range(4)), out=back).wait().all()
+        assert torch.equal(back, out)
 
 
 def test_a_put_refused_part_way_commits_nothing_and_holds_nothing(tmp_path: Path, monkeypatch):

@@ -307,39 +307,84 @@ def _target(ns: "Namespace", x: Any, rows: np.ndarray | None, n: int,
                                      table.num_blocks)
 
 
+class _GetSide:
+    """The device side of a get: its page table, page groups and rows (_target), the stream,
+    the staging of its indices and its Mover."""
+
+    def __init__(self, ns: "Namespace", out: Any, rows: np.ndarray | None, n: int,
+                 layers: int | None, stream: Any, tier: str, pol: TransferPolicy) -> None:
+        import cupy
+        self.table, self.groups, self.rows = _target(ns, out, rows, n, layers)
+        self.seg = ns._gpu(tier)
+        with cupy.cuda.Device(self.table.device):
+            self.stream = Stream.resolve(stream, self.table.device)
+            self.staging = Staging(self.stream)
+            self.mover = Mover(self.seg, self.table, self.stream, pol, self.staging)
+
+
+def _chunked_first(pol: TransferPolicy, tier: str, n: int) -> bool:
+    """Whether a get is leased in chunks whatever its tensor, so that its requests can go
+    before its device side is built: from the host tier (the HBM tier's requests name the
+    device), with more keys than a whole get takes (_whole decides on the table otherwise)."""
+    return tier == "host" and n > pol.whole_onboard_keys
+
+
 def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | None,
               stream: Any, tier: str, layers: int | None) -> GetTransfer:
+    """A chunked get from the host tier sends its requests first and builds its device side
+    (_GetSide: the tensor's table, the stream, the Mover; then Mover.prepare) while the service
+    answers the first chunk: bench/gpu_probe.py on an H100 host found 50-85 us of the client's
+    before the first send, and the first reply 0.1-0.2 ms after it. A bad tensor, rows or
+    stream then raises once every reply is read and its leases ended (one round trip), as a
+    failure while enqueueing does; other gets check the tensor first."""
+    import contextlib
     import cupy
     poll(ns)
     ns._client._ensure()
-    table, groups, dst_rows = _target(ns, out, rows, n, layers)
-    seg = ns._gpu(tier)
-    with cupy.cuda.Device(table.device):
-        st = Stream.resolve(stream, table.device)
-        staging = Staging(st)
-        pol = policy()
-        mover = Mover(seg, table, st, pol, staging)
+    pol = policy()
+    first = _chunked_first(pol, tier, n)
+    side = None if first else _GetSide(ns, out, rows, n, layers, stream, tier, pol)
+    with contextlib.ExitStack() as ctx:
         events: list[Any] = []
         replies: list[tuple["GetReply", int]] = []
-        whole = _whole(ns, pol, table, groups, n, tier)
         trace = None
         if TRACE is not None:
             import time
-            trace = {"t0": time.perf_counter(), "start": mover.mark(), "chunks": []}
+            trace = {"t0": time.perf_counter(), "chunks": []}
             TRACE.append(trace)
+
+        def build() -> _GetSide:
+            """The device side, entered: its device current until get_async returns."""
+            nonlocal side
+            if side is None:
+                side = _GetSide(ns, out, rows, n, layers, stream, tier, pol)
+            ctx.enter_context(cupy.cuda.Device(side.table.device))
+            if trace is not None:
+                trace["start"] = side.mover.mark()
+            return side
+
+        if not first:
+            build()
+        whole = not first and _whole(ns, pol, side.table, side.groups, n, tier)
+
+        def prepare() -> None:
+            s = build() if first else side
+            if len(s.groups) == 1:
+                s.mover.prepare(0, s.table.pages, n)
 
         def launch(rep: "GetReply", at: Any) -> None:
             if trace is not None:
                 import time
-                t_reply, before = time.perf_counter(), mover.mark()
+                t_reply, before = time.perf_counter(), side.mover.mark()
                 _launch(rep, at)
-                trace["chunks"].append((t_reply, before, mover.mark(), time.perf_counter()))
+                trace["chunks"].append((t_reply, before, side.mover.mark(), time.perf_counter()))
             else:
                 _launch(rep, at)
 
         def _launch(rep: "GetReply", at: Any) -> None:
             # at: the chunk's first key (lease), or its keys' positions (lease_sorted).
-            if len(groups) == 1:             # one event: move each chunk as its reply arrives
+            mover, dst_rows = side.mover, side.rows
+            if len(side.groups) == 1:        # one event: move each chunk as its reply arrives
                 rows_at = (dst_rows[at:at + rep.slots.size] if type(at) is int
                            else dst_rows[at])
                 if rep.found.all():
@@ -349,26 +394,29 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
                     slots, rows_ = rep.slots[idx], rows_at[idx]
                 # A sorted get's piece 0 is its first keys in their order (at 0: a chunk).
                 sorted_piece = whole and type(at) is not int
-                if not (sorted_piece and mover.stage_sorted(slots, rows_, 0, table.pages)):
+                if not (sorted_piece and mover.stage_sorted(slots, rows_, 0, side.table.pages)):
                     if sorted_piece and slots.size:
                         ns._whole_skip = SPARSE_RETRY   # sparse: the next gets in chunks
-                    mover.move(slots, rows_, 0, table.pages, False)
+                    mover.move(slots, rows_, 0, side.table.pages, False)
             else:
                 replies.append((rep, at))
-        extra = {"tier": tier, "device": table.device if tier == "hbm" else None}
+        extra = {"tier": tier, "device": side.table.device if tier == "hbm" else None}
         if whole:        # in the service's slot order, piece by piece (api.sortedgets)
             found, leases, error, _moved = pipeline.lease_sorted(
                 ns, kb, n, launch, extra, pol.sorted_piece_keys)
         else:
             found, leases, error, _moved = pipeline.lease(
-                ns, kb, n, launch, extra, None,
-                (lambda: mover.prepare(0, table.pages, n)) if len(groups) == 1 else None,
-                pol.get_ramp)
+                ns, kb, n, launch, extra, None, prepare, pol.get_ramp)
+        if side is None:                 # the device side failed to build: nothing launched
+            for lease in leases:
+                ns._client._release_later(lease)
+            raise error or KvtierError("a get's device side was never built")
+        table, groups, mover = side.table, side.groups, side.mover
         try:
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
                 slots = np.concatenate([rep.slots[i] for rep, _lo, i in found_at])
-                rows_ = np.concatenate([dst_rows[lo + i] for _rep, lo, i in found_at])
+                rows_ = np.concatenate([side.rows[lo + i] for _rep, lo, i in found_at])
                 events = (mover.stage_layers(slots, rows_, groups)
                           or mover.move_layers(slots, rows_, groups, False) or [])
                 for g_lo, g_hi in groups if not events else ():
@@ -384,9 +432,10 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
             mover.settle()
             if mover.one_launch:              # its layer waits read counters in the staging
                 settle(own(table.device, "layers-0"))
-            GetTransfer(ns, [], staging, mover.methods, found, leases, table.device)._finish()
+            GetTransfer(ns, [], side.staging, mover.methods, found, leases,
+                        table.device)._finish()
             raise error
-        t = GetTransfer(ns, events, staging, mover.methods, found, leases, table.device)
+        t = GetTransfer(ns, events, side.staging, mover.methods, found, leases, table.device)
         t.one_launch, t.staged, t.batched = mover.one_launch, mover.staged, mover.batched
         if trace is not None:
             import time
@@ -506,8 +555,15 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
                                "parents": None if parents is None else parents[lo * w:hi * w]},
                    piggyback=i == len(chunks) - 1) for i, (lo, hi) in enumerate(chunks)]
     with cupy.cuda.Device(table.device):
-        staging = Staging(st)
-        mover = Mover(seg, table, st, pol, staging)
+        try:
+            staging = Staging(st)
+            mover = Mover(seg, table, st, pol, staging)
+        except BaseException:
+            # The reserves' replies are read past by the next call and their reservations
+            # aborted then (Client._orphan); the credit is no reply: abort it here.
+            if credit is not None:
+                c._send_nowait("abort", rid=credit.rid)
+            raise
         side, sums, hashed, error = None, 0, None, None
         parts: list[tuple[int, int, int, np.ndarray]] = []
         ends: list[Any] = []
