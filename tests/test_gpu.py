@@ -481,14 +481,18 @@ def test_the_gpu_checksum_is_the_services_xxh3(geometry):
     staging = Staging(st)
     rows = np.random.default_rng(len(geometry)).permutation(n + 5)[:n]
     side = own(0, "checksums")
-    addr = Mover(None, table, st, transfer.policy(), staging).checksums(rows, side)
+    mover = Mover(None, table, st, transfer.policy(), staging)
+    # Forked from the transfer's stream after its uploads (None), or from an event taken
+    # before a put's first copies, uploading on its own stream (put_async's order).
+    addrs = [mover.checksums(rows, side), mover.checksums(rows, side, st.event())]
     side.event().synchronize()
     import ctypes
-    got = np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr)).copy()
     host = [v.cpu().numpy() for v in views]
     want = [xxhash.xxh3_64_intdigest(b"".join(h[r].tobytes() for h in host)) for r in rows]
+    for addr in addrs:
+        got = np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr)).copy()
+        assert got.tolist() == want
     staging.release()
-    assert got.tolist() == want
 
 
 def test_an_offload_checksummed_on_the_gpu_is_verified_back_from_nvme(tmp_path: Path):
@@ -507,6 +511,38 @@ def test_an_offload_checksummed_on_the_gpu_is_verified_back_from_nvme(tmp_path: 
                 found, _ = ns.get(keys(range(lo, lo + 50)), out=out[lo:lo + 50])
                 assert found.all()
             assert torch.equal(out, src)
+            st = c.stats()
+            assert st["checksum_failures"] == 0 and st["puts"] == 400
+    finally:
+        svc.stop()
+
+
+def test_a_puts_gpu_hash_sees_the_writes_enqueued_before_it(tmp_path: Path):
+    # put_async's hash forks from an event of the caller's stream taken before its first
+    # copies: blocks written on that stream just before the put (not waited for) are hashed
+    # as written. Pushed out of a small host tier, they come back from NVMe checked against
+    # the GPU's sums: a hash of the old bytes would fail that check.
+    svc = Service(tmp_path / "svc", admin=False, host_capacity="2MiB",
+                  nvme_capacity="64MiB").start()
+    try:
+        with kvtier.Client(svc.socket) as c:
+            ns = c.namespace("fresh", block_bytes=BB)
+            stream = torch.cuda.Stream()
+            src = torch.zeros(400, BB, dtype=torch.uint8, device="cuda")
+            big = torch.randn(4096, 4096, device="cuda")
+            want = torch.randint(0, 255, (400, BB), dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            for lo in range(0, 400, 50):
+                with torch.cuda.stream(stream):
+                    for _ in range(4):                   # keep the stream busy first
+                        big = big @ big / 64
+                    src[lo:lo + 50].copy_(want[lo:lo + 50])
+                ns.put_async(keys(range(lo, lo + 50)), src[lo:lo + 50], stream=stream).wait()
+            out = torch.zeros_like(src)
+            for lo in range(0, 400, 50):
+                found, _ = ns.get(keys(range(lo, lo + 50)), out=out[lo:lo + 50])
+                assert found.all()
+            assert torch.equal(out, want)
             st = c.stats()
             assert st["checksum_failures"] == 0 and st["puts"] == 400
     finally:

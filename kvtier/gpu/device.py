@@ -14,7 +14,7 @@ import numpy as np
 
 from kvtier.errors import BadRequest, KvtierError
 from kvtier.gpu import kernels
-from kvtier.gpu.copies import _D2H, _DEFAULT, batch_available, copy_batch, copy_one
+from kvtier.gpu.copies import _D2H, _DEFAULT, _H2D, batch_available, copy_batch, copy_one
 from kvtier.gpu.plan import (MAX_VECTORS, Method, PageTable, TransferPolicy, copy_arrays,
                              copy_runs, kernel_launches, sorted_pieces, uniform_runs,
                              vector_bytes)
@@ -41,6 +41,24 @@ def is_cuda_target(x: Any) -> bool:
         return True
     from kvtier.api.layouts import Pages
     return isinstance(x, Pages) and x.is_cuda
+
+
+_key_tables: dict[int, Any] = {}
+
+
+def _key_table(device: int) -> int:
+    """Device address of xxh3's key table on device, uploaded once (read-only, kept)."""
+    t = _key_tables.get(device)
+    if t is None:
+        import cupy
+        from kvtier.gpu.xxh3 import key_table
+        host = np.ascontiguousarray(key_table().view(np.int64))
+        with cupy.cuda.Device(device):
+            t = cupy.empty(host.size, dtype=cupy.int64)
+            # A synchronous copy: complete before any stream reads it.
+            cupy.cuda.runtime.memcpy(t.data.ptr, host.ctypes.data, host.nbytes, _H2D)
+        _key_tables[device] = t
+    return int(t.data.ptr)
 
 
 def sm_count(device: int) -> int:
@@ -667,23 +685,31 @@ class Mover:
                    np.uint64(idx + 8 * (n + l0)), np.int32(l1 - l0), np.int32(a),
                    np.int32(b - a), np.uint32(vecs), np.int32(0), np.uint32(group)))
 
-    def checksums(self, rows: np.ndarray, side: Stream) -> int:
-        """xxh3-64 of engine blocks rows of the table, computed on the GPU on stream side
-        (forked from the transfer's stream after the uploads it needs): the address of n uint64
-        in pinned host memory, filled once side has run."""
+    def checksums(self, rows: np.ndarray, side: Stream, after: Any = None) -> int:
+        """xxh3-64 of engine blocks rows of the table, computed on the GPU on stream side: the
+        address of n uint64 in pinned host memory, filled once side has run. after: an event
+        of the transfer's stream taken before its first copies (the blocks are ready from it);
+        side then forks from it and uploads what it reads on its own, so that the hash neither
+        waits for those copies nor delays their enqueue. None: forked from the transfer's
+        stream after its uploads there."""
         import cupy
-        from kvtier.gpu.xxh3 import key_table
         n = rows.size
-        if not self._tab:
-            self._tab = self.staging.upload(self.table.staged())
-        keys = self.staging.upload(key_table().view(np.int64))
-        ridx = self.staging.upload(rows)
-        side.wait(self.stream.event())
+        if after is None:
+            if not self._tab:
+                self._tab = self.staging.upload(self.table.staged())
+            tab, on = self._tab, None
+        else:
+            side.wait(after)
+            tab, on = self.staging.upload(self.table.staged(), side), side
+        keys = _key_table(self.table.device)
+        ridx = self.staging.upload(rows, on)
+        if after is None:
+            side.wait(self.stream.event())
         out = self.staging.device(n)
         threads = 128
         with side.cupy:
             kernels.get("xxh3_pages")((-(-4 * n // threads),), (threads,),
-                                      (np.uint64(self._tab), np.int32(self.table.pages),
+                                      (np.uint64(tab), np.int32(self.table.pages),
                                        np.uint64(ridx), np.int32(n),
                                        np.int64(self.table.block_bytes), np.uint64(keys),
                                        np.uint64(out)))

@@ -565,6 +565,17 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
                 c._send_nowait("abort", rid=credit.rid)
             raise
         side, sums, hashed, error = None, 0, None, None
+        hash_launched = False
+        # The blocks are ready from here in the stream's order: the GPU hash forks from this
+        # event, and is launched after the first chunk's copies are enqueued (its set-up, three
+        # uploads and a launch, took 0.17 ms of the client before them: bench/gpu_probe.py).
+        start = st.event()
+
+        def launch_hash() -> None:
+            nonlocal side, sums, hashed, hash_launched
+            if not hash_launched:
+                hash_launched = True
+                side, sums, hashed = _hash(ns, mover, table, src_rows, n, start)
         parts: list[tuple[int, int, int, np.ndarray]] = []
         ends: list[Any] = []
         if credit is not None:            # its copies first: no reply to wait for
@@ -575,10 +586,11 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
                     ends.append(mover.event())
                 except BaseException as exc:
                     error = exc
-        try:
-            side, sums, hashed = _hash(ns, mover, table, src_rows, n)
-        except BaseException as exc:
-            error = error or exc
+            if error is None:
+                try:
+                    launch_hash()
+                except BaseException as exc:
+                    error = exc
         commits: list[tuple[int, int, int]] = []          # (lo, hi, request id) sent
         credit_rid = -1 if credit is None else credit.rid
 
@@ -597,9 +609,20 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
                     hashed is None or hashed.done):
                 lo, hi, rid, _s = parts[len(commits)]
                 commits.append((lo, hi, send_commit(lo, hi, rid)))
-        parts, ends, error = _reserved(c, mover, chunks, ids, src_rows, groups, error,
-                                       early if mover.policy.early_commits else None,
+
+        def moved(parts: list[tuple[int, int, int, np.ndarray]], ends: list[Any]) -> None:
+            """After each chunk's copies are enqueued: the hash (once), then the early commits,
+            which wait for it."""
+            launch_hash()
+            if mover.policy.early_commits:
+                early(parts, ends)
+        parts, ends, error = _reserved(c, mover, chunks, ids, src_rows, groups, error, moved,
                                        parts, ends)
+        if error is None:
+            try:
+                launch_hash()                 # no chunk moved yet (page groups: moved below)
+            except BaseException as exc:
+                error = exc
         events: list[Any] = []
         try:
             for g, (g_lo, g_hi) in enumerate(groups if error is None else ()):
@@ -635,15 +658,16 @@ def put_async(ns: "Namespace", kb: bytes, n: int, blocks: Any, parents: bytes | 
 
 
 def _hash(ns: "Namespace", mover: Mover, table: PageTable, src_rows: np.ndarray,
-          n: int) -> tuple[Any, int, Any]:
+          n: int, after: Any = None) -> tuple[Any, int, Any]:
     """The GPU checksums of a put's blocks, where the layout allows: (the side stream, the
-    pinned address of the n sums, the event after they have reached it), else (None, 0, None)."""
+    pinned address of the n sums, the event after they have reached it), else (None, 0, None).
+    after: Mover.checksums'."""
     from kvtier.gpu import xxh3
     if not (n and xxh3.supported(ns.block_bytes, tuple(table.size.tolist()))
             and not (table.base.astype(np.int64) % 16).any() and not (table.stride % 16).any()):
         return None, 0, None
     side = own(table.device, "checksums")
-    sums = mover.checksums(src_rows, side)
+    sums = mover.checksums(src_rows, side, after)
     return side, sums, side.event()
 
 
