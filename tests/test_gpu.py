@@ -495,6 +495,18 @@ def test_the_gpu_checksum_is_the_services_xxh3(geometry):
     staging.release()
 
 
+def _back_checked(c, ns, want) -> None:
+    """The 400 blocks of ns (put 50 at a time) read back in batches of 50 are want, and none
+    failed its checksum (most come from NVMe)."""
+    out = torch.zeros_like(want)
+    for lo in range(0, 400, 50):
+        found, _ = ns.get(keys(range(lo, lo + 50)), out=out[lo:lo + 50])
+        assert found.all()
+    assert torch.equal(out, want)
+    st = c.stats()
+    assert st["checksum_failures"] == 0 and st["puts"] == 400
+
+
 def test_an_offload_checksummed_on_the_gpu_is_verified_back_from_nvme(tmp_path: Path):
     # The service records the GPU's checksums without hashing; blocks pushed out of a small
     # host tier come back from NVMe checked against them.
@@ -506,13 +518,7 @@ def test_an_offload_checksummed_on_the_gpu_is_verified_back_from_nvme(tmp_path: 
             src = torch.randint(0, 255, (400, BB), dtype=torch.uint8, device="cuda")
             for lo in range(0, 400, 50):              # under the pin cap (96 of 128 slots)
                 ns.put(keys(range(lo, lo + 50)), src[lo:lo + 50])
-            out = torch.zeros_like(src)
-            for lo in range(0, 400, 50):
-                found, _ = ns.get(keys(range(lo, lo + 50)), out=out[lo:lo + 50])
-                assert found.all()
-            assert torch.equal(out, src)
-            st = c.stats()
-            assert st["checksum_failures"] == 0 and st["puts"] == 400
+            _back_checked(c, ns, src)
     finally:
         svc.stop()
 
@@ -538,13 +544,7 @@ def test_a_puts_gpu_hash_sees_the_writes_enqueued_before_it(tmp_path: Path):
                         big = big @ big / 64
                     src[lo:lo + 50].copy_(want[lo:lo + 50])
                 ns.put_async(keys(range(lo, lo + 50)), src[lo:lo + 50], stream=stream).wait()
-            out = torch.zeros_like(src)
-            for lo in range(0, 400, 50):
-                found, _ = ns.get(keys(range(lo, lo + 50)), out=out[lo:lo + 50])
-                assert found.all()
-            assert torch.equal(out, want)
-            st = c.stats()
-            assert st["checksum_failures"] == 0 and st["puts"] == 400
+            _back_checked(c, ns, want)
     finally:
         svc.stop()
 
