@@ -507,46 +507,47 @@ def _back_checked(c, ns, want) -> None:
     assert st["checksum_failures"] == 0 and st["puts"] == 400
 
 
-def test_an_offload_checksummed_on_the_gpu_is_verified_back_from_nvme(tmp_path: Path):
-    # The service records the GPU's checksums without hashing; blocks pushed out of a small
-    # host tier come back from NVMe checked against them.
+@pytest.fixture
+def small_host(tmp_path: Path):
+    """A service whose host tier holds 128 blocks of BB, over NVMe."""
     svc = Service(tmp_path / "svc", admin=False, host_capacity="2MiB",
                   nvme_capacity="64MiB").start()
     try:
-        with kvtier.Client(svc.socket) as c:
-            ns = c.namespace("nvme", block_bytes=BB)
-            src = torch.randint(0, 255, (400, BB), dtype=torch.uint8, device="cuda")
-            for lo in range(0, 400, 50):              # under the pin cap (96 of 128 slots)
-                ns.put(keys(range(lo, lo + 50)), src[lo:lo + 50])
-            _back_checked(c, ns, src)
+        yield svc
     finally:
         svc.stop()
 
 
-def test_a_puts_gpu_hash_sees_the_writes_enqueued_before_it(tmp_path: Path):
+def test_an_offload_checksummed_on_the_gpu_is_verified_back_from_nvme(small_host):
+    # The service records the GPU's checksums without hashing; blocks pushed out of a small
+    # host tier come back from NVMe checked against them.
+    with kvtier.Client(small_host.socket) as c:
+        ns = c.namespace("nvme", block_bytes=BB)
+        src = torch.randint(0, 255, (400, BB), dtype=torch.uint8, device="cuda")
+        for lo in range(0, 400, 50):              # under the pin cap (96 of 128 slots)
+            ns.put(keys(range(lo, lo + 50)), src[lo:lo + 50])
+        _back_checked(c, ns, src)
+
+
+def test_a_puts_gpu_hash_sees_the_writes_enqueued_before_it(small_host):
     # put_async's hash forks from an event of the caller's stream taken before its first
     # copies: blocks written on that stream just before the put (not waited for) are hashed
     # as written. Pushed out of a small host tier, they come back from NVMe checked against
     # the GPU's sums: a hash of the old bytes would fail that check.
-    svc = Service(tmp_path / "svc", admin=False, host_capacity="2MiB",
-                  nvme_capacity="64MiB").start()
-    try:
-        with kvtier.Client(svc.socket) as c:
-            ns = c.namespace("fresh", block_bytes=BB)
-            stream = torch.cuda.Stream()
-            src = torch.zeros(400, BB, dtype=torch.uint8, device="cuda")
-            big = torch.randn(4096, 4096, device="cuda")
-            want = torch.randint(0, 255, (400, BB), dtype=torch.uint8, device="cuda")
-            torch.cuda.synchronize()
-            for lo in range(0, 400, 50):
-                with torch.cuda.stream(stream):
-                    for _ in range(4):                   # keep the stream busy first
-                        big = big @ big / 64
-                    src[lo:lo + 50].copy_(want[lo:lo + 50])
-                ns.put_async(keys(range(lo, lo + 50)), src[lo:lo + 50], stream=stream).wait()
-            _back_checked(c, ns, want)
-    finally:
-        svc.stop()
+    with kvtier.Client(small_host.socket) as c:
+        ns = c.namespace("fresh", block_bytes=BB)
+        stream = torch.cuda.Stream()
+        src = torch.zeros(400, BB, dtype=torch.uint8, device="cuda")
+        big = torch.randn(4096, 4096, device="cuda")
+        want = torch.randint(0, 255, (400, BB), dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        for lo in range(0, 400, 50):
+            with torch.cuda.stream(stream):
+                for _ in range(4):                   # keep the stream busy first
+                    big = big @ big / 64
+                src[lo:lo + 50].copy_(want[lo:lo + 50])
+            ns.put_async(keys(range(lo, lo + 50)), src[lo:lo + 50], stream=stream).wait()
+        _back_checked(c, ns, want)
 
 
 def test_a_single_block_get(gpu_service):
