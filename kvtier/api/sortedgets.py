@@ -42,10 +42,12 @@ import numpy as np
 from kvtier.api import protocol as P
 from kvtier.api.connection import Reply, failed_reply
 from kvtier.api.quota import ClientInfo
+from kvtier.coherence.fastpath import _fast
 from kvtier.errors import BadRequest
 from kvtier.types import Tier
 
 MAX_SORTED = 8          # sorted gets in flight on one connection
+_HOST = int(Tier.HOST)
 
 
 @dataclass(slots=True)
@@ -61,9 +63,22 @@ class SortedGet:
 
 def slot_order(engine: Any, name: str, karr: np.ndarray) -> np.ndarray:
     """Positions of karr's keys by their host slot: the keys with a current host copy first,
-    by slot, then the others in their own order. Under the engine lock (the caller's)."""
+    by slot, then the others in their own order. Under the engine lock (the caller's). One
+    lookup and one C call (_fast.slot_order) where the module is built and the slots are
+    dense; else numpy's order, the same positions (slot_order_numpy)."""
     table = engine.namespace(name).table
     rows = table.lookup(karr)
+    if _fast is not None:
+        out = np.empty(rows.size, dtype=np.uint32)
+        cols = table.cols
+        if _fast.slot_order(cols["version"], cols["copy_ver"], cols["slot"], rows,
+                            table.n_rows, _HOST, out) >= 0:
+            return out
+    return slot_order_numpy(table, rows)
+
+
+def slot_order_numpy(table: Any, rows: np.ndarray) -> np.ndarray:
+    """slot_order over a lookup's rows, in numpy (the reference, and the sparse case)."""
     n = rows.size
     cols = table.cols
     live = np.flatnonzero(rows >= 0)
@@ -173,22 +188,32 @@ class SortedGets:
         ns = self.engine.namespace(name)
         karr = ns.table.keys_array(keys)
         n = karr.shape[0]
-        cuts = ends.astype(np.int64)
-        if cuts.size == 0 or cuts[-1] != n or (cuts[0] <= 0) or (np.diff(cuts) <= 0).any():
+        ends_l = [0, *ends.tolist()]
+        if not _rising(ends_l, n):
             raise BadRequest(f"sort: the pieces' ends must rise strictly from above 0 to the "
                              f"number of keys ({n})")
-        if cuts.size > 1:
+        if len(ends_l) > 2:
             if type(req_id) is not int or req_id in gets:
                 raise BadRequest("a sorted get of several pieces needs an integer request id "
                                  "not in use by another sorted get of this connection")
             if len(gets) >= MAX_SORTED:
                 raise BadRequest(f"{MAX_SORTED} sorted gets are in flight on this connection: "
                                  "ask their pieces first")
-        ends_l = [0, *cuts.tolist()]
-        if cuts.size > 1:
             gets[req_id] = SortedGet(name, karr, None, ends_l)
         req["keys"] = karr[:ends_l[1]].tobytes()
         return np.arange(ends_l[1], dtype=np.uint32)
+
+
+def _rising(ends: list[int], n: int) -> bool:
+    """Whether ends (0, then the pieces' ends) rise strictly to n. On Python ints: a sorted
+    get has a handful of pieces, and numpy's scalar compares and diff over them cost the
+    first request ~15 us in the service's context (dev VM), ahead of piece 0's reply."""
+    if len(ends) < 2 or ends[-1] != n:
+        return False
+    if len(ends) > 64:                  # many pieces: one vector compare
+        e = np.asarray(ends, dtype=np.int64)
+        return bool((e[1:] > e[:-1]).all())
+    return all(a < b for a, b in zip(ends, ends[1:]))
 
 
 def _with_order(out: Reply, order: bytes) -> Reply:
