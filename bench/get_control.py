@@ -13,7 +13,7 @@ relative to the get's entry; medians over the gets. The hooks cost a few us an e
 --trace runs with each other, and the untraced run's reply times with the traced ones.
 
     python bench/get_control.py --serve [--blocks 16384,65536] [--n 4096] [--gets 40]
-                                [--gap-ms 1.5] [--tree TREE] [--sim] [--json]
+                                [--gap-ms 1.5] [--tree TREE] [--sim NAME] [--json]
 
 --serve (lease13, issue 16's small-page onboards): a GPU get's requests, both ways, against a
 real `kvtier serve` (bench/gpu.py's: host tier 6 GiB, no NVMe) that runs with
@@ -22,13 +22,13 @@ write). Per block size, 4,096 blocks put in one put, then gets of them in a shuf
 (bench/gpu.py's: rng(block).permutation), chunked and sorted alternated get by get: (a)
 pipeline.lease with a CUDA get's arguments (tier host, chunks(n), no ramp), (b)
 pipeline.lease_sorted with TransferPolicy's sorted_piece_keys. Nothing is moved; each get's
-leases ride on the next get's last request, as GetTransfer's do, and --gap-ms is spun between
+leases ride on the next get's last request, as GetTransfer's do, and --gap-ms is slept between
 gets (the GPU's wait). Medians over the gets of: each reply's arrival in the client from the
 get's entry (its first send), the total, and per request in the service its time from its
 frame's arrival to its reply written, the wait before its dispatch, the dispatch, and when the
 reply was written from the get's entry; and each reply's slots' span (dense: its size). --tree
-runs another tree's client and service (pairs: bench/get_pairs.py). --sim: each reply's launch
-and move on a GPU simulated from the H100's timelines (SIM_H100); the total is then the later
+runs another tree's client and service (pairs: bench/get_pairs.py). --sim NAME: each reply's
+launch and move on a GPU simulated from an H100's timelines (SIMS); the total is then the later
 of the last reply's launch and the simulated stream's end.
 """
 
@@ -192,26 +192,32 @@ def start_serve(tree: str, work: str, spath: str):
         os.environ.update(env_saved)
 
 
-# --sim: a GPU simulated from the H100's timelines of session 36 (bench/results/s36-h100/
-# gpu.json, onboard_timeline_16k / _64k and their _sorted variants): per reply, the client's
-# launch (host ms: the first reply's, then per 1,024 keys of a later one; spun, so the client
-# reads the next reply no sooner than the real one did) and the GPU's move (ms per 1,024
-# keys, one stream, starting when both the launch and the move before it are done). A chunk,
-# and a sorted get's piece 0, is moved as the chunked get moves a sparse chunk (16 KiB: the
-# mapped-memory kernel at ~34 GB/s; 64 KiB: batched copies at ~54); a later piece, dense, by
-# stage_sorted (one copy and a placement: 16 KiB ~51 GB/s, 64 KiB ~50). An approximation
-# for choosing between the two gets, not a GPU figure: the copies of a 64 KiB chunk start
-# during its launch there, and here after it.
-SIM_H100 = {  # block: {kind: (first launch ms, later launch ms per 1,024 keys, move ms per 1,024)}
-    16384: {"chunk": (0.14, 0.06, 0.49), "piece": (0.15, 0.18, 0.326)},
-    65536: {"chunk": (0.20, 0.55, 1.24), "piece": (0.23, 0.27, 1.30)},
+# --sim: a GPU simulated from an H100's timelines (bench/gpu.py onboard_timeline_16k / _64k and
+# their _sorted variants): per reply, the client's launch (host ms: the first reply's, then
+# per 1,024 keys of a later one; spun, so the client reads the next reply no sooner than the
+# real one did) and the GPU's move (ms per 1,024 keys, one stream, starting when both the
+# launch and the move before it are done). A chunk, and a sorted get's piece 0, is moved as
+# the chunked get moves a sparse chunk (16 KiB: the mapped-memory kernel; 64 KiB: batched
+# copies at ~54 GB/s); a later piece, dense, by stage_sorted (one copy and a placement). An
+# approximation for choosing between the two gets, not a GPU figure: the copies of a 64 KiB
+# chunk start during its launch there, and here after it.
+#   h100-s36: session 36's H100 (bench/results/s36-h100/gpu.json), whose 16 KiB chunk kernel
+#             read at ~34 GB/s and the staged pieces at ~51;
+#   h100-s37: session 37's (bench/results/s37-h100/gpu-full-r1.json): the chunk kernel ~46,
+#             the staged pieces ~52, the sorted piece's launch 0.16-0.26 ms against a chunk's
+#             0.08-0.09.
+SIMS = {  # name: {block: {kind: (first launch ms, later launch per 1,024 keys, move per 1,024)}}
+    "h100-s36": {16384: {"chunk": (0.14, 0.06, 0.49), "piece": (0.15, 0.18, 0.326)},
+                 65536: {"chunk": (0.20, 0.55, 1.24), "piece": (0.23, 0.27, 1.30)}},
+    "h100-s37": {16384: {"chunk": (0.22, 0.085, 0.36), "piece": (0.15, 0.19, 0.32)},
+                 65536: {"chunk": (0.20, 0.57, 1.237), "piece": (0.21, 0.25, 1.30)}},
 }
 
 
 def one_get(ns, how: str, kb: bytes, n: int, piece_keys: int, sent: list,
             sim: dict | None = None) -> dict:
     """One get's requests as a CUDA get sends them (kvtier.gpu.transfer.get_async), nothing
-    moved (or a simulated GPU's moves: sim, SIM_H100's entry of the block); its event times
+    moved (or a simulated GPU's moves: sim, a SIMS entry's of the block); its event times
     (s, from its entry) and request ids."""
     from kvtier.api import pipeline
     pc = time.perf_counter
@@ -249,7 +255,7 @@ def one_get(ns, how: str, kb: bytes, n: int, piece_keys: int, sent: list,
 
 
 def run_serve(blocks: list[int], n: int, gets: int, gap_ms: float, tree: str,
-              sim: bool = False) -> dict:
+              sim: str = "") -> dict:
     """--serve: chunked and sorted gets alternated on one connection (see the docstring)."""
     from kvtier import Client
     from kvtier.gpu.plan import TransferPolicy
@@ -277,12 +283,12 @@ def run_serve(blocks: list[int], n: int, gets: int, gap_ms: float, tree: str,
             for k in range(gets + 5):
                 for how in HOWS if k % 2 == 0 else HOWS[::-1]:
                     ev = one_get(ns, how, kb, n, piece_keys, sent,
-                                 SIM_H100.get(block) if sim else None)
+                                 SIMS[sim][block] if sim else None)
                     if k >= 5:
                         evs.setdefault((block, how), []).append(ev)
-                    end = time.perf_counter() + gap_ms * 1e-3
-                    while time.perf_counter() < end:
-                        pass
+                    # The GPU's wait between two gets, slept: on the 2-core dev VM a spin
+                    # takes the core the service needs (the service's loop sleeps either way).
+                    time.sleep(gap_ms * 1e-3)
         c.close()
     finally:
         svc.stop()
@@ -319,6 +325,9 @@ def serve_rows(evs: list, rows: list) -> dict:
         per["written_at"].append([r["written"] - e["t0"] for r in got])
         per["arrived_at"].append([r["arrived"] - e["t0"] for r in got])
     out["serve_gets"] = len(per["serve"])
+    # Requests run a poll later (a Later of the step queue: Server._long) over all the gets.
+    out["serve_later_requests"] = sum(1 for e in evs for i in e["ids"]
+                                      if by_id.get(i, {}).get("later"))
     if per["serve"]:
         for k, v in per.items():
             out[f"serve_{k}_ms"] = med(v)
@@ -340,8 +349,8 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true",
                     help="chunked against sorted gets, each request's time in the service")
     ap.add_argument("--blocks", default="16384,65536", help="--serve's block sizes")
-    ap.add_argument("--sim", action="store_true",
-                    help="--serve: the client's launches and the GPU's moves simulated (SIM_H100)")
+    ap.add_argument("--sim", default="", choices=["", *SIMS],
+                    help="--serve: the client's launches and the GPU's moves simulated (SIMS)")
     ap.add_argument("--tree", default=ROOT,
                     help="--serve: the kvtier tree the client and the service run")
     ap.add_argument("--json", action="store_true")

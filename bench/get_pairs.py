@@ -5,7 +5,7 @@ against each tree in turn, the trees' order alternated by round (AB BA ...), so 
 machine's load falls on both alike.
 
     python bench/get_pairs.py --variant base=/work/main --variant head=. [--rounds 4]
-        [--gets 40] [--steps | --sim] [--out FILE.jsonl]
+        [--gets 40] [--steps | --sim h100-s36|h100-s37] [--out FILE.jsonl]
 
 Each run is one line of --out (the bench's JSON with the variant, round and load). The summary
 at the end gives per variant, block and kind of get the median over rounds (and the rounds'
@@ -34,7 +34,7 @@ def one(tree: str, args: argparse.Namespace, block: int) -> dict:
     else:
         cmd = [sys.executable, os.path.join(ROOT, "bench", "get_control.py"), "--serve",
                "--tree", tree, "--json", "--gets", str(args.gets), "--blocks", str(block),
-               "--gap-ms", str(args.gap_ms)] + (["--sim"] if args.sim else [])
+               "--gap-ms", str(args.gap_ms)] + (["--sim", args.sim] if args.sim else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [tree] + [p for p in [os.environ.get("PYTHONPATH")] if p])}   # the tree first
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=1.5)
     ap.add_argument("--blocks", default="16384,65536")
     ap.add_argument("--steps", action="store_true", help="bench/get_steps.py (in process)")
-    ap.add_argument("--sim", action="store_true", help="get_control.py's simulated GPU")
+    ap.add_argument("--sim", default="", help="get_control.py's simulated GPU (its SIMS)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     variants = [(v.partition("=")[0], os.path.abspath(v.partition("=")[2]))

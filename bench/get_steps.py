@@ -1,8 +1,9 @@
 """A GPU get's service steps in process (issue 16's small-page onboards; lease13):
 Server._dispatch of packed get requests as kvtier.gpu.transfer.get_async sends them for
 bench/gpu.py's rows (4,096 keys in a shuffled order), each reply packed: the chunked get
-(pipeline.chunks, every chunk a get) and the sorted get (pipeline.lease_sorted: the first
-request with every key and the pieces' ends, then one request per later piece); each get's
+(pipeline.lease: every chunk a get) and the sorted get (pipeline.lease_sorted: the first
+request with the pieces' ends, then one request per later piece), the requests recorded from
+the tree's own client; each get's
 leases piggybacked on the next get's last request, as GetTransfer's are. A real engine (no
 NVMe, as bench/gpu.py's service), glibc's mmap threshold pinned as `kvtier serve` pins it
 (memory.tune_malloc). Medians of --gets, us per request and ms per get.
@@ -28,17 +29,44 @@ sys.path.insert(0, ROOT)
 from bench.common import emit, header  # noqa: E402
 
 
+class Recorder:
+    """A client stand-in that records what pipeline.lease or lease_sorted sends (and answers
+    nothing: each read is a failure, which they read past), so that the requests replayed are
+    the tree's own client's."""
+
+    def __init__(self, first_id: int) -> None:
+        self.sent: list[dict] = []
+        self.next = first_id
+
+    def _send(self, op: str, args: dict, piggyback: bool = True) -> int:
+        self.sent.append({"op": op, "id": self.next,
+                          **{k: v for k, v in args.items() if v is not None}})
+        self.next += 1
+        return self.next - 1
+
+    def _reply(self, rid: int) -> dict:
+        from kvtier.errors import KvtierError
+        raise KvtierError("recorded, not sent")
+
+
+class Names:
+    """What pipeline.lease reads of a Namespace."""
+
+    def __init__(self, client: Recorder) -> None:
+        self._client, self.name, self.key_width = client, "rows", 16
+
+
 def requests(how: str, kb: bytes, n: int, piece_keys: int, first_id: int) -> list[dict]:
-    """A get's requests as pipeline.lease (chunked) or lease_sorted (sorted) sends them."""
+    """A get's requests as the tree's pipeline.lease (chunked: a CUDA get's arguments) or
+    lease_sorted (sorted, TransferPolicy's piece size) sends them."""
     from kvtier.api import pipeline
-    parts = pipeline.chunks(n, piece_keys)
-    base = {"op": "get", "ns": "rows", "tier": "host"}
+    rec = Recorder(first_id)
+    extra = {"tier": "host", "device": None}
     if how == "chunked":
-        return [{**base, "id": first_id + i, "keys": kb[lo * 16:hi * 16]}
-                for i, (lo, hi) in enumerate(parts)]
-    ends = np.array([hi for _lo, hi in parts], dtype="<u4").tobytes()
-    return [{**base, "id": first_id, "keys": kb, "sort": ends}] + [
-        {**base, "id": first_id + i, "of": first_id, "piece": i} for i in range(1, len(parts))]
+        pipeline.lease(Names(rec), kb, n, lambda rep, lo: None, extra, None, None, ())
+    else:
+        pipeline.lease_sorted(Names(rec), kb, n, lambda rep, at: None, extra, piece_keys)
+    return rec.sent
 
 
 def run(block: int, n: int, gets: int, profile: bool) -> dict:
