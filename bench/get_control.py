@@ -294,46 +294,30 @@ def run_serve(blocks: list[int], n: int, gets: int, gap_ms: float, tree: str,
         svc.stop()
     import json
     with open(spath) as f:
-        dump = json.load(f)
+        served_by = json.load(f)["kvtier"]
     out: dict = {"n": n, "gets": gets, "gap_ms": gap_ms, "tree": tree, "sim": sim,
-                 "serve_kvtier": dump["kvtier"], "piece_keys": piece_keys}
+                 "serve_kvtier": served_by, "piece_keys": piece_keys}
     for (block, how), ev in sorted(evs.items()):
-        out[f"{how}_{block // 1024}k"] = serve_rows(ev, dump["rows"])
+        out[f"{how}_{block // 1024}k"] = serve_rows(ev, spath)
     return out
 
 
-def serve_rows(evs: list, rows: list) -> dict:
-    """Medians over a kind's gets (ms): its replies' arrival, its total, and per request in
-    the service (put_control_hooks' rows, by request id on the one connection)."""
-    by_id = {r["id"]: r for r in rows if r.get("id") is not None and r.get("written")}
+def serve_rows(evs: list, spath: str) -> dict:
+    """Medians over a kind's gets (ms): its replies' arrival, its total, each reply's slot
+    span, and per request in the service (bench/put_control.serve_split over the hooks'
+    rows: arrival to reply written, the wait, the dispatch, the write, when written)."""
+    from bench.put_control import serve_split
     med = lambda v: np.round(np.median(np.array(v, dtype=float) * 1e3, 0), 4).tolist()  # noqa: E731
-    out = {"total_ms": round(float(np.median([e["total"] for e in evs])) * 1e3, 4),
-           "total_ms_p10_p90": [round(float(np.percentile([e["total"] for e in evs], q)) * 1e3,
-                                      4) for q in (10, 90)],
+    totals = [e["total"] for e in evs]
+    out = {"total_ms": round(float(np.median(totals)) * 1e3, 4),
+           "total_ms_p10_p90": [round(float(np.percentile(totals, q)) * 1e3, 4)
+                                for q in (10, 90)],
            "reply_at_ms": med([e["reply"] for e in evs]),
            "slot_span": np.median(np.array([e["span"] for e in evs]), 0).astype(int).tolist()}
-    per: dict = {k: [] for k in ("serve", "wait", "dispatch", "write", "written_at",
-                                 "arrived_at")}
-    for e in evs:
-        got = [by_id.get(i) for i in e["ids"]]
-        if any(r is None or r.get("arrived") is None for r in got):
-            continue
-        per["serve"].append([r["written"] - r["arrived"] for r in got])
-        per["wait"].append([r["start"] - r["arrived"] for r in got])
-        per["dispatch"].append([r["end"] - r["start"] for r in got])
-        per["write"].append([r["written"] - r["write_start"] for r in got])
-        per["written_at"].append([r["written"] - e["t0"] for r in got])
-        per["arrived_at"].append([r["arrived"] - e["t0"] for r in got])
-    out["serve_gets"] = len(per["serve"])
-    # Requests run a poll later (a Later of the step queue: Server._long) over all the gets.
-    out["serve_later_requests"] = sum(1 for e in evs for i in e["ids"]
-                                      if by_id.get(i, {}).get("later"))
-    if per["serve"]:
-        for k, v in per.items():
-            out[f"serve_{k}_ms"] = med(v)
-        out["serve_busy_ms"] = round(float(np.median(np.sum(np.array(per["dispatch"]) * 1e3,
-                                                            1))), 4)
-    return out
+    split = serve_split(spath, [(None, e) for e in evs])
+    out["serve_gets"] = split.pop("serve_puts")
+    split.pop("serve_kvtier", None)
+    return {**out, **split}
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from kvtier.api.sortedgets import slot_order, slot_order_numpy
 from kvtier.errors import BadRequest
 from kvtier.types import Tier
 from tests.conftest import blocks, keys
+from tests.test_sorted_gets import BB, _held, _release
 
 _fast = pytest.importorskip("kvtier.coherence._fast")
 HOST = int(Tier.HOST)
@@ -151,11 +152,11 @@ def test_bad_arguments_are_refused_with_what_is_wrong(bad, error, says):
 @pytest.fixture
 def ns(service):
     with kvtier.Client(str(service.socket)) as c:
-        yield c.namespace("s", block_bytes=4096)
+        yield c.namespace("s", block_bytes=BB)
 
 
 def test_a_sorted_get_of_many_pieces_is_served_and_its_bad_ends_refused(ns):
-    data = blocks(200, 4096)
+    data = blocks(200, BB)
     ns.put(keys(range(200)), data)
     ids = np.random.default_rng(5).permutation(200)
     got = []
@@ -166,13 +167,12 @@ def test_a_sorted_get_of_many_pieces_is_served_and_its_bad_ends_refused(ns):
     for rep, at in got:
         pos = np.arange(rep.found.size) if type(at) is int else at
         assert (view[rep.slots.astype(np.int64)] == data[ids[pos]]).all()
-    for lid in leases:
-        ns._client._call("release", lease=lid)
+    _release(ns, leases)
     for ends in (list(range(2, 202, 2))[:-1] + [199],       # past 64 pieces: not to n
                  list(range(2, 200, 2)) + [198, 200],       # ... not strictly rising
                  list(range(2, 66, 2)) + [64, 200]):        # 34 pieces, one repeated
         with pytest.raises(BadRequest, match="rise strictly"):
             ns._client._call("get", ns="s", keys=keys(range(200)),
                              sort=np.array(ends, "<u4").tobytes())
-    assert ns._client._call("stats")["leases"] == 0
+    assert _held(ns) == 0
     assert ns.get(keys(range(200)))[0].all()                  # the connection goes on

@@ -13,23 +13,13 @@ import pytest
 import kvtier
 from kvtier.errors import BadRequest
 from tests.conftest import blocks, keys
-
-BB = 4096
+from tests.test_sorted_gets import BB, _held, _release
 
 
 @pytest.fixture
 def ns(service):
     with kvtier.Client(str(service.socket)) as c:
         yield c.namespace("s", block_bytes=BB)
-
-
-def _held(ns) -> int:
-    return ns._client._call("stats")["leases"]
-
-
-def _release(ns, leases):
-    for lid in leases:
-        ns._client._call("release", lease=lid)
 
 
 def _pieces(ns, first: dict, later: list[dict]) -> list[dict]:
