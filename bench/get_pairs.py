@@ -9,8 +9,10 @@ machine's load falls on both alike.
 
 Each run is one line of --out (the bench's JSON with the variant, round and load). The summary
 at the end gives per variant, block and kind of get the median over rounds (and the rounds'
-range) of the get's total and each request's figures: --serve the replies' arrival in the
-client and each request's dispatch in the service; --steps each request's dispatch.
+range) of the get's total and each request's figures: --serve the total's 10th percentile over
+the gets too (the gets the machine's other load left alone), the replies' arrival in the
+client, each frame's arrival and each request's dispatch in the service; --steps each
+request's dispatch.
 """
 
 from __future__ import annotations
@@ -53,19 +55,32 @@ def figures(r: dict, steps: bool) -> dict:
             continue
         for key, row in r.items():
             if key.startswith(how + "_") and isinstance(row, dict):
-                out[how] = {"total_ms": row["total_ms"], "reply_at_ms": row["reply_at_ms"],
+                # p10: the gets the shared machine's other load left alone, or nearly.
+                out[how] = {"total_ms": row["total_ms"], "total_p10_ms": row["total_ms_p10_p90"][0],
+                            "reply_at_ms": row["reply_at_ms"],
+                            "arrived_at_ms": row.get("serve_arrived_at_ms"),
                             "dispatch_ms": row.get("serve_dispatch_ms")}
     return out
 
 
 def summary(runs: list[dict], steps: bool) -> dict:
-    """Per variant, block and kind: medians over rounds, with the rounds' range."""
+    """Per variant, block and kind: medians over rounds, with the rounds' range; and per
+    variant and block the sorted get less the chunked get of the same run (the two are
+    alternated get by get, so a shared machine's load falls on both alike)."""
     acc: dict = {}
     for r in runs:
-        for how, figs in figures(r, steps).items():
+        figs = figures(r, steps)
+        for how, f in figs.items():
             d = acc.setdefault(f"{r['variant']} {r['block'] // 1024}k {how}", {})
-            for k, v in figs.items():
+            for k, v in f.items():
                 d.setdefault(k, []).append(v)
+        c, s = figs["chunked"], figs["sorted"]
+        d = acc.setdefault(f"{r['variant']} {r['block'] // 1024}k sorted-chunked", {})
+        d.setdefault("total_ms", []).append(s["total_ms"] - c["total_ms"])
+        if not steps:
+            d.setdefault("total_p10_ms", []).append(s["total_p10_ms"] - c["total_p10_ms"])
+            d.setdefault("first_reply_ms", []).append(s["reply_at_ms"][0]
+                                                      - c["reply_at_ms"][0])
     out: dict = {}
     for name, d in acc.items():
         out[name] = {}
