@@ -30,7 +30,7 @@ PYTHONPATH=/tmp/site:$H python3 -c "from kvtier.coherence import _fast; _fast.sl
 el setup
 V=whole_gets,sorted_2048
 for r in base-r1 head-r1 head-r2 base-r2; do T=$B; case $r in head*) T=$H;; esac
-  left ${ROWS_END:-140} || { echo "rows $r skipped"; continue; }
+  left ${ROWS_END:-120} || { echo "rows $r skipped"; continue; }
   (cd "$T" && PYTHONPATH=/tmp/site:$T timeout 40 python3 bench/gpu.py --json --reps 5 \
       --cases rows64k,rows16k --variants $V) > "$OUT/gpu-$r.json" 2> "$OUT/gpu-$r-err.txt" \
       || tail -3 "$OUT/gpu-$r-err.txt"
