@@ -180,9 +180,9 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
                  on_reply: Callable[["GetReply", np.ndarray], None],
                  extra: dict[str, Any] | None = None, size: int | None = None
                  ) -> tuple[np.ndarray, list[int], BaseException | None, bool]:
-    """lease() in the service's slot order (kvtier.api.sortedgets): one request carries every
-    key and the pieces' ends (chunks(n, size)), each later one names it and its piece; all
-    are sent before the first reply is read. on_reply(reply, at) gets 0 for piece 0 (the first
+    """lease() in the service's slot order (kvtier.api.sortedgets): the first request carries
+    piece 0's keys and the pieces' ends (chunks(n, size)), each later one names it and its
+    piece, piece 1's with the other keys; all are sent before the first reply is read. on_reply(reply, at) gets 0 for piece 0 (the first
     keys in their order, as lease's first chunk) and the positions in kb of the keys of each
     later piece. The positions of all pieces must make a permutation of the keys, each piece's
     as many as its reply's blocks, piece 0's the first keys: anything else is a ProtocolError
@@ -192,9 +192,16 @@ def lease_sorted(ns: "Namespace", kb: bytes, n: int,
     parts = chunks(n, size)
     last = len(parts) - 1
     ends = np.array([hi for _lo, hi in parts], dtype="<u4").tobytes()
-    head = c._send("get", {"ns": ns.name, "keys": kb, "sort": ends, **(extra or {})},
+    # The first request carries piece 0's keys alone, and piece 1's the others: the service
+    # answers piece 0 as soon as a frame of a chunk's size is in, as it answers a chunked
+    # get's first chunk (with every key in it, the first reply waited for the whole batch's
+    # frame and its decode: lease13, bench/get_control.py --serve).
+    split = parts[0][1] * ns.key_width
+    head = c._send("get", {"ns": ns.name, "keys": kb[:split], "sort": ends, **(extra or {})},
                    piggyback=last == 0)
-    ids = [head] + [c._send("get", {"ns": ns.name, "of": head, "piece": i, **(extra or {})},
+    ids = [head] + [c._send("get", {"ns": ns.name, "of": head, "piece": i,
+                                    **({"keys": kb[split:]} if i == 1 else {}),
+                                    **(extra or {})},
                             piggyback=i == last)
                     for i in range(1, len(parts))]
     seen = np.zeros(n, dtype=bool)

@@ -7,18 +7,24 @@ staging, and a placement kernel from there (gpu.device.Mover.stage_sorted: 0.96 
 slots dense, and a worker asks in its own order (a request's blocks, not the service's slots),
 so a chunk of its keys is a scatter over the whole pool. Leasing the whole batch in one request
 and sorting it on the client put all of the control path (~0.7 ms for 4,096 keys) before the
-first byte moved. Here the first request carries every key and the cuts of its pieces; the
-service answers piece 0 at once, in the keys' own order (the client moves it as a chunk), and
-at the first later request (already sent, no keys) orders the other keys by their host slot
-(one lookup, no lease: ~90 us for 4,096 keys on the dev VM, while piece 0's copies run); each
-later request gets the next piece of that order. So the later pieces are dense ranges of
-slots, and the first byte moves as soon as a chunked get's would.
+first byte moved. Here the first request carries piece 0's keys and the cuts of the pieces;
+the service answers piece 0 at once, in the keys' own order (the client moves it as a chunk),
+and at piece 1 (already sent, with the other keys) orders those keys by their host slot (one
+lookup and one C call, no lease: ~40 us for 3,840 keys on the dev VM, while piece 0's copies
+run); each later request gets the next piece of that order. So the later pieces are dense
+ranges of slots, and the first byte moves as soon as a chunked get's would.
+
+lease13 (issue 16, bench/get_control.py --serve): the order was numpy's, ~90 us in process
+and ~0.25 ms of piece 1's ~0.37 in the service (dev VM); and the first request carried every
+key, so piece 0's reply waited for the whole batch's frame and its decode.
 
 Protocol (a "get" with these fields; every other field as a get's):
 
-- first request: ``keys`` (all of them), ``sort`` (the pieces' ends, "<u4", strictly
-  increasing, the last the number of keys); its reply is piece 0, the first keys in order.
-- later requests: ``of`` (the first request's id) and ``piece`` (1, 2, ... in order), no keys.
+- first request: ``keys`` (piece 0's, or all of them), ``sort`` (the pieces' ends, "<u4",
+  strictly increasing, the last the number of keys in all); its reply is piece 0, the first
+  keys in order.
+- later requests: ``of`` (the first request's id) and ``piece`` (1, 2, ... in order); no keys,
+  but piece 1's carry the keys after piece 0's where the first request had piece 0's alone.
 - every reply is a get's reply for its piece's keys, plus ``order`` ("<u4"): the positions in
   the first request's keys of the piece's keys, in the order of found, slots and the rest.
 - releases piggybacked on any of them (``release_first``) end as on any request, also when
@@ -42,10 +48,12 @@ import numpy as np
 from kvtier.api import protocol as P
 from kvtier.api.connection import Reply, failed_reply
 from kvtier.api.quota import ClientInfo
+from kvtier.coherence.fastpath import _fast
 from kvtier.errors import BadRequest
 from kvtier.types import Tier
 
 MAX_SORTED = 8          # sorted gets in flight on one connection
+_HOST = int(Tier.HOST)
 
 
 @dataclass(slots=True)
@@ -53,17 +61,32 @@ class SortedGet:
     """A sorted get between its first and its last piece."""
 
     name: str
-    keys: np.ndarray        # the first request's keys (V{key_width})
-    order: np.ndarray | None    # uint32 positions in keys after piece 0, by host slot
-    ends: list[int]         # 0 and the pieces' ends: piece i is order[ends[i]:ends[i + 1]]
-    next: int = 1           # the piece the connection must ask next
+    # The keys after piece 0 (V{key_width}): the first request's, or None until piece 1
+    # brings them (a first request of piece 0's keys alone).
+    keys: np.ndarray | None
+    order: np.ndarray | None    # uint32 positions in keys, by host slot (taken at piece 1)
+    ends: list[int]         # 0 and the pieces' ends: piece i >= 1 is order[ends[i] - ends[1]:
+    next: int = 1           # ends[i + 1] - ends[1]] + ends[1]; the piece to ask next
 
 
 def slot_order(engine: Any, name: str, karr: np.ndarray) -> np.ndarray:
     """Positions of karr's keys by their host slot: the keys with a current host copy first,
-    by slot, then the others in their own order. Under the engine lock (the caller's)."""
+    by slot, then the others in their own order. Under the engine lock (the caller's). One
+    lookup and one C call (_fast.slot_order) where the module is built and the slots are
+    dense; else numpy's order, the same positions (slot_order_numpy)."""
     table = engine.namespace(name).table
     rows = table.lookup(karr)
+    if _fast is not None:
+        out = np.empty(rows.size, dtype=np.uint32)
+        cols = table.cols
+        if _fast.slot_order(cols["version"], cols["copy_ver"], cols["slot"], rows,
+                            table.n_rows, _HOST, out) >= 0:
+            return out
+    return slot_order_numpy(table, rows)
+
+
+def slot_order_numpy(table: Any, rows: np.ndarray) -> np.ndarray:
+    """slot_order over a lookup's rows, in numpy (the reference, and the sparse case)."""
     n = rows.size
     cols = table.cols
     live = np.flatnonzero(rows >= 0)
@@ -135,60 +158,100 @@ class SortedGets:
         name = P.arg(req, "ns", str)
         if req.get("inline") or req.get("tier", "host") != "host":
             raise BadRequest("a sorted get is served from the host tier, not inline")
-        gets = client.sorted_gets
         if "of" in req:
-            head = req.pop("of")
-            piece = req.pop("piece", None)
-            if type(head) is not int or type(piece) is not int:
-                raise BadRequest("a sorted get's later piece needs integers 'of' and 'piece'")
-            if "keys" in req or "sort" in req:
-                raise BadRequest("a sorted get's later piece carries no keys and no sort")
-            st = gets.get(head)
-            if st is None:
-                raise BadRequest(f"no sorted get {head} in flight on this connection (its "
-                                 "first request failed, or its last piece was asked)")
-            if piece != st.next or st.name != name:
-                del gets[head]
-                raise BadRequest(f"sorted get {head}: piece {piece} of {name!r} asked where "
-                                 f"piece {st.next} of {st.name!r} was next; the get is ended")
-            if st.order is None:
-                # The order of the keys after piece 0, taken now: piece 0's reply is out and
-                # its copies run while this sorts.
-                lo = st.ends[1]
-                done, order = self._fast(slot_order, self.engine, name, st.keys[lo:])
-                st.order = (order if done else np.arange(st.keys.size - lo, dtype=np.uint32)
-                            ) + np.uint32(lo)
-            lo, hi = st.ends[piece] - st.ends[1], st.ends[piece + 1] - st.ends[1]
-            st.next += 1
-            if st.next == len(st.ends) - 1:
-                del gets[head]
-            at = st.order[lo:hi]
-            req["keys"] = st.keys[at].tobytes()
-            return at
+            return self._sorted_later(client.sorted_gets, name, req)
+        return self._sorted_first(client.sorted_gets, name, req, req_id)
+
+    def _sorted_first(self, gets: dict[int, SortedGet], name: str, req: dict[str, Any],
+                      req_id: Any) -> np.ndarray:
+        """The first request: piece 0's keys stay in req, the sorted get is kept."""
         keys = P.arg(req, "keys", bytes)
         ends = P.array_arg(req, "sort", "<u4")
         req.pop("sort")
         if "piece" in req:
             raise BadRequest("a sorted get's first request has no 'piece'")
-        ns = self.engine.namespace(name)
-        karr = ns.table.keys_array(keys)
-        n = karr.shape[0]
-        cuts = ends.astype(np.int64)
-        if cuts.size == 0 or cuts[-1] != n or (cuts[0] <= 0) or (np.diff(cuts) <= 0).any():
+        karr = self.engine.namespace(name).table.keys_array(keys)
+        got = karr.shape[0]
+        ends_l = [0, *ends.tolist()]
+        n = ends_l[-1]
+        if not _rising(ends_l, n) or got not in (n, ends_l[1]):
             raise BadRequest(f"sort: the pieces' ends must rise strictly from above 0 to the "
-                             f"number of keys ({n})")
-        if cuts.size > 1:
+                             f"number of keys ({got}), or to more when the first end is "
+                             "that number (piece 1 then carries the other keys)")
+        if len(ends_l) > 2:
             if type(req_id) is not int or req_id in gets:
                 raise BadRequest("a sorted get of several pieces needs an integer request id "
                                  "not in use by another sorted get of this connection")
             if len(gets) >= MAX_SORTED:
                 raise BadRequest(f"{MAX_SORTED} sorted gets are in flight on this connection: "
                                  "ask their pieces first")
-        ends_l = [0, *cuts.tolist()]
-        if cuts.size > 1:
-            gets[req_id] = SortedGet(name, karr, None, ends_l)
-        req["keys"] = karr[:ends_l[1]].tobytes()
+            gets[req_id] = SortedGet(name, karr[ends_l[1]:] if got == n else None, None,
+                                     ends_l)
+        if got != ends_l[1]:
+            req["keys"] = karr[:ends_l[1]].tobytes()
         return np.arange(ends_l[1], dtype=np.uint32)
+
+    def _sorted_later(self, gets: dict[int, SortedGet], name: str, req: dict[str, Any]
+                      ) -> np.ndarray:
+        """A later piece: its keys, by the order taken at piece 1, put into req."""
+        head = req.pop("of")
+        piece = req.pop("piece", None)
+        if type(head) is not int or type(piece) is not int:
+            raise BadRequest("a sorted get's later piece needs integers 'of' and 'piece'")
+        st = gets.get(head)
+        brings = st is not None and st.keys is None and piece == st.next == 1
+        if ("keys" in req and not brings) or "sort" in req:
+            raise BadRequest("a sorted get's later piece carries no keys and no sort (only "
+                             "piece 1 carries the keys after piece 0's, where the first "
+                             "request had piece 0's alone)")
+        if st is None:
+            raise BadRequest(f"no sorted get {head} in flight on this connection (its "
+                             "first request failed, or its last piece was asked)")
+        if piece != st.next or st.name != name:
+            del gets[head]
+            raise BadRequest(f"sorted get {head}: piece {piece} of {name!r} asked where "
+                             f"piece {st.next} of {st.name!r} was next; the get is ended")
+        if st.order is None:
+            self._sorted_order(gets, head, st, req)
+        lo, hi = st.ends[piece] - st.ends[1], st.ends[piece + 1] - st.ends[1]
+        st.next += 1
+        if st.next == len(st.ends) - 1:
+            del gets[head]
+        at = st.order[lo:hi]
+        req["keys"] = st.keys[at].tobytes()
+        return at + np.uint32(st.ends[1])
+
+    def _sorted_order(self, gets: dict[int, SortedGet], head: int, st: SortedGet,
+                      req: dict[str, Any]) -> None:
+        """At piece 1: the keys after piece 0 (piece 1's own, where the first request had
+        piece 0's alone) and their order, taken now: piece 0's reply is out and its copies
+        run while this sorts (one lookup and one C call, _fast.slot_order)."""
+        if st.keys is None:
+            want = st.ends[-1] - st.ends[1]
+            try:
+                rest = self.engine.namespace(st.name).table.keys_array(
+                    P.arg(req, "keys", bytes, b""))
+                if rest.shape[0] != want:
+                    raise BadRequest(f"sorted get {head}: piece 1 carries {rest.shape[0]} keys "
+                                     f"where the pieces' ends leave {want} after piece 0's")
+            except BadRequest as exc:
+                del gets[head]
+                raise BadRequest(f"{exc}; the get is ended") from None
+            st.keys = rest
+        done, order = self._fast(slot_order, self.engine, st.name, st.keys)
+        st.order = order if done else np.arange(st.keys.shape[0], dtype=np.uint32)
+
+
+def _rising(ends: list[int], n: int) -> bool:
+    """Whether ends (0, then the pieces' ends) rise strictly to n. On Python ints: a sorted
+    get has a handful of pieces, and numpy's scalar compares and diff over them cost the
+    first request ~15 us in the service's context (dev VM), ahead of piece 0's reply."""
+    if len(ends) < 2 or ends[-1] != n:
+        return False
+    if len(ends) > 64:                  # many pieces: one vector compare
+        e = np.asarray(ends, dtype=np.int64)
+        return bool((e[1:] > e[:-1]).all())
+    return all(a < b for a, b in zip(ends, ends[1:]))
 
 
 def _with_order(out: Reply, order: bytes) -> Reply:
