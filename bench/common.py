@@ -99,3 +99,15 @@ def wrap_thread_cpu(owner: Any, name: str, label: str, spent: dict[str, float],
             if calls is not None:
                 calls[label] += 1
     setattr(owner, name, call)
+
+
+def run_tree_json(cmd: list[str], tree: str) -> dict[str, Any]:
+    """Run a bench command with tree's kvtier first on the path; its last JSON line."""
+    import subprocess
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [tree] + [p for p in [os.environ.get("PYTHONPATH")] if p])}   # the tree first
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{cmd} failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    return json.loads(lines[-1])

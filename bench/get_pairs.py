@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import run_tree_json  # noqa: E402
 
 
 def one(tree: str, args: argparse.Namespace, block: int) -> dict:
@@ -37,13 +39,7 @@ def one(tree: str, args: argparse.Namespace, block: int) -> dict:
         cmd = [sys.executable, os.path.join(ROOT, "bench", "get_control.py"), "--serve",
                "--tree", tree, "--json", "--gets", str(args.gets), "--blocks", str(block),
                "--gap-ms", str(args.gap_ms)] + (["--sim", args.sim] if args.sim else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [tree] + [p for p in [os.environ.get("PYTHONPATH")] if p])}   # the tree first
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"{cmd} failed ({out.returncode}):\n{out.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return run_tree_json(cmd, tree)
 
 
 def figures(r: dict, steps: bool) -> dict:

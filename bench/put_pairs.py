@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import run_tree_json  # noqa: E402
 CONTROL = os.path.join(ROOT, "bench", "put_control.py")
 
 
@@ -34,13 +36,7 @@ def one(tree: str, pack_buf: int, block: int, args: argparse.Namespace) -> dict:
            "--launch-us", str(args.launch_us), "--host-capacity", args.host_capacity]
     if pack_buf:
         cmd += ["--pack-buf", str(pack_buf)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [tree] + [p for p in [os.environ.get("PYTHONPATH")] if p])}   # the tree first
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"{cmd} failed ({out.returncode}):\n{out.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return run_tree_json(cmd, tree)
 
 
 def summary(runs: list[dict]) -> dict:
