@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--inline-dispatch", action="store_true",
                     help="a reader's dispatch deferred only when steps are queued (no probe)")
     ap.add_argument("--no-gc", action="store_true", help="the collector off while measured")
+    ap.add_argument("--task-steps", action="store_true",
+                    help="time the reply tasks' steps too (pure-Python tasks: slower ones)")
     ap.add_argument("--profile", default="",
                     help="cProfile the measured phase into this file (pstats)")
     ap.add_argument("--json", action="store_true")
@@ -119,7 +121,41 @@ def main() -> None:
             slices.setdefault(name, []).append((pc() - t0, tt() - c0))
     S.StepRunner._next = timed_next
 
+    class TimedTask(asyncio.tasks._PyTask):     # type: ignore[name-defined, misc]
+        """A task whose steps are timed as slices: "task:start" (its first step, up to its
+        first await), "task:end" (its last, which writes the reply), "task:mid" others."""
+
+        def _Task__step(self, exc: Any = None) -> None:
+            first = not getattr(self, "_stepped", False)
+            self._stepped = True
+            c0, t0 = tt(), pc()
+            super()._Task__step(exc)
+            if state["on"] and (self.get_name() or "").startswith("reply-"):
+                kind = "task:start" if first else ("task:end" if self.done() else "task:mid")
+                slices.setdefault(kind, []).append((pc() - t0, tt() - c0))
+
+    def timed(cls: Any, name: str) -> None:
+        """cls.name timed as "part:<name>" (inside whichever slice calls it)."""
+        orig = getattr(cls, name)
+
+        def f(*a: Any, **k: Any) -> Any:
+            c0, t0 = tt(), pc()
+            try:
+                return orig(*a, **k)
+            finally:
+                if state["on"]:
+                    slices.setdefault(f"part:{name}", []).append((pc() - t0, tt() - c0))
+        setattr(cls, name, f)
+
+    if args.task_steps:
+        timed(Server, "_get_reply")
+        timed(Connection, "_write")
+        timed(_Transport, "write")
+
     async def run() -> dict:
+        if args.task_steps:
+            asyncio.get_running_loop().set_task_factory(
+                lambda loop, coro, **kw: TimedTask(coro, loop=loop, **kw))
         srv = Server(eng, eng.settings)
         if not args.inline_dispatch:
             # As in the service beside the probe, whose frames are often waiting: every
@@ -202,7 +238,7 @@ def main() -> None:
         srv._mem_pool.shutdown(wait=True)
         kinds = {k: {"wall": _pct([x[0] for x in v]), "cpu": _pct([x[1] for x in v])}
                  for k, v in sorted(slices.items())}
-        cpu50 = {k: v["cpu"]["p50"] for k, v in kinds.items()}
+        cpu50 = {k: v["cpu"]["p50"] for k, v in kinds.items() if not k.startswith("part:")}
         return {"readers": args.readers, "batch": args.batch, "cold_blocks": args.cold_blocks,
                 "gets": state["gets"], "slices": kinds,
                 "data_received": {"wall": _pct([x[0] for x in drs]),

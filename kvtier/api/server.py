@@ -597,7 +597,21 @@ class Server(ResidentGets, SortedGets):
             # thread (in the device's context).
             res = await self._run(on_device, device, self.engine.get, name, keys, client.cid,
                                   tier)
-        return self._get_reply(client, name, keys, res, inline)
+        out = self._get_reply(client, name, keys, res, inline)
+        # The reply is written in a loop iteration of its own, after a poll: building it and
+        # writing it (Connection._write: the pack and the socket's send) in one task step
+        # made the loop's longest slice (stall12, bench/stall_dispatch.py --task-steps: ~74
+        # us CPU p50 in process, against ~50 for the longest of the steps).
+        try:
+            await asyncio.sleep(0)
+        except BaseException:
+            # (stop() cancels no reply task; were one cancelled here, the lease made for it
+            # would never be sent: it ends now, not at lease_timeout, as in _get_reply.)
+            if out["lease"]:
+                client.pins.end([out["lease"]])
+                self.engine.release(out["lease"], client.cid)
+            raise
+        return out
 
     def _by_steps(self, name: str, tier: Tier) -> bool:
         """Whether a get that must move bytes runs as steps on the loop (kvtier.api.steps):
