@@ -29,10 +29,11 @@ sys.path.insert(0, ROOT)
 from bench.common import emit, header, percentiles  # noqa: E402
 
 
-# The locked steps an NVMe get's three steps were split into (stall10: each a slice of the
-# server's loop), counted in "steps" with the step they came from, and alone in "slices".
+# The locked steps an NVMe get's three steps were split into (stall10, stall12: each a slice
+# of the server's loop), counted in "steps" with the step they came from, and alone in
+# "slices".
 STEP_OF = {"_bring_up_step": "_get_decide", "_read_step": "_get_decide",
-           "_lease_step": "_finish_get"}
+           "_lease_step": "_finish_get", "_room_rest": "_room_for_get"}
 
 
 def key(i: int) -> bytes:

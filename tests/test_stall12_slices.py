@@ -384,3 +384,29 @@ def _drive_raising(eng: Engine, steps, at: str, exc: BaseException):
     except BaseException as err:             # (what was thrown in comes back out)
         return names, err
     return names, None
+
+
+# ---------------------------------------------------------------- the benches' smoke runs
+
+def test_stall_dispatch_bench_smoke():
+    # In process: each kind of the readers' loop slices, the reply tasks' steps among them.
+    from tests.test_benches import _bench, _positive
+    r = _bench("bench/stall_dispatch.py", "--cold-blocks", "512", "--host-capacity", "8MiB",
+               "--gets", "20", "--readers", "2", "--task-steps")
+    kinds = r["slices"]
+    for k in ("_later", "_release_step", "_room_for_get", "_get_decide", "_finish_get",
+              "_lease_step", "task:start", "task:mid", "task:end"):
+        assert kinds[k]["cpu"]["n"] > 0, k
+    assert r["gets"] >= 40 and r["longest_cpu_p50"][0] in kinds
+    _positive(r, "sum_cpu_p50_us", "loop_cpu_per_get_us")
+
+
+def test_stall_trace_bench_task_steps_smoke():
+    # --task-steps: the reply tasks' steps are traced loop work, their CPU time with them.
+    from tests.test_benches import _bench
+    r = _bench("bench/stall_trace.py", "--cold-blocks", "256", "--batch", "16",
+               "--host-capacity", "8MiB", "--samples", "300", "--readers", "1", "--no-gc",
+               "--task-steps")
+    work = r["conditions"]["1"]["loop_work_us"]
+    assert work["task:end"]["n"] > 0 and "cpu_p50" in work["task:end"]
+    assert work["task:start"]["n"] > 0
