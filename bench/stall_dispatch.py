@@ -34,10 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import emit, header  # noqa: E402
-
-
-def key(i: int) -> bytes:
-    return (i + 2).to_bytes(16, "big")
+from bench.stall_steps import key, stall_engine  # noqa: E402
 
 
 class _Transport:
@@ -93,16 +90,9 @@ def main() -> None:
     from kvtier.api.connection import Connection
     from kvtier.api.quota import ClientInfo
     from kvtier.api.server import Server
-    from kvtier.coherence.engine import Engine
-    from kvtier.config import make_settings
     base = tempfile.mkdtemp(prefix="kvtier-stall-dispatch-", dir=os.getcwd())
-    bb = args.block_bytes
-    eng = Engine(make_settings({
-        "data_dir": base, "host_capacity": args.host_capacity,
-        "nvme_capacity": str(args.cold_blocks * bb * 2 + (64 << 20)),
-        "segment_bytes": "64MiB", "write_policy": "write_back",
-        # No busy polling: its spinning would be most of the loop's CPU (loop_cpu_per_get).
-        "busy_poll_us": 0}))
+    # No busy polling: its spinning would be most of the loop's CPU (loop_cpu_per_get).
+    eng = stall_engine(base, args, busy_poll_us=0)
     pc, tt = time.perf_counter, time.thread_time
     slices: dict[str, list[tuple[float, float]]] = {}
     drs: list[tuple[float, float]] = []
@@ -161,12 +151,6 @@ def main() -> None:
             # As in the service beside the probe, whose frames are often waiting: every
             # reader's dispatch is a Later, a slice of its own ("_later").
             srv._another_waits = lambda own: True
-        eng.create_namespace("s", bb)
-        data = np.random.default_rng(0).integers(0, 256, (64, bb), dtype=np.uint8)
-        for lo in range(0, args.cold_blocks, 64):
-            n = min(64, args.cold_blocks - lo)
-            eng.put("s", b"".join(key(i) for i in range(lo, lo + n)), data[:n])
-        eng.flush()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         total = args.readers * (args.gets + 50)

@@ -44,6 +44,27 @@ def _accounted(eng: Engine, name: str = "m") -> None:
 # ---------------------------------------------------------------- the releases as a step
 # _serve_in_process's namespace m: blocks 0-7 resident, 8-15 on NVMe only (blocks(8, seed=1)).
 
+async def _resident_lease(loop, connect):
+    """A new connection, and the reply of its get of the resident blocks 0-7 (leased)."""
+    s = await connect()
+    s.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
+    first = await loop.run_in_executor(None, _reply, s)
+    assert first["ok"]
+    return s, first
+
+
+async def _disk_get(loop, s, rid: int, release: list[int]) -> dict:
+    """The reply of a get of the NVMe blocks 8-15 that carries release as release_first."""
+    s.sendall(_frame({"id": rid, "op": "get", "ns": "m", "keys": keys(range(8, 16)),
+                      "release_first": np.array(release, "<u8").tobytes()}))
+    return await loop.run_in_executor(None, _reply, s)
+
+
+async def _release(loop, s, rid: int, lease: int) -> None:
+    s.sendall(_frame({"id": rid, "op": "release", "lease": lease}))
+    assert (await loop.run_in_executor(None, _reply, s))["ok"]
+
+
 def _calls(server, log: list[str]) -> None:
     """Log the release step and the room step, in the order they run."""
     release_step, room = server._release_step, server.engine.gets._room_for_get
@@ -54,25 +75,19 @@ def _calls(server, log: list[str]) -> None:
 @pytest.mark.parametrize("kind", LOOPS)
 def test_a_disk_gets_piggybacked_release_is_its_first_step_not_its_dispatch(tmp_path, kind):
     async def scenario(loop, server, connect):
-        s = await connect()
-        s.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
-        first = await loop.run_in_executor(None, _reply, s)
-        assert first["ok"]
+        s, first = await _resident_lease(loop, connect)
         log: list[str] = []
         _calls(server, log)
         inline = server._release_first
         server._release_first = lambda *a: (log.append("dispatch"), inline(*a))[1]
-        s.sendall(_frame({"id": 2, "op": "get", "ns": "m", "keys": keys(range(8, 16)),
-                          "release_first": np.array([first["lease"]], "<u8").tobytes()}))
-        r = await loop.run_in_executor(None, _reply, s)
+        r = await _disk_get(loop, s, 2, [first["lease"]])
         assert r["ok"] and r["found"] == b"\x01" * 8
         assert log == ["release", "room"]           # ended in a step, before the room
         eng = server.engine
         assert set(eng.leases) == {r["lease"]}
         pool = eng.namespace("m").slots[Tier.HOST].pool
         assert (pool.read(np.frombuffer(r["slots"], "<i4")) == blocks(8, BB, seed=1)).all()
-        s.sendall(_frame({"id": 3, "op": "release", "lease": r["lease"]}))
-        assert (await loop.run_in_executor(None, _reply, s))["ok"]
+        await _release(loop, s, 3, r["lease"])
         _accounted(eng)
     _serve_in_process(tmp_path, kind, scenario)
 
@@ -80,14 +95,11 @@ def test_a_disk_gets_piggybacked_release_is_its_first_step_not_its_dispatch(tmp_
 def test_an_unknown_piggybacked_lease_is_counted_and_the_disk_get_still_served(tmp_path):
     async def scenario(loop, server, connect):
         s = await connect()
-        s.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8, 16)),
-                          "release_first": np.array([987654], "<u8").tobytes()}))
-        r = await loop.run_in_executor(None, _reply, s)
+        r = await _disk_get(loop, s, 1, [987654])
         assert r["ok"] and r["found"] == b"\x01" * 8
         (client,) = server.clients.values()
         assert client.errors == 1
-        s.sendall(_frame({"id": 2, "op": "release", "lease": r["lease"]}))
-        assert (await loop.run_in_executor(None, _reply, s))["ok"]
+        await _release(loop, s, 2, r["lease"])
         _accounted(server.engine)
     _serve_in_process(tmp_path, "asyncio", scenario)
 
@@ -95,37 +107,28 @@ def test_an_unknown_piggybacked_lease_is_counted_and_the_disk_get_still_served(t
 def test_a_release_step_that_raises_fails_the_get_and_leaves_it_nothing(tmp_path):
     # A mock: release_many raising cannot be produced for real (it is a bug if it does).
     async def scenario(loop, server, connect):
-        s = await connect()
-        s.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
-        first = await loop.run_in_executor(None, _reply, s)
+        s, first = await _resident_lease(loop, connect)
         eng = server.engine
         release_many = eng.release_many
 
         def broken(*a):
             raise RuntimeError("injected: release_many")
         eng.release_many = broken
-        s.sendall(_frame({"id": 2, "op": "get", "ns": "m", "keys": keys(range(8, 16)),
-                          "release_first": np.array([first["lease"]], "<u8").tobytes()}))
-        r = await loop.run_in_executor(None, _reply, s)
+        r = await _disk_get(loop, s, 2, [first["lease"]])
         assert not r["ok"] and "injected" in r["error"]["message"]
         assert set(eng.leases) == {first["lease"]}      # the get's steps never started
         assert _pins(eng) == 8
         eng.release_many = release_many
-        s.sendall(_frame({"id": 3, "op": "get", "ns": "m", "keys": keys(range(8, 16)),
-                          "release_first": np.array([first["lease"]], "<u8").tobytes()}))
-        r = await loop.run_in_executor(None, _reply, s)
+        r = await _disk_get(loop, s, 3, [first["lease"]])
         assert r["ok"] and set(eng.leases) == {r["lease"]}
-        s.sendall(_frame({"id": 4, "op": "release", "lease": r["lease"]}))
-        assert (await loop.run_in_executor(None, _reply, s))["ok"]
+        await _release(loop, s, 4, r["lease"])
         _accounted(eng)
     _serve_in_process(tmp_path, "asyncio", scenario)
 
 
 def test_a_disk_get_waiting_for_a_stage_ends_its_releases_before_that_wait(tmp_path):
     async def scenario(loop, server, connect):
-        s = await connect()
-        s.sendall(_frame({"id": 1, "op": "get", "ns": "m", "keys": keys(range(8))}))
-        first = await loop.run_in_executor(None, _reply, s)
+        s, first = await _resident_lease(loop, connect)
         eng = server.engine
         stage = loop.create_task(asyncio.sleep(0.3))
         server._staging["m"] = stage
@@ -133,35 +136,34 @@ def test_a_disk_get_waiting_for_a_stage_ends_its_releases_before_that_wait(tmp_p
         release_many = eng.release_many
         eng.release_many = lambda *a: (log.append(f"release, staged {stage.done()}"),
                                        release_many(*a))[1]
-        s.sendall(_frame({"id": 2, "op": "get", "ns": "m", "keys": keys(range(8, 16)),
-                          "release_first": np.array([first["lease"]], "<u8").tobytes()}))
-        r = await loop.run_in_executor(None, _reply, s)
+        r = await _disk_get(loop, s, 2, [first["lease"]])
         assert r["ok"] and stage.done()
         assert log == ["release, staged False"]         # not held through the stage's wait
         server._staging.pop("m")
-        s.sendall(_frame({"id": 3, "op": "release", "lease": r["lease"]}))
-        assert (await loop.run_in_executor(None, _reply, s))["ok"]
+        await _release(loop, s, 3, r["lease"])
         _accounted(eng)
     _serve_in_process(tmp_path, "asyncio", scenario)
 
 
-def _disk_and_resident(tmp_path: Path) -> tuple[Engine, np.ndarray]:
-    """An engine whose namespace m holds 16 blocks: 0-7 on NVMe only, 8-15 resident."""
-    eng = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "1MiB",
-                                "nvme_capacity": "16MiB"}))
+def _cold_then_resident(tmp_path: Path, n: int, host: str) -> tuple[Engine, np.ndarray]:
+    """An engine whose namespace m holds 2n blocks of BB: 0..n-1 on NVMe only, n..2n-1
+    resident in the host tier (of host_capacity host), flushed."""
+    eng = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": host,
+                                "nvme_capacity": "64MiB"}))
     eng.create_namespace("m", BB)
-    data = blocks(16, BB)
-    eng.put("m", keys(range(8)), data[:8])
+    data = blocks(2 * n, BB)
+    eng.put("m", keys(range(n)), data[:n])
     eng.flush()
-    eng.evict(Tier.HOST, 8)
-    eng.put("m", keys(range(8, 16)), data[8:])
+    eng.evict(Tier.HOST, n)
+    eng.put("m", keys(range(n, 2 * n)), data[n:])
+    eng.flush()
     return eng, data
 
 
 @pytest.mark.parametrize("kind", LOOPS)
 def test_a_cancel_before_the_release_step_still_ends_the_releases_and_starts_no_get(
         tmp_path, kind):
-    eng, data = _disk_and_resident(tmp_path)
+    eng, data = _cold_then_resident(tmp_path, 8, "1MiB")
     held = eng.get("m", keys(range(8, 16)), 0)
     decided: list[int] = []
     decide = eng.gets._get_decide
@@ -213,15 +215,7 @@ def test_a_reply_task_cancelled_before_its_write_ends_the_lease_it_made(tmp_path
 def _full_host(tmp_path: Path) -> tuple[Engine, np.ndarray]:
     """64 host slots of 4 KiB (host_capacity 256 KiB), all held by blocks 64-127 (flushed, so
     evictable); blocks 0-63 on NVMe only."""
-    eng = Engine(make_settings({"data_dir": str(tmp_path / "d"), "host_capacity": "256KiB",
-                                "nvme_capacity": "64MiB"}))
-    eng.create_namespace("m", BB)
-    data = blocks(128, BB)
-    eng.put("m", keys(range(64)), data[:64])
-    eng.flush()
-    eng.evict(Tier.HOST, 64)
-    eng.put("m", keys(range(64, 128)), data[64:])
-    eng.flush()
+    eng, data = _cold_then_resident(tmp_path, 64, "256KiB")
     assert eng.room_short(eng.namespace("m"), Tier.HOST, 48) == 48     # every slot taken
     return eng, data
 
@@ -229,121 +223,113 @@ def _full_host(tmp_path: Path) -> tuple[Engine, np.ndarray]:
 BATCH = list(range(48)) + list(range(64, 80))       # 48 to bring up, 16 resident
 
 
-def test_a_large_room_step_is_two_slices_each_evicting_about_half(tmp_path):
+@pytest.fixture
+def full_host(tmp_path: Path):
     eng, data = _full_host(tmp_path)
-    try:
-        host = eng.counters.tiers[Tier.HOST]
-        ns = eng.namespace("m")
-        resident = ns.table.cols["slot"][ns.table.lookup(ns.table.keys_array(
-            keys(range(64, 80)))), Tier.HOST].astype(np.int64)
-        seen: list[tuple[str, int, int]] = []
-
-        def between(name):
-            seen.append((name, host.evictions, int(ns.slots[Tier.HOST].leases[resident].min())))
-        ev0 = host.evictions
-        names, res = _drive(eng, eng.get_steps("m", keys(BATCH), 0), between)
-        assert names[:3] == ["_room_for_get", "_room_rest", "_get_decide"]
-        (_, after_room, pinned), (_, after_rest, _), (_, after_decide, _) = seen[:3]
-        assert after_room - ev0 == 24 and after_rest - ev0 == 48    # half each
-        assert pinned == 1                      # the batch's copies pinned across the two
-        assert after_decide == after_rest       # the decide found the room made
-        pool = ns.slots[Tier.HOST].pool
-        assert res.found.all() and (pool.read(res.slots) == data[BATCH]).all()
-        eng.release(res.lease_id)
-        _accounted(eng)
-    finally:
-        eng.close(flush=False)
+    yield eng, data
+    eng.close(flush=False)
 
 
-def test_a_small_room_step_stays_one_slice(tmp_path):
-    eng, data = _full_host(tmp_path)
-    try:
-        few = list(range(gets.ROOM_SPLIT_MIN - 1)) + [64]
-        names, res = _drive(eng, eng.get_steps("m", keys(few), 0))
-        assert "_room_rest" not in names and names[:2] == ["_room_for_get", "_get_decide"]
-        assert res.found.all()
-        eng.release(res.lease_id)
-        _accounted(eng)
-    finally:
-        eng.close(flush=False)
+def test_a_large_room_step_is_two_slices_each_evicting_about_half(full_host):
+    eng, data = full_host
+    host = eng.counters.tiers[Tier.HOST]
+    ns = eng.namespace("m")
+    resident = ns.table.cols["slot"][ns.table.lookup(ns.table.keys_array(
+        keys(range(64, 80)))), Tier.HOST].astype(np.int64)
+    seen: list[tuple[str, int, int]] = []
+
+    def between(name):
+        seen.append((name, host.evictions, int(ns.slots[Tier.HOST].leases[resident].min())))
+    ev0 = host.evictions
+    names, res = _drive(eng, eng.get_steps("m", keys(BATCH), 0), between)
+    assert names[:3] == ["_room_for_get", "_room_rest", "_get_decide"]
+    (_, after_room, pinned), (_, after_rest, _), (_, after_decide, _) = seen[:3]
+    assert after_room - ev0 == 24 and after_rest - ev0 == 48    # half each
+    assert pinned == 1                      # the batch's copies pinned across the two
+    assert after_decide == after_rest       # the decide found the room made
+    pool = ns.slots[Tier.HOST].pool
+    assert res.found.all() and (pool.read(res.slots) == data[BATCH]).all()
+    eng.release(res.lease_id)
+    _accounted(eng)
 
 
-def test_a_cancel_thrown_in_at_the_rooms_second_step_ends_its_pins(tmp_path):
-    eng, data = _full_host(tmp_path)
-    try:
-        names, err = _drive_raising(eng, eng.get_steps("m", keys(BATCH), 0), "_room_rest",
-                                    asyncio.CancelledError())
-        assert isinstance(err, asyncio.CancelledError)
-        assert names == ["_room_for_get", "unpin_slots"]
-        _accounted(eng)
-        _all_readable(eng, data)
-    finally:
-        eng.close(flush=False)
+def test_a_small_room_step_stays_one_slice(full_host):
+    eng, data = full_host
+    few = list(range(gets.ROOM_SPLIT_MIN - 1)) + [64]
+    names, res = _drive(eng, eng.get_steps("m", keys(few), 0))
+    assert "_room_rest" not in names and names[:2] == ["_room_for_get", "_get_decide"]
+    assert res.found.all()
+    eng.release(res.lease_id)
+    _accounted(eng)
 
 
-def test_a_second_room_step_that_raises_ends_its_pins_once(tmp_path, monkeypatch):
+def test_a_cancel_thrown_in_at_the_rooms_second_step_ends_its_pins(full_host):
+    eng, data = full_host
+    names, err = _drive_raising(eng, eng.get_steps("m", keys(BATCH), 0), "_room_rest",
+                                asyncio.CancelledError())
+    assert isinstance(err, asyncio.CancelledError)
+    assert names == ["_room_for_get", "unpin_slots"]
+    _accounted(eng)
+    _all_readable(eng, data)
+
+
+def test_a_second_room_step_that_raises_ends_its_pins_once(full_host):
     # A mock: make_room does not fail for real (it evicts what it can); the fault is injected
     # at its second call, the room step's second half.
-    eng, data = _full_host(tmp_path)
-    try:
-        calls = []
-        make_room = eng.make_room
+    eng, data = full_host
+    calls = []
+    make_room = eng.make_room
 
-        def second_fails(*a):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("injected: make_room")
-            return make_room(*a)
-        eng.gets.owner.make_room = second_fails
-        with pytest.raises(RuntimeError, match="injected"):
-            _drive(eng, eng.get_steps("m", keys(BATCH), 0))
-        eng.gets.owner.make_room = make_room
-        _accounted(eng)
-        _all_readable(eng, data)
-    finally:
-        eng.close(flush=False)
+    def second_fails(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected: make_room")
+        return make_room(*a)
+    eng.gets.owner.make_room = second_fails
+    with pytest.raises(RuntimeError, match="injected"):
+        _drive(eng, eng.get_steps("m", keys(BATCH), 0))
+    eng.gets.owner.make_room = make_room
+    _accounted(eng)
+    _all_readable(eng, data)
 
 
 @pytest.mark.parametrize("between_rooms", ["rewrite", "delete", "another get"])
-def test_what_runs_between_the_two_room_steps_is_decided_on_after(tmp_path, between_rooms):
-    eng, data = _full_host(tmp_path)
-    try:
-        new = blocks(1, BB, seed=9)
-        other = []
+def test_what_runs_between_the_two_room_steps_is_decided_on_after(full_host, between_rooms):
+    eng, data = full_host
+    new = blocks(1, BB, seed=9)
+    other = []
 
-        def between(name):
-            if name != "_room_for_get":
-                return
-            if between_rooms == "rewrite":          # a resident one and one to bring up
-                eng.put("m", keys([64]), new)
-                eng.put("m", keys([0]), new)
-            elif between_rooms == "delete":
-                eng.delete("m", keys([1, 65]))
-            else:                                   # some of the batch's, installed first
-                o = eng.get("m", keys(range(40, 56)), 0)
-                assert o.found.all()
-                eng.release(o.lease_id)
-                other.append(o)
-        names, res = _drive(eng, eng.get_steps("m", keys(BATCH), 0), between)
-        assert names[:2] == ["_room_for_get", "_room_rest"]
-        pool = eng.namespace("m").slots[Tier.HOST].pool
-        want = data[BATCH].copy()
-        found = np.ones(len(BATCH), dtype=bool)
-        if between_rooms == "rewrite":
-            want[BATCH.index(64)] = new[0]
-            want[0] = new[0]
+    def between(name):
+        if name != "_room_for_get":
+            return
+        if between_rooms == "rewrite":          # a resident one and one to bring up
+            eng.put("m", keys([64]), new)
+            eng.put("m", keys([0]), new)
         elif between_rooms == "delete":
-            found[[1, BATCH.index(65)]] = False
-        assert (res.found == found).all()
-        assert (pool.read(res.slots[found]) == want[found]).all()
-        eng.release(res.lease_id)
-        _accounted(eng)
-        if between_rooms == "rewrite":
-            _all_readable(eng, _rewritten(data, new))
-        else:
-            _all_readable(eng, data, (1, 65) if between_rooms == "delete" else ())
-    finally:
-        eng.close(flush=False)
+            eng.delete("m", keys([1, 65]))
+        else:                                   # some of the batch's, installed first
+            o = eng.get("m", keys(range(40, 56)), 0)
+            assert o.found.all()
+            eng.release(o.lease_id)
+            other.append(o)
+    names, res = _drive(eng, eng.get_steps("m", keys(BATCH), 0), between)
+    assert names[:2] == ["_room_for_get", "_room_rest"]
+    pool = eng.namespace("m").slots[Tier.HOST].pool
+    want = data[BATCH].copy()
+    found = np.ones(len(BATCH), dtype=bool)
+    if between_rooms == "rewrite":
+        want[BATCH.index(64)] = new[0]
+        want[0] = new[0]
+    elif between_rooms == "delete":
+        found[[1, BATCH.index(65)]] = False
+    assert (res.found == found).all()
+    assert (pool.read(res.slots[found]) == want[found]).all()
+    eng.release(res.lease_id)
+    _accounted(eng)
+    if between_rooms == "rewrite":
+        _all_readable(eng, _rewritten(data, new))
+    else:
+        _all_readable(eng, data, (1, 65) if between_rooms == "delete" else ())
 
 
 def _rewritten(data: np.ndarray, new: np.ndarray) -> np.ndarray:

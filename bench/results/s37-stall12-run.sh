@@ -51,17 +51,7 @@ el built; nproc | tee -a "$LOG"; tee -a "$LOG" < /proc/loadavg
 stall() {
   left || { echo "stall $2 skipped" | tee -a "$LOG"; return; }
   timeout 30 bash -c "cd $1 && PYTHONPATH=/tmp/site:$1 $PY bench/stall.py --json ${STALL_ARGS:-}" > /tmp/stall-$2.json 2>/dev/null
-  $PY - /tmp/stall-$2.json "$2" "$OUT/stall.jsonl" <<'PY' | tee -a "$LOG"
-import json, sys
-text = open(sys.argv[1]).read()
-d = json.loads(text[text.find("{"):])
-d["run"] = sys.argv[2]
-with open(sys.argv[3], "a") as fh:
-    fh.write(json.dumps(d) + "\n")
-print(sys.argv[2], d["worst_p99_ratio"], d["loadavg_start"], d["loadavg_end"],
-      [(r, c["alone_p99_us"], c["beside_p50_us"], c["beside_p99_us"], c["p99_ratio"])
-       for r, c in d["conditions"].items()])
-PY
+  $PY "$H/bench/stall_device.py" stall /tmp/stall-$2.json "$2" "$OUT/stall.jsonl" | tee -a "$LOG"
   el "stall $2"
 }
 stall "$B" base-r1; stall "$H" head-r1; stall "$N" nosplit-r1
@@ -71,20 +61,7 @@ PARTS="kvtier.coherence.gets:Gets.try_get,kvtier.api.server:Server._get_reply"
 for t in head base; do T=$B; [ $t = head ] && T=$H
   left 150 || { echo "trace $t skipped" | tee -a "$LOG"; continue; }
   timeout 22 bash -c "cd $T && PYTHONPATH=/tmp/site:$T $PY bench/stall_trace.py --readers 8 --no-gc --task-steps --parts $PARTS --json ${TRACE_ARGS:-}" > /tmp/trace-$t.json 2>/dev/null
-  $PY - /tmp/trace-$t.json "$t" "$OUT/trace.jsonl" <<'PY' | tee -a "$LOG"
-import json, sys
-text = open(sys.argv[1]).read()
-d = json.loads(text[text.find("{"):])
-d["run"] = sys.argv[2]
-with open(sys.argv[3], "a") as fh:
-    fh.write(json.dumps(d) + "\n")
-c = d["conditions"]["8"]
-print(sys.argv[2], {k: c[k] for k in ("alone_p99_us", "beside_p50_us", "beside_p99_us",
-                                      "tail_wait_to_data_received_us", "reader_gets")})
-print("  tail", {k: v["us"] for k, v in c["tail_wait_by_kind_us"].items()})
-print("  work", {k: (v["n"], v.get("cpu_p50"), v["p50"], v["p90"], v["share_of_phase"])
-                 for k, v in c["loop_work_us"].items()})
-PY
+  $PY "$H/bench/stall_device.py" trace /tmp/trace-$t.json "$t" "$OUT/trace.jsonl" 8 | tee -a "$LOG"
   el "trace $t"
 done
 rm -rf "$N"
