@@ -20,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,15 +29,43 @@ sys.path.insert(0, ROOT)
 
 from bench.common import emit, header, percentiles  # noqa: E402
 
+if TYPE_CHECKING:
+    from kvtier.coherence.engine import Engine
 
-# The locked steps an NVMe get's three steps were split into (stall10: each a slice of the
-# server's loop), counted in "steps" with the step they came from, and alone in "slices".
+
+# The locked steps an NVMe get's three steps were split into (stall10, stall12: each a slice
+# of the server's loop), counted in "steps" with the step they came from, and alone in
+# "slices".
 STEP_OF = {"_bring_up_step": "_get_decide", "_read_step": "_get_decide",
-           "_lease_step": "_finish_get"}
+           "_lease_step": "_finish_get", "_room_rest": "_room_for_get"}
 
 
 def key(i: int) -> bytes:
     return (i + 2).to_bytes(16, "big")
+
+
+def stall_engine(base: str, args: argparse.Namespace, **settings: object) -> "Engine":
+    """bench/stall.py's service shape in process (args' host capacity, write-back, NVMe room
+    for twice the cold set): namespace s with args.cold_blocks blocks of args.block_bytes
+    put and flushed, most of them on NVMe only. settings: more of the engine's settings."""
+    from kvtier.coherence.engine import Engine
+    from kvtier.config import make_settings
+    bb = args.block_bytes
+    eng = Engine(make_settings({
+        "data_dir": base, "host_capacity": args.host_capacity,
+        "nvme_capacity": str(args.cold_blocks * bb * 2 + (64 << 20)),
+        "segment_bytes": "64MiB", "write_policy": "write_back", **settings}))
+    try:
+        eng.create_namespace("s", bb)
+        data = np.random.default_rng(0).integers(0, 256, (64, bb), dtype=np.uint8)
+        for lo in range(0, args.cold_blocks, 64):
+            n = min(64, args.cold_blocks - lo)
+            eng.put("s", b"".join(key(i) for i in range(lo, lo + n)), data[:n])
+        eng.flush()
+    except BaseException:
+        eng.close(flush=False)
+        raise
+    return eng
 
 
 def main() -> None:
@@ -49,23 +78,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/stall_steps.py")
-    from kvtier.coherence.engine import Engine
     from kvtier.coherence.gets import advance
-    from kvtier.config import make_settings
     from kvtier.types import Tier
     base = tempfile.mkdtemp(prefix="kvtier-stall-steps-", dir=os.getcwd())
     bb = args.block_bytes
-    eng = Engine(make_settings({
-        "data_dir": base, "host_capacity": args.host_capacity,
-        "nvme_capacity": str(args.cold_blocks * bb * 2 + (64 << 20)),
-        "segment_bytes": "64MiB", "write_policy": "write_back"}))
+    eng = stall_engine(base, args)
     try:
-        eng.create_namespace("s", bb)
-        data = np.random.default_rng(0).integers(0, 256, (64, bb), dtype=np.uint8)
-        for lo in range(0, args.cold_blocks, 64):
-            n = min(64, args.cold_blocks - lo)
-            eng.put("s", b"".join(key(i) for i in range(lo, lo + n)), data[:n])
-        eng.flush()
         rng = np.random.default_rng(1)
         host = eng.counters.tiers[Tier.HOST]
         times: dict[str, list[float]] = {}

@@ -46,7 +46,7 @@ HOOKS = os.path.join(ROOT, "bench", "stall_trace_hooks")
 
 def _name(e: tuple) -> str:
     kind = e[0]
-    if kind in ("step", "fast"):
+    if kind in ("step", "fast", "task"):
         return f"{kind}:{e[3]}"
     if kind in ("gc", "part"):
         return f"{kind}:{e[3]}"
@@ -106,9 +106,9 @@ def analyse(events: list[tuple], beside: np.ndarray, tail: float) -> dict:
     for e in nested:
         if lo_t <= e[1] <= hi_t:
             durs[_name(e)].append(e[2] - e[1])
-            if len(e) > 4 and e[0] in ("step", "dr"):
+            if len(e) > 4 and e[0] in ("step", "dr", "task"):
                 cpu[_name(e)].append(e[4])
-            if len(e) > 6 and e[0] in ("step", "dr"):
+            if len(e) > 6 and e[0] in ("step", "dr", "task"):
                 switches[_name(e)].append((e[5], e[6], e[2] - e[1] - e[4]))
     # The I/O threads' Python around each read (run_read less its GIL-free parts): the GIL
     # they hold while the loop may want it, as a share of the phase.
@@ -165,6 +165,9 @@ def main() -> None:
     ap.add_argument("--parts", default="",
                     help="functions to time inside the steps, module:Class.method,... (each "
                          "a part:<method> entry of loop_work_us)")
+    ap.add_argument("--task-steps", action="store_true",
+                    help="the reply tasks' steps timed as loop work too (task:start, task:mid, "
+                         "task:end; the service's tasks then pure-Python ones)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     m = header("bench/stall_trace.py")
@@ -174,9 +177,11 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="kvtier-stall-trace-", dir=os.getcwd())
     trace = os.path.join(base, "events.pkl")
     env = {k: os.environ.get(k) for k in ("STALL_TRACE", "STALL_TRACE_ROLE", "PYTHONPATH",
-                                          "STALL_TRACE_GC", "STALL_TRACE_PARTS")}
+                                          "STALL_TRACE_GC", "STALL_TRACE_PARTS",
+                                          "STALL_TRACE_TASKS")}
     os.environ.update(STALL_TRACE=trace, STALL_TRACE_ROLE="serve",
                       STALL_TRACE_GC="off" if args.no_gc else "on", STALL_TRACE_PARTS=args.parts,
+                      STALL_TRACE_TASKS="1" if args.task_steps else "0",
                       PYTHONPATH=os.pathsep.join(p for p in (HOOKS, ROOT, env["PYTHONPATH"])
                                                  if p))
     svc = Service(Path(base) / "svc", admin=False, host_capacity=args.host_capacity,

@@ -185,6 +185,30 @@ if _path and os.environ.get("STALL_TRACE_ROLE") == "serve":
             def __getattr__(self, k):
                 return getattr(self.inner, k)
         S.ReadThreads._reap = _reap_t
+    # STALL_TRACE_TASKS=1: the steps of the reply tasks (Connection._finish, "reply-<cid>")
+    # timed as loop work too, "task:start" (the first step, to its first await), "task:end"
+    # (the last, which writes the reply) and "task:mid": on a loop of pure-Python tasks (a
+    # few microseconds slower a step), set as the server starts (stall12: the reply task's
+    # last step was the loop's longest slice, and no step event saw it).
+    if os.environ.get("STALL_TRACE_TASKS") == "1":
+        import asyncio
+        class _TimedTask(asyncio.tasks._PyTask):
+            def _Task__step(self, exc=None):
+                first = not getattr(self, "_stepped", False)
+                self._stepped = True
+                v0, i0 = cs(); c0 = tt(); t0 = pc()
+                super()._Task__step(exc)
+                t1 = pc(); c1 = tt(); v1, i1 = cs()
+                name = self.get_name() or ""
+                if name.startswith("reply-"):
+                    kind = "start" if first else ("end" if self.done() else "mid")
+                    EV.append(("task", t0, t1, kind, c1 - c0, v1 - v0, i1 - i0))
+        _srv_start = SV.Server.start
+        async def _start_t(self):
+            asyncio.get_running_loop().set_task_factory(
+                lambda loop, coro, **kw: _TimedTask(coro, loop=loop, **kw))
+            await _srv_start(self)
+        SV.Server.start = _start_t
     # STALL_TRACE_PARTS="module:Class.method,...": each named function timed as a "part" event
     # (nested in the step or request that calls it; bench/stall_trace.py --parts), to split a
     # step's time in the service itself, where it costs more than in process (stall9, stall10).

@@ -46,7 +46,7 @@ from kvtier.api.metrics import ConnectorReports
 from kvtier.api.quota import ClientInfo
 from kvtier.api.resident import NEEDS_DISK, ResidentGets
 from kvtier.api.sortedgets import SortedGets
-from kvtier.api.steps import LOOP_WAIT_S, StepRunner
+from kvtier.api.steps import LOOP_WAIT_S, StepRunner, released_first
 from kvtier.coherence.engine import Engine
 from kvtier.config import Settings
 from kvtier.errors import AuthError, BadRequest, ConfigError, KvtierError, ProtocolError
@@ -291,6 +291,15 @@ class Server(ResidentGets, SortedGets):
                 out = self._get_resident_first(client, req)
                 if out is not None:
                     return ok_reply(out, req_id, op)
+                if req.get(NEEDS_DISK) and self._by_steps(req["ns"], Tier.HOST):
+                    # An NVMe reader's batch, refused by try_get (after its quota check):
+                    # straight to its steps, its releases their first locked step
+                    # (released_first) rather than part of this dispatch, the loop's longest
+                    # slice (stall12). op_get would only check again what was checked.
+                    P.arg(req, "device", int, None)
+                    ids = P.array_arg(req, "release_first", "<u8").tolist()
+                    return self._await_op(self._get_slow(client, req["ns"], req["keys"], False,
+                                                         releases=ids), req_id, op)
             left = self._release_first(client, req) if "release_first" in req else []
             if left:
                 return self._dispatch_after(client, req, req_id, op, left)
@@ -331,6 +340,12 @@ class Server(ResidentGets, SortedGets):
             return ids
         client.errors += bad
         return []
+
+    def _release_step(self, client: ClientInfo, ids: list[int]) -> None:
+        """Under the lock (a get's first step, released_first): the engine's part of the
+        releases a get carried (client.pins ended them already); unknown ids are counted as
+        the connection's errors, as _release_first counts them."""
+        client.errors += self.engine.release_many(ids, client.cid)
 
     def _run(self, fn: Callable[..., Any], *args: Any,
              pool: ThreadPoolExecutor | None = None) -> asyncio.Future:
@@ -553,16 +568,28 @@ class Server(ResidentGets, SortedGets):
         return await self._get_slow(client, name, keys, inline)
 
     async def _get_slow(self, client: ClientInfo, name: str, keys: bytes, inline: bool,
-                        tier: Tier = Tier.HOST, device: int | None = None) -> dict[str, Any]:
+                        tier: Tier = Tier.HOST, device: int | None = None,
+                        releases: list[int] | None = None) -> dict[str, Any]:
+        """releases: piggybacked leases still to end before the get (_dispatch_req left
+        them to its steps' first locked step); ended on the memory lane first where the
+        get cannot run as steps or must wait for a stage (never held through that wait)."""
         staging = self._staging.get(name)
+        by_steps = self._by_steps(name, tier)
+        if releases and (staging is not None or not by_steps):
+            client.errors += await self._run_mem(self.engine.release_many, releases,
+                                                 client.cid)
+            releases = None
         if staging is not None:
             # A get of blocks a lookup is staging (the engine's load, a few ms after its
             # lookup) would read them from disk a second time, beside the stage's read: let
             # the stage finish first, and the get then copies memory.
             await asyncio.wait({staging}, timeout=STAGE_WAIT_S)
-        if (tier is Tier.HOST and self.engine.remote is None
-                and Tier.HBM not in self.engine.namespace(name).slots):
-            res = await self.steps.drive(self.engine.get_steps(name, keys, client.cid, tier))
+            by_steps = self._by_steps(name, tier)
+        if by_steps:
+            steps = self.engine.get_steps(name, keys, client.cid, tier)
+            if releases:
+                steps = released_first(partial(self._release_step, client, releases), steps)
+            res = await self.steps.drive(steps)
         else:
             # A get from HBM may copy host blocks up to the GPU (the worker's first), a host
             # get's decide may copy HBM blocks down (GPU work), and its install may fill
@@ -570,7 +597,29 @@ class Server(ResidentGets, SortedGets):
             # thread (in the device's context).
             res = await self._run(on_device, device, self.engine.get, name, keys, client.cid,
                                   tier)
-        return self._get_reply(client, name, keys, res, inline)
+        out = self._get_reply(client, name, keys, res, inline)
+        # The reply is written in a loop iteration of its own, after a poll: building it and
+        # writing it (Connection._write: the pack and the socket's send) in one task step
+        # made the loop's longest slice (stall12, bench/stall_dispatch.py --task-steps: ~74
+        # us CPU p50 in process, against ~50 for the longest of the steps).
+        try:
+            await asyncio.sleep(0)
+        except BaseException:
+            # (stop() cancels no reply task; were one cancelled here, the lease made for it
+            # would never be sent: it ends now, not at lease_timeout, as in _get_reply.)
+            if out["lease"]:
+                client.pins.end([out["lease"]])
+                self.engine.release(out["lease"], client.cid)
+            raise
+        return out
+
+    def _by_steps(self, name: str, tier: Tier) -> bool:
+        """Whether a get that must move bytes runs as steps on the loop (kvtier.api.steps):
+        a host get with no remote tier and no HBM tier in its namespace. (A namespace not
+        there: the steps raise its error.)"""
+        ns = self.engine.namespaces.get(name)
+        return (tier is Tier.HOST and self.engine.remote is None
+                and (ns is None or Tier.HBM not in ns.slots))
 
     def _get_reply(self, client: ClientInfo, name: str, keys: bytes, res: Any,
                    inline: bool) -> dict[str, Any]:

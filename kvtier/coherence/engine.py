@@ -308,16 +308,22 @@ class Engine:
             self.host_used += n * ns.block_bytes
         return slots
 
-    def make_room(self, ns: Namespace, tier: Tier, n: int) -> None:
-        """Evict until n slots of ns's pool of tier are free and, for the host tier, within
-        host_capacity (as far as eviction can: alloc says what is missing)."""
-        st = ns.slots[tier]
-        short = n - st.pool.free_count
+    def room_short(self, ns: Namespace, tier: Tier, n: int) -> int:
+        """How many blocks make_room(ns, tier, n) would evict now (<= 0: none): the slots
+        missing from the pool's free ones, or for the host tier the blocks over
+        host_capacity, whichever is more. Either grows by one with each of n."""
+        short = n - ns.slots[tier].pool.free_count
         if tier is _HOST:
             over = self.host_used + n * ns.block_bytes - self.settings.host_capacity
             over = -(-over // ns.block_bytes)
             if over > short:
                 short = over
+        return short
+
+    def make_room(self, ns: Namespace, tier: Tier, n: int) -> None:
+        """Evict until n slots of ns's pool of tier are free and, for the host tier, within
+        host_capacity (as far as eviction can: alloc says what is missing)."""
+        short = self.room_short(ns, tier, n)
         if short > 0:
             if self.leases or self.reservations:     # reap's own test, without its frame
                 self.reap()

@@ -61,6 +61,11 @@ if TYPE_CHECKING:
     from kvtier.coherence.transfers import Transfers
     from kvtier.config import Settings
 
+# The fewest evictions a get's room step splits into two slices (Gets._room_steps): below
+# it the second step's own cost (~10-20 us in the service) would be more than it moves.
+ROOM_SPLIT_MIN = 32
+
+
 @dataclass(slots=True)
 class Step:
     """One step of a get (get_steps): fn, run with the engine lock held (locked) or with it
@@ -92,6 +97,7 @@ class GetOwner(Protocol):
 
     def check_keys(self, ns: Namespace, keys: Any, zero_check: bool = True) -> np.ndarray: ...
     def make_room(self, ns: Namespace, tier: Tier, n: int) -> None: ...
+    def room_short(self, ns: Namespace, tier: Tier, n: int) -> int: ...
     def set_copy(self, ns: Namespace, rows: np.ndarray, tier: Tier, slots: np.ndarray,
                  versions: np.ndarray) -> None: ...
     def unpin_slots(self, ns: Namespace, tier: Tier, slots: np.ndarray) -> None: ...
@@ -152,7 +158,7 @@ class Gets:
             # (the server answers resident gets between two steps), and the decide then
             # finds the room made (or evicts again, if other gets took it meanwhile).
             if room_first:
-                yield Step(True, partial(self._room_for_get, namespace, keys, tier))
+                yield from self._room_steps(namespace, keys, tier)
             res, p = yield Step(True, partial(self._get_decide, namespace, keys, owner, tier,
                                               room_first))
             if p is not None and p.todo is not None:    # its bring-ups: a step of their own
@@ -280,25 +286,66 @@ class Gets:
             yield Step(True, partial(self.release, res.lease_id, owner))
             raise
 
-    def _room_for_get(self, namespace: str, keys: Any, tier: Tier) -> None:
+    def _room_steps(self, namespace: str, keys: Any, tier: Tier
+                    ) -> Generator[Step, Any, None]:
+        """The room step; and where it left the second half of a large eviction
+        (ROOM_SPLIT_MIN), that half as a locked step of its own, the batch's copies pinned
+        across the two (stall12: the room step, ~75 us CPU p50 in the dev VM's service, its
+        eviction ~25-50 of it, was the loop's longest slice once the dispatch and the reply
+        were split). Thrown in before the second ran (a cancel), the pins end in a step of
+        their own; closed undriven (GeneratorExit), nothing runs, as in _steps_holding."""
+        rest = yield Step(True, partial(self._room_for_get, namespace, keys, tier))
+        if rest is None:
+            return
+        ns, want, keep = rest
+        try:
+            yield Step(True, partial(self._room_rest, ns, tier, want, keep))
+        except GeneratorExit:
+            raise
+        except BaseException:
+            if keep:                    # (not run: _room_rest ends them, raising or not)
+                yield Step(True, partial(self.owner.unpin_slots, ns, tier, keep.pop()))
+            raise
+
+    def _room_for_get(self, namespace: str, keys: Any, tier: Tier
+                      ) -> "tuple[Namespace, int, list[np.ndarray]] | None":
         """Under the lock: evict for the blocks of keys that are not current in tier (those
         the decide will bring up). Only a head start, never a promise: the decide checks
         everything again, evicting what is still missing; a block this evicts that the get
-        wanted is brought up again (the victims are the policy's coldest)."""
+        wanted is brought up again (the victims are the policy's coldest). An eviction of
+        ROOM_SPLIT_MIN blocks or more is made half here, and (ns, want, [the pinned slots])
+        returned for _room_rest to make the rest; else None, every pin ended."""
         ns = self.namespace(namespace)
         if tier not in ns.slots:
-            return                              # the decide raises the error
+            return None                         # the decide raises the error
         rows = ns.table.lookup(self.check_keys(ns, keys, zero_check=False))
         # The batch's own copies in tier are pinned while the room is made: evicting one
         # would only make the decide bring it up again and evict once more (bench/stall.py
         # in process: half the decides evicted a second time without the pins).
         want, keep = _room_count(ns, rows, tier)
         if not want:
-            return
+            return None
+        short = self.owner.room_short(ns, tier, want)
+        later = short // 2 if short >= ROOM_SPLIT_MIN else 0
+        try:
+            # (make_room's evictions grow by one with each block asked for: want - later
+            # leaves later of them to the next step.)
+            self.owner.make_room(ns, tier, want - later)
+        except BaseException:
+            self.owner.unpin_slots(ns, tier, keep)
+            raise
+        if not later:
+            self.owner.unpin_slots(ns, tier, keep)
+            return None
+        return ns, want, [keep]
+
+    def _room_rest(self, ns: Namespace, tier: Tier, want: int, keep: list[np.ndarray]) -> None:
+        """Under the lock: the rest of _room_for_get's eviction (whatever is still short of
+        want now), then the batch's pins it held end (keep is emptied)."""
         try:
             self.owner.make_room(ns, tier, want)
         finally:
-            self.owner.unpin_slots(ns, tier, keep)
+            self.owner.unpin_slots(ns, tier, keep.pop())
 
     def _get_decide(self, namespace: str, keys: Any, owner: int, tier: Tier,
                     split: bool = False) -> "tuple[GetResult | None, _PendingGet | None]":
