@@ -6,7 +6,8 @@
 # 2. bench/gpu.py's 64 / 16 KiB rows, base, head, head, base;
 # 3. bench/stall.py, base, head and head without stall12's room split (.gpu-nosplit) alternated
 #    three rounds;
-# 4. bench/gpu.py --json in full on head, once; then EXTRA (a command) if set.
+# 4. bench/gpu.py --json in full on head, once (before 3 with FULL_FIRST); then EXTRA (a
+#    command) if set. STALL_RUNS: the stall runs, in order.
 # Each part is skipped once its start would pass its END (seconds from the start).
 set -u
 T0=$(date +%s); el() { echo "$1 at $(( $(date +%s) - T0 )) s"; }
@@ -37,8 +38,9 @@ print(sys.argv[2], {k: d.get(k) for k in ("ratio_onboard_gbps_64k", "ratio_offlo
 PY
   el "rows $r"
 done
+stall() {
 N=$PWD/.gpu-nosplit     # head with stall12's room split out of reach (ROOM_SPLIT_MIN)
-for r in base-r1 head-r1 nosplit-r1 nosplit-r2 head-r2 base-r2 base-r3 head-r3 nosplit-r3; do
+for r in ${STALL_RUNS:-base-r1 head-r1 nosplit-r1 nosplit-r2 head-r2 base-r2 base-r3 head-r3 nosplit-r3}; do
   T=$B; case $r in head*) T=$H;; nosplit*) T=$N;; esac
   left ${STALL_END:-400} || { echo "stall $r skipped"; continue; }
   (cd $T && PYTHONPATH=/tmp/site:$T timeout 30 python3 bench/stall.py --json) > /tmp/s.json 2>/dev/null
@@ -53,6 +55,8 @@ print(sys.argv[2], d["worst_p99_ratio"], d["loadavg_start"],
 PY
 done
 el stall
+}
+full() {
 if left ${FULL_END:-460}; then
   PYTHONPATH=/tmp/site:$H timeout 100 python3 bench/gpu.py --json > $OUT/gpu-full.json 2>/tmp/f.err || tail -3 /tmp/f.err
   python3 - $OUT/gpu-full.json <<'PY'
@@ -66,4 +70,6 @@ print({k: d.get(k) for k in ("onboard_ratio_2m", "offload_ratio_2m", "onboard_ra
 PY
   el "gpu full"
 fi
+}
+if [ -n "${FULL_FIRST:-}" ]; then full; stall; else stall; full; fi
 [ -n "${EXTRA:-}" ] && left ${EXTRA_END:-500} && { bash -c "$EXTRA"; el extra; }
