@@ -481,18 +481,14 @@ def test_the_gpu_checksum_is_the_services_xxh3(geometry):
     staging = Staging(st)
     rows = np.random.default_rng(len(geometry)).permutation(n + 5)[:n]
     side = own(0, "checksums")
-    mover = Mover(None, table, st, transfer.policy(), staging)
-    # Forked from the transfer's stream after its uploads (None), or from an event taken
-    # before a put's first copies, uploading on its own stream (put_async's order).
-    addrs = [mover.checksums(rows, side), mover.checksums(rows, side, st.event())]
+    addr = Mover(None, table, st, transfer.policy(), staging).checksums(rows, side)
     side.event().synchronize()
     import ctypes
+    got = np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr)).copy()
     host = [v.cpu().numpy() for v in views]
     want = [xxhash.xxh3_64_intdigest(b"".join(h[r].tobytes() for h in host)) for r in rows]
-    for addr in addrs:
-        got = np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr)).copy()
-        assert got.tolist() == want
     staging.release()
+    assert got.tolist() == want
 
 
 def _back_checked(c, ns, want) -> None:
@@ -530,9 +526,8 @@ def test_an_offload_checksummed_on_the_gpu_is_verified_back_from_nvme(small_host
 
 
 def test_a_puts_gpu_hash_sees_the_writes_enqueued_before_it(small_host):
-    # put_async's hash forks from an event of the caller's stream taken before its first
-    # copies: blocks written on that stream just before the put (not waited for) are hashed
-    # as written. Pushed out of a small host tier, they come back from NVMe checked against
+    # put_async's hash forks from the caller's stream: blocks written on that stream just
+    # before the put (not waited for) are hashed as written. Pushed out of a small host tier, they come back from NVMe checked against
     # the GPU's sums: a hash of the old bytes would fail that check.
     with kvtier.Client(small_host.socket) as c:
         ns = c.namespace("fresh", block_bytes=BB)

@@ -685,31 +685,22 @@ class Mover:
                    np.uint64(idx + 8 * (n + l0)), np.int32(l1 - l0), np.int32(a),
                    np.int32(b - a), np.uint32(vecs), np.int32(0), np.uint32(group)))
 
-    def checksums(self, rows: np.ndarray, side: Stream, after: Any = None) -> int:
-        """xxh3-64 of engine blocks rows of the table, computed on the GPU on stream side: the
-        address of n uint64 in pinned host memory, filled once side has run. after: an event
-        of the transfer's stream taken before its first copies (the blocks are ready from it);
-        side then forks from it and uploads what it reads on its own, so that the hash neither
-        waits for those copies nor delays their enqueue. None: forked from the transfer's
-        stream after its uploads there."""
+    def checksums(self, rows: np.ndarray, side: Stream) -> int:
+        """xxh3-64 of engine blocks rows of the table, computed on the GPU on stream side
+        (forked from the transfer's stream after the uploads it needs): the address of n uint64
+        in pinned host memory, filled once side has run."""
         import cupy
         n = rows.size
-        if after is None:
-            if not self._tab:
-                self._tab = self.staging.upload(self.table.staged())
-            tab, on = self._tab, None
-        else:
-            side.wait(after)
-            tab, on = self.staging.upload(self.table.staged(), side), side
+        if not self._tab:
+            self._tab = self.staging.upload(self.table.staged())
         keys = _key_table(self.table.device)
-        ridx = self.staging.upload(rows, on)
-        if after is None:
-            side.wait(self.stream.event())
+        ridx = self.staging.upload(rows)
+        side.wait(self.stream.event())
         out = self.staging.device(n)
         threads = 128
         with side.cupy:
             kernels.get("xxh3_pages")((-(-4 * n // threads),), (threads,),
-                                      (np.uint64(tab), np.int32(self.table.pages),
+                                      (np.uint64(self._tab), np.int32(self.table.pages),
                                        np.uint64(ridx), np.int32(n),
                                        np.int64(self.table.block_bytes), np.uint64(keys),
                                        np.uint64(out)))
