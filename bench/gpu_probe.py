@@ -43,22 +43,24 @@ def instrument(client) -> None:
     import cupy
     from kvtier.gpu import device, staging, transfer
 
-    def steps(cls, names: tuple[str, ...], tag: str) -> None:
+    def steps(owner, names: tuple[str, ...], tag: str) -> None:
+        """Each of owner's (a class or a module) functions names logged entered and left."""
         for name in names:
-            fn = getattr(cls, name)
+            fn = getattr(owner, name)
 
             @functools.wraps(fn)
-            def wrapped(*a, __fn=fn, __name=name, **k):
-                LOG.append((f"{tag}.{__name}>", time.perf_counter()))
+            def wrapped(*a, __fn=fn, __label=f"{tag}{name}", **k):
+                LOG.append((f"{__label}>", time.perf_counter()))
                 try:
                     return __fn(*a, **k)
                 finally:
-                    LOG.append((f"{tag}.{__name}<", time.perf_counter()))
-            setattr(cls, name, wrapped)
+                    LOG.append((f"{__label}<", time.perf_counter()))
+            setattr(owner, name, wrapped)
 
     steps(device.Mover, ("move", "_staged", "_launch", "_copy", "_staged_out", "stage_sorted",
-                         "_sorted", "_place"), "mover")
-    steps(staging.Staging, ("upload",), "staging")
+                         "_sorted", "_place"), "mover.")
+    steps(staging.Staging, ("upload",), "staging.")
+    steps(transfer, ("_hash", "_commit"), "")
     move = device.Mover.move
 
     def move_marked(self, *a, **k):
@@ -68,17 +70,6 @@ def instrument(client) -> None:
         GPU.append((f"gpu: move {sum(1 for g in GPU if g[0].startswith('gpu: move'))} done",
                     ev))
     device.Mover.move = move_marked
-    for name in ("_hash", "_commit"):
-        fn = getattr(transfer, name)
-
-        @functools.wraps(fn)
-        def logged(*a, __fn=fn, __name=name, **k):
-            LOG.append((f"{__name}>", time.perf_counter()))
-            try:
-                return __fn(*a, **k)
-            finally:
-                LOG.append((f"{__name}<", time.perf_counter()))
-        setattr(transfer, name, logged)
 
     init = device.Mover.__init__
 
