@@ -203,9 +203,13 @@ class StepRunner:
                     pass
             raise
 
-    def _advance(self, job: _Job, value: Any, exc: BaseException | None) -> None:
-        """Send value (or throw exc) into job's steps, and queue or start the next step."""
-        if job.fut.cancelled() and not job.thrown:
+    def _advance(self, job: _Job, value: Any, exc: BaseException | None,
+                 ran_locked: bool = False) -> None:
+        """Send value (or throw exc) into job's steps, and queue or start the next step.
+        ran_locked: value (or exc) is a locked step's that ran on the memory lane; a cancel
+        is then thrown in at the next step, not instead of this one's outcome (the locked
+        steps read a cancel thrown in as a step that did not run)."""
+        if job.fut.cancelled() and not job.thrown and not ran_locked:
             exc = asyncio.CancelledError()      # once: the steps' cleanup steps then run
         if isinstance(exc, asyncio.CancelledError):
             job.thrown = True
@@ -229,6 +233,19 @@ class StepRunner:
             self._advance(job, None, fut.exception())
         else:
             self._advance(job, fut.result(), None)
+
+    def _after_locked(self, job: _Job, fut: asyncio.Future) -> None:
+        """A locked step run on the memory lane ended: resume its get with the step's own
+        outcome, even where the get was cancelled while the step waited for the lock (rev13:
+        the room step's pins, the decide's lease or the releases were taken, and a cancel
+        thrown in there, as though the step had not run, left them, or ran the releases
+        twice). The cancel is thrown in at the next step."""
+        if fut.cancelled():
+            self._advance(job, None, asyncio.CancelledError())
+        elif fut.exception() is not None:
+            self._advance(job, None, fut.exception(), ran_locked=True)
+        else:
+            self._advance(job, fut.result(), None, ran_locked=True)
 
     @staticmethod
     def _over(job: _Job, out: Any, exc: BaseException | None) -> None:
@@ -314,7 +331,7 @@ class StepRunner:
             # Taken by another thread for longer (a flush applying its batch): wait for it
             # off the loop.
             mem = self._run_mem(self._with_lock, fn)
-            mem.add_done_callback(partial(self._after, target) if kind == _JOB
+            mem.add_done_callback(partial(self._after_locked, target) if kind == _JOB
                                   else partial(_pass_outcome, dst=target))
             return
         value, exc = None, None
