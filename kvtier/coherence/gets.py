@@ -297,9 +297,9 @@ class Gets:
         rest = yield Step(True, partial(self._room_for_get, namespace, keys, tier))
         if rest is None:
             return
-        ns, rows, want, keep = rest
+        ns, rows, want, later, keep = rest
         try:
-            yield Step(True, partial(self._room_rest, ns, tier, rows, want, keep))
+            yield Step(True, partial(self._room_rest, ns, tier, rows, want, later, keep))
         except GeneratorExit:
             raise
         except BaseException:
@@ -308,13 +308,14 @@ class Gets:
             raise
 
     def _room_for_get(self, namespace: str, keys: Any, tier: Tier
-                      ) -> "tuple[Namespace, np.ndarray, int, list[np.ndarray]] | None":
+                      ) -> "tuple[Namespace, np.ndarray, int, int, list[np.ndarray]] | None":
         """Under the lock: evict for the blocks of keys that are not current in tier (those
         the decide will bring up). Only a head start, never a promise: the decide checks
         everything again, evicting what is still missing; a block this evicts that the get
         wanted is brought up again (the victims are the policy's coldest). An eviction of
-        ROOM_SPLIT_MIN blocks or more is made half here, and (ns, rows, want, [the pinned
-        slots]) returned for _room_rest to make the rest; else None, every pin ended."""
+        ROOM_SPLIT_MIN blocks or more is made half here, and (ns, rows, want, the evictions
+        left, [the pinned slots]) returned for _room_rest to make the rest; else None, every
+        pin ended."""
         ns = self.namespace(namespace)
         if tier not in ns.slots:
             return None                         # the decide raises the error
@@ -337,20 +338,22 @@ class Gets:
         if not later:
             self.owner.unpin_slots(ns, tier, keep)
             return None
-        return ns, rows, want, [keep]
+        return ns, rows, want, later, [keep]
 
     def _room_rest(self, ns: Namespace, tier: Tier, rows: np.ndarray, want: int,
-                   keep: list[np.ndarray]) -> None:
-        """Under the lock: the rest of _room_for_get's eviction (whatever is still short of
-        the blocks still missing now), then the batch's pins it held end (keep is emptied).
-        Counted again: another get may have brought some of the batch up in between, and
-        make_room for the first slice's want then evicted that many blocks more than the
-        decide needs (rev13: 48 where 24 were missing, ~4 us for this count of 64 rows). On
-        rows of the first slice's lookup, never more than its want: a row removed and reused
-        in between only makes this head start less exact (the decide evicts what is
-        missing)."""
+                   later: int, keep: list[np.ndarray]) -> None:
+        """Under the lock: the rest of _room_for_get's eviction (later blocks, unless what
+        ran in between changed it), then the batch's pins it held end (keep is emptied).
+        Where more than later would be evicted, the room was taken in between, maybe by a
+        get that brought up blocks of this batch: for want alone make_room then evicted
+        that many blocks more than the decide needs (rev13: 48 where 24 were missing), so
+        the blocks still missing are counted again (~6-18 us for 64 rows on the dev VM, a
+        third of the slice: only then). On the first slice's rows, never more than its
+        want: a row removed and reused in between only makes this head start less exact
+        (the decide evicts what is missing)."""
         try:
-            want = min(want, _missing_count(ns, rows, tier))
+            if self.owner.room_short(ns, tier, want) > later:
+                want = min(want, _missing_count(ns, rows, tier))
             if want:
                 self.owner.make_room(ns, tier, want)
         finally:
