@@ -7,12 +7,18 @@ from __future__ import annotations
 from kvtier.types import Tier
 from tests.conftest import keys
 from tests.test_get_slices import _drive
-from tests.test_stall12_slices import BATCH, _accounted, _all_readable
-from tests.test_stall12_slices import full_host  # noqa: F401  (the fixture)
+from tests.test_stall12_slices import BATCH, _accounted, _all_readable, _full_host
 
 
-def test_the_second_room_slice_evicts_only_for_blocks_still_missing(full_host):  # noqa: F811
-    eng, data = full_host
+def test_the_second_room_slice_evicts_only_for_blocks_still_missing(tmp_path):
+    eng, data = _full_host(tmp_path)
+    try:
+        _another_get_between_the_slices(eng, data)
+    finally:
+        eng.close(flush=False)
+
+
+def _another_get_between_the_slices(eng, data) -> None:
     host = eng.counters.tiers[Tier.HOST]
     marks = {}
 

@@ -16,8 +16,8 @@ import pytest
 
 from kvtier.api.steps import LOOP_WAIT_S, StepRunner, released_first
 from tests.conftest import keys
-from tests.test_stall12_slices import BATCH, _accounted, _all_readable, _cold_then_resident
-from tests.test_stall12_slices import full_host  # noqa: F401  (the fixture)
+from tests.test_stall12_slices import (BATCH, _accounted, _all_readable, _cold_then_resident,
+                                       _full_host)
 
 
 def _cancelled_on_the_memory_lane(eng, steps) -> None:
@@ -56,11 +56,14 @@ def _cancelled_on_the_memory_lane(eng, steps) -> None:
         loop.close()
 
 
-def test_a_room_step_run_on_the_memory_lane_then_cancelled_ends_its_pins(full_host):  # noqa: F811
-    eng, data = full_host
-    _cancelled_on_the_memory_lane(eng, eng.get_steps("m", keys(BATCH), 0))
-    _accounted(eng)                     # main: the 16 resident copies stayed pinned
-    _all_readable(eng, data)
+def test_a_room_step_run_on_the_memory_lane_then_cancelled_ends_its_pins(tmp_path):
+    eng, data = _full_host(tmp_path)
+    try:
+        _cancelled_on_the_memory_lane(eng, eng.get_steps("m", keys(BATCH), 0))
+        _accounted(eng)                 # main: the 16 resident copies stayed pinned
+        _all_readable(eng, data)
+    finally:
+        eng.close(flush=False)
 
 
 @pytest.mark.xfail(strict=True, reason="open (rev13's report): the decide's result, and the "
