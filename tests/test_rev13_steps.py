@@ -20,6 +20,13 @@ from tests.test_stall12_slices import (BATCH, _accounted, _all_readable, _cold_t
                                        _full_host)
 
 
+def _hold(lock: threading.RLock, taken: threading.Event, free: threading.Event) -> None:
+    """Hold lock (as a flush applying its batch does) from taken until free."""
+    with lock:
+        taken.set()
+        free.wait(10)
+
+
 def _cancelled_on_the_memory_lane(eng, steps) -> None:
     """Drive steps with the engine lock held by another thread, so that their first locked
     step waits on the memory lane; cancel the get while it waits, then free the lock."""
@@ -28,12 +35,7 @@ def _cancelled_on_the_memory_lane(eng, steps) -> None:
     runner = StepRunner(eng.lock, lambda fn, *a: loop.run_in_executor(pool, fn, *a),
                         lambda fn, *a: loop.run_in_executor(pool, fn, *a))
     taken, free = threading.Event(), threading.Event()
-
-    def hold_the_lock() -> None:
-        with eng.lock:
-            taken.set()
-            free.wait(10)
-    holder = threading.Thread(target=hold_the_lock)
+    holder = threading.Thread(target=_hold, args=(eng.lock, taken, free))
     holder.start()
     taken.wait(10)
 
