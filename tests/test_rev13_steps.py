@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.api.steps import LOOP_WAIT_S, StepRunner, released_first
 from tests.conftest import keys
+from tests.test_steps import _serve_in_process
 from tests.test_stall12_slices import (BATCH, _accounted, _all_readable, _cold_then_resident,
                                        _full_host)
 
@@ -27,9 +28,10 @@ def _hold(lock: threading.RLock, taken: threading.Event, free: threading.Event) 
         free.wait(10)
 
 
-def _cancelled_on_the_memory_lane(eng, steps) -> None:
+def _cancelled_on_the_memory_lane(eng, steps, dropped=None) -> None:
     """Drive steps with the engine lock held by another thread, so that their first locked
-    step waits on the memory lane; cancel the get while it waits, then free the lock."""
+    step waits on the memory lane; cancel the get while it waits, then free the lock.
+    dropped: drive's."""
     loop = asyncio.new_event_loop()
     pool = ThreadPoolExecutor(2, thread_name_prefix="rev13-mem")
     runner = StepRunner(eng.lock, lambda fn, *a: loop.run_in_executor(pool, fn, *a),
@@ -40,7 +42,7 @@ def _cancelled_on_the_memory_lane(eng, steps) -> None:
     taken.wait(10)
 
     async def main() -> None:
-        task = loop.create_task(runner.drive(steps))
+        task = loop.create_task(runner.drive(steps, dropped))
         # Its first slice finds the lock taken (for LOOP_WAIT_S) and goes to the memory lane.
         await asyncio.sleep(LOOP_WAIT_S * 20 + 0.05)
         task.cancel()
@@ -68,16 +70,17 @@ def test_a_room_step_run_on_the_memory_lane_then_cancelled_ends_its_pins(tmp_pat
         eng.close(flush=False)
 
 
-@pytest.mark.xfail(strict=True, reason="open (rev13's report): the decide's result, and the "
-                   "lease in it, is dropped by a drive cancelled while the decide ran; only "
-                   "stop() cancels a get's task in the service, so left to the lead")
-def test_a_decide_run_on_the_memory_lane_then_cancelled_leaves_no_lease(tmp_path):
+def test_a_decide_run_on_the_memory_lane_then_cancelled_hands_its_lease_to_dropped(tmp_path):
     eng, data = _cold_then_resident(tmp_path, 8, "1MiB")
     try:
         # A resident batch, no room step: its decide (the first step) leases it at once.
+        dropped = []
         _cancelled_on_the_memory_lane(eng, eng.get_steps("m", keys(range(8, 16)), 0,
-                                                         room_first=False))
-        _accounted(eng)                 # main: the decide's lease was left to lease_timeout
+                                                         room_first=False), dropped.append)
+        (res,) = dropped                # main: no dropped; the lease left to lease_timeout
+        assert res.found.all() and eng.leases.keys() == {res.lease_id}
+        eng.release(res.lease_id)
+        _accounted(eng)
     finally:
         eng.close(flush=False)
 
@@ -98,3 +101,21 @@ def test_releases_run_on_the_memory_lane_then_cancelled_end_once(tmp_path):
         _accounted(eng)
     finally:
         eng.close(flush=False)
+
+
+def test_the_servers_dropped_get_ends_its_lease(tmp_path):
+    """Server._get_slow's dropped (what drive hands a result made after the cancel): the
+    lease, never sent, ends on the memory lane."""
+    async def scenario(loop, server, connect):
+        await connect()
+        (client,) = server.clients.values()
+        res = server.engine.get("m", keys(range(8, 16)), client.cid)
+        assert server.engine.leases.keys() == {res.lease_id}
+        server._dropped_get(client, res)
+        for _ in range(200):
+            if not server.engine.leases:
+                break
+            await asyncio.sleep(0.005)
+        _accounted(server.engine)
+        assert client.errors == 0
+    _serve_in_process(tmp_path, "asyncio", scenario)
