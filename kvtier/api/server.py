@@ -589,7 +589,7 @@ class Server(ResidentGets, SortedGets):
             steps = self.engine.get_steps(name, keys, client.cid, tier)
             if releases:
                 steps = released_first(partial(self._release_step, client, releases), steps)
-            res = await self.steps.drive(steps)
+            res = await self.steps.drive(steps, partial(self._dropped_get, client))
         else:
             # A get from HBM may copy host blocks up to the GPU (the worker's first), a host
             # get's decide may copy HBM blocks down (GPU work), and its install may fill
@@ -612,6 +612,13 @@ class Server(ResidentGets, SortedGets):
                 self.engine.release(out["lease"], client.cid)
             raise
         return out
+
+    def _dropped_get(self, client: ClientInfo, res: Any) -> None:
+        """A get's result its cancelled task will never send (StepRunner.drive's dropped): its
+        lease ends, on the memory lane (the loop does not wait for the lock)."""
+        if res.lease_id:
+            self._spawn(self._run_mem(self.engine.release_many, [res.lease_id], client.cid),
+                        name="release-dropped")
 
     def _by_steps(self, name: str, tier: Tier) -> bool:
         """Whether a get that must move bytes runs as steps on the loop (kvtier.api.steps):

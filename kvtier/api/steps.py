@@ -136,14 +136,16 @@ def released_first(release: Thunk, steps: GetSteps) -> GetSteps:
 class _Job:
     """One get's steps as StepRunner drives them: the generator, the future of its result
     (the awaiting coroutine's), whether its cancellation was thrown into the steps (once:
-    their cleanup steps then run), whether they are over, and the future of their end that
-    a cancelled drive waits for."""
+    their cleanup steps then run), whether they are over, the future of their end that a
+    cancelled drive waits for, and what takes a result they return after the cancel."""
 
-    __slots__ = ("steps", "fut", "thrown", "over", "end")
+    __slots__ = ("steps", "fut", "thrown", "over", "end", "dropped")
 
-    def __init__(self, steps: GetSteps, fut: asyncio.Future) -> None:
+    def __init__(self, steps: GetSteps, fut: asyncio.Future,
+                 dropped: Callable[[Any], None] | None = None) -> None:
         self.steps = steps
         self.fut = fut
+        self.dropped = dropped
         self.thrown = False
         self.over = False
         self.end: asyncio.Future | None = None
@@ -184,12 +186,16 @@ class StepRunner:
         self.use_read_threads = reads.available()
         self.c_reads = 0                # reads run on the C threads (for stats and tests)
 
-    async def drive(self, steps: GetSteps) -> GetResult:
+    async def drive(self, steps: GetSteps,
+                    dropped: Callable[[Any], None] | None = None) -> GetResult:
         """The get's result, once every step has run. When the awaiting task is cancelled
         (its peer gone), the steps still go on: an unlocked step in flight ends first, then
         the cancellation is thrown into the steps (their finally installs what was read, or
-        frees its pinned slots), and only once they are over does the cancellation go on."""
-        job = _Job(steps, asyncio.get_running_loop().create_future())
+        frees its pinned slots), and only once they are over does the cancellation go on.
+        dropped(result): a result the steps returned all the same (their last step, a lease's,
+        ran on the memory lane while the cancel came: _after_locked), which nobody will read;
+        it must end what the result holds."""
+        job = _Job(steps, asyncio.get_running_loop().create_future(), dropped)
         self._advance(job, None, None)
         try:
             return await job.fut
@@ -203,9 +209,13 @@ class StepRunner:
                     pass
             raise
 
-    def _advance(self, job: _Job, value: Any, exc: BaseException | None) -> None:
-        """Send value (or throw exc) into job's steps, and queue or start the next step."""
-        if job.fut.cancelled() and not job.thrown:
+    def _advance(self, job: _Job, value: Any, exc: BaseException | None,
+                 ran_locked: bool = False) -> None:
+        """Send value (or throw exc) into job's steps, and queue or start the next step.
+        ran_locked: value is a locked step's that ran on the memory lane; a cancel is then
+        thrown in at the next step, not instead of this one's value (the locked steps read
+        a cancel thrown in as a step that did not run)."""
+        if job.fut.cancelled() and not job.thrown and not ran_locked:
             exc = asyncio.CancelledError()      # once: the steps' cleanup steps then run
         if isinstance(exc, asyncio.CancelledError):
             job.thrown = True
@@ -230,13 +240,33 @@ class StepRunner:
         else:
             self._advance(job, fut.result(), None)
 
+    def _after_locked(self, job: _Job, fut: asyncio.Future) -> None:
+        """A locked step run on the memory lane ended: resume its get with the step's own
+        outcome, even where the get was cancelled while the step waited for the lock (rev13:
+        the room step's pins or the releases were taken, and a cancel thrown in there, as
+        though the step had not run, left the pins, or ran the releases twice). The cancel
+        is thrown in at the next step (a get whose last step this was gives its result to
+        drive's dropped). A step that raised is _after's,
+        as before: the cancel in its place (a failed step ends what it took itself, and the
+        cleanup steps the cancel calls for then run; thrown after its error, they would be
+        refused)."""
+        if fut.cancelled() or fut.exception() is not None:
+            self._after(job, fut)
+        else:
+            self._advance(job, fut.result(), None, ran_locked=True)
+
     @staticmethod
     def _over(job: _Job, out: Any, exc: BaseException | None) -> None:
         job.over = True
         if job.end is not None and not job.end.done():
             job.end.set_result(None)
         if job.fut.done():
-            return                          # cancelled: the steps' own end was waited for
+            # Cancelled: the steps' own end was waited for. A result made all the same
+            # (its last step ran on the memory lane) goes to dropped (rev13: its lease was
+            # left until lease_timeout).
+            if exc is None and out is not None and job.dropped is not None:
+                job.dropped(out)
+            return
         if exc is None:
             job.fut.set_result(out)
         elif isinstance(exc, asyncio.CancelledError):
@@ -314,7 +344,7 @@ class StepRunner:
             # Taken by another thread for longer (a flush applying its batch): wait for it
             # off the loop.
             mem = self._run_mem(self._with_lock, fn)
-            mem.add_done_callback(partial(self._after, target) if kind == _JOB
+            mem.add_done_callback(partial(self._after_locked, target) if kind == _JOB
                                   else partial(_pass_outcome, dst=target))
             return
         value, exc = None, None
