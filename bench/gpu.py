@@ -32,6 +32,10 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              of the defaults (kvtier.gpu.plan)
     layerwise_overlap                        a 32-layer load, each layer's compute waiting for
                                              that layer only: total / max(load, compute) alone
+    layerwise_timeline                       its staged layers' copies, placements and
+                                             computes from timing events (layer_timeline)
+    layerwise_variant_*                      the same with the placements' stream, ring and
+                                             thread blocks of TransferPolicy varied
     single_cuda_get_p50_us (p99)             one 64 KiB block into a CUDA tensor (ns.get: its
                                              latency path); _async_p50_us: get_async().wait()
     hbm_onboard_ratio_2m                     1,024 x 2 MiB from the HBM tier (CUDA IPC), / D2D
@@ -425,9 +429,26 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
            "offload_gbps_layers": round(nbytes / off / 1e9, 2),
            "onboard_ratio_layers": round(nbytes / on / 1e9 / ceil["pinned_h2d_gbps"], 3),
            "offload_ratio_layers": round(nbytes / off / 1e9 / ceil["pinned_d2h_gbps"], 3)}
-    res.update(overlap(ns, keys, dst, rows, reps))
+    res.update(overlap(ns, keys, dst, rows, reps, timeline=True))
     from kvtier.gpu import transfer
     from kvtier.gpu.plan import TransferPolicy
+    # The staged placements' stream and ring (TransferPolicy.layer_fork, layer_ring).
+    defaults = TransferPolicy()
+    for fork, ring, kb in ((False, 2, 16), (True, 2, 16), (True, 3, 16), (True, 4, 16),
+                           (True, 3, 8), (True, 3, 32)):
+        if (fork, ring, kb) == (defaults.layer_fork, defaults.layer_ring,
+                                defaults.kernel_blocks):
+            continue
+        transfer.set_policy(TransferPolicy(layer_fork=fork, layer_ring=ring, kernel_blocks=kb))
+        try:
+            o = overlap(ns, keys, dst, rows, reps, timeline=True)
+        finally:
+            transfer.set_policy(None)
+        tag = f"{'fork' if fork else 'inline'}_ring{ring}" + ("" if kb == 16 else f"_blocks{kb}")
+        res[f"layerwise_variant_{tag}"] = {
+            key: o[key] for key in ("layerwise_overlap", "layerwise_load_ms",
+                                    "layerwise_compute_ms", "layerwise_total_ms",
+                                    "layerwise_timeline") if key in o}
     transfer.set_policy(TransferPolicy(staged=False))
     try:                                # the offload by the kernel into mapped host memory
         res["offload_ratio_layers_direct_kernel"] = round(
@@ -445,7 +466,7 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     return res
 
 
-def overlap(ns, keys: bytes, dst, rows: np.ndarray, reps: int) -> dict:
+def overlap(ns, keys: bytes, dst, rows: np.ndarray, reps: int, timeline: bool = False) -> dict:
     """Layer-wise load: layer i's compute (a fixed chain of matmuls on the compute stream)
     waits for layer i's event only. Total against max(load alone, compute alone)."""
     import torch
@@ -479,11 +500,69 @@ def overlap(ns, keys: bytes, dst, rows: np.ndarray, reps: int) -> dict:
     t_both = med(both, reps)
     probe = ns.get_async(keys, out=dst, rows=rows, stream=load, layers=LAYERS)
     probe.wait()
-    return {"layerwise_load_ms": round(t_load * 1e3, 3),
-            "layerwise_compute_ms": round(t_comp * 1e3, 3),
-            "layerwise_total_ms": round(t_both * 1e3, 3),
-            "layerwise_overlap": round(t_both / max(t_load, t_comp), 3),
-            "layerwise_one_launch": probe.one_launch, "layerwise_staged": probe.staged}
+    res = {"layerwise_load_ms": round(t_load * 1e3, 3),
+           "layerwise_compute_ms": round(t_comp * 1e3, 3),
+           "layerwise_total_ms": round(t_both * 1e3, 3),
+           "layerwise_overlap": round(t_both / max(t_load, t_comp), 3),
+           "layerwise_one_launch": probe.one_launch, "layerwise_staged": probe.staged}
+    if timeline and probe.staged:
+        res["layerwise_timeline"] = layer_timeline(ns, keys, dst, rows, load, comp,
+                                                   layer_kernel, k)
+    return res
+
+
+def layer_timeline(ns, keys: bytes, dst, rows: np.ndarray, load, comp, layer_kernel,
+                   k: int) -> dict:
+    """Where a staged layer-wise load beside its compute loses time, from timing events
+    (Mover.trace_all: each layer's copy start and end on the load stream, its placement's on
+    the kernel's; each layer's compute on the compute stream), the median over three runs after
+    one unmeasured, in ms: copy_gap (the copy engine idle between layers, summed), place_wait
+    (a copy's end to its placement's start, summed), compute_wait (the compute stream idle
+    before layer l's compute, l >= 1, summed), copy_ms and compute_ms (per layer, medians),
+    first_place_end and total (from the first copy's start to the last compute's end)."""
+    import cupy
+    from kvtier.gpu.device import Mover
+    ms = cupy.cuda.get_elapsed_time
+    cs = cupy.cuda.ExternalStream(comp.cuda_stream)
+    runs = []
+    for _ in range(4):
+        Mover.trace_all, marks = [], []
+        try:
+            h = ns.get_async(keys, out=dst, rows=rows, stream=load, layers=LAYERS)
+            trace = Mover.trace_all
+        finally:
+            Mover.trace_all = None
+        with torch_stream(comp):
+            for i in range(LAYERS):
+                h.wait_layer(i, comp)
+                a, b = cupy.cuda.Event(), cupy.cuda.Event()
+                a.record(cs)
+                layer_kernel(k)
+                b.record(cs)
+                marks.append((a, b))
+        comp.synchronize()
+        h.wait()
+        if len(trace) != LAYERS:
+            return {"error": f"{len(trace)} staged pieces traced for {LAYERS} layers"}
+        t0 = trace[0][0]
+        at = lambda ev: ms(t0, ev)     # noqa: E731
+        cp = [(at(x[0]), at(x[1])) for x in trace]
+        pl = [(at(x[2]), at(x[3])) for x in trace]
+        cm = [(at(a), at(b)) for a, b in marks]
+        runs.append({
+            "copy_gap": sum(cp[i + 1][0] - cp[i][1] for i in range(LAYERS - 1)),
+            "place_wait": sum(pl[i][0] - cp[i][1] for i in range(LAYERS)),
+            "compute_wait": sum(cm[i][0] - cm[i - 1][1] for i in range(1, LAYERS)),
+            "copy_ms": float(np.median([b - a for a, b in cp])),
+            "place_ms": float(np.median([b - a for a, b in pl])),
+            "compute_ms": float(np.median([b - a for a, b in cm])),
+            "first_place_end": pl[0][1], "last_copy_end": cp[-1][1], "total": cm[-1][1]})
+    return {key: round(float(np.median([r[key] for r in runs[1:]])), 3) for key in runs[0]}
+
+
+def torch_stream(s):
+    import torch
+    return torch.cuda.stream(s)
 
 
 def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:

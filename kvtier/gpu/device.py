@@ -136,6 +136,9 @@ class Mover:
     """Enqueues the copies of one transfer, ordered on its stream (plan.py's methods; the side
     streams of kvtier.gpu.streams are forked from it and joined back)."""
 
+    # bench/gpu.py's layer-wise timeline: where a list, every Mover made traces into it.
+    trace_all: list[list[Any]] | None = None
+
     def __init__(self, slots: DeviceSlots | None, table: PageTable, stream: Stream,
                  policy: TransferPolicy, staging: Staging) -> None:
         self.slots, self.table, self.stream = slots, table, stream
@@ -149,6 +152,7 @@ class Mover:
         self._kernel_stream = stream        # where the last kernel ran
         self._ring: list[list[Any]] = []    # staging buffers: [address, bytes, last reader]
         self._turn = 0
+        self._last = 0                      # the buffer _buffer gave last
         self._out_ring: list[list[Any]] = []    # the same for GPU->host: [.., last copy out]
         self._out_turn = 0
         self._sorted_ring: list[list[Any]] = []   # stage_sorted's: [address, bytes, last placement]
@@ -157,7 +161,7 @@ class Mover:
         self._vectors: dict[tuple[int, int, int, int], int] = {}    # vector_bytes, per launch
         # bench/gpu.py's timeline: where a list, each staged piece appends its timing events
         # [copy start, copy end, placement start, placement end] (cupy Events).
-        self.trace: list[list[Any]] | None = None
+        self.trace: list[list[Any]] | None = Mover.trace_all
         # stage_sorted uploads every piece's indices, then enqueues its first copies ahead of
         # the placements (False: round 3's order, each piece's copy, then its indices uploaded
         # on the kernel stream and its placement: bench/gpu.py's diagnosis).
@@ -232,7 +236,8 @@ class Mover:
         copy_one(self.slots, self.table, self.stream, slot, row, lo, hi, to_seg)
 
     def _staged(self, rng: SlotRange, local: np.ndarray, rows: np.ndarray, a: int,
-                b: int, fork: bool = True, idx: int = 0, place: bool = False) -> bool:
+                b: int, fork: bool = True, idx: int = 0, place: bool = False,
+                ring: int = 2) -> bool:
         """Host to GPU through device memory: one copy-engine copy of the slot range holding
         the blocks (dense: a batch put together is consecutive slots) into a staging buffer,
         then the kernel from there, device to device. SM-issued reads over PCIe stop at ~0.8 of
@@ -240,7 +245,7 @@ class Mover:
         in turn: a copy into one waits only for the kernel that last read it. idx: the
         kernel's indices (local - min, then rows), uploaded by the caller before; place: by
         place_items16 (stage_sorted's pieces). False (nothing enqueued) for a sparse or too
-        large range."""
+        large range. ring: how many staging buffers take turns (stage_layers)."""
         import cupy
         if not self.policy.staged or local.size == 0:
             return False
@@ -252,7 +257,7 @@ class Mover:
             return False
         self.staged = True
         self.methods.add(Method.COPY_ENGINE)
-        buf = self._buffer(span * width)
+        buf = self._buffer(span * width, ring)
         bb = self.slots.block_bytes
         src = rng.base + smin * bb + off
         marks = None if self.trace is None else [_timed(self.stream)]
@@ -465,11 +470,13 @@ class Mover:
             buf[0], buf[1] = self.staging.device(-(-nbytes // 8)), nbytes
         return buf
 
-    def _buffer(self, nbytes: int) -> list[Any]:
-        """The next staging buffer of the ring, once its last reader has run."""
-        if len(self._ring) < 2:
+    def _buffer(self, nbytes: int, ring: int = 2) -> list[Any]:
+        """The next staging buffer of a ring of ``ring``, once its last reader has run (the
+        last one taken: self._ring[self._last])."""
+        while len(self._ring) < ring:
             self._ring.append([0, 0, None])
-        buf = self._ring[self._turn % 2]
+        self._last = self._turn % ring
+        buf = self._ring[self._last]
         self._turn += 1
         if buf[2] is not None:
             self.stream.wait(buf[2])
@@ -519,8 +526,9 @@ class Mover:
                      groups: list[tuple[int, int]]) -> list[Any] | None:
         """A per-layer get through the staging ring (_staged, layer by layer): per layer one
         2-D copy-engine copy of that layer's pages of the slot range and a short kernel from
-        device memory; layer l's event follows its kernel on the kernel stream, while the copy
-        of layer l + 1 already runs. None (nothing enqueued) where _staged would refuse."""
+        device memory; layer l's event follows its kernel (policy.layer_fork: on the kernel
+        stream, the copies of the next layers running meanwhile). None (nothing enqueued)
+        where _staged would refuse."""
         d2d = self.slots.device_to_device
         parts = self.slots.split(slots)
         if not self.policy.staged or d2d or len(parts) != 1 or slots.size == 0:
@@ -536,14 +544,20 @@ class Mover:
         widest = max(int(self.table.size[a:b].sum()) for a, b in groups)
         if span > local.size + local.size // 4 + 8 or span * widest > STAGE_BYTES:
             return None
+        # policy.layer_fork False: on the caller's stream, layer l's kernel then its event,
+        # each layer's copy after the kernel before it (a forked kernel stream measured worse
+        # with two buffers: overlap 1.149 and 1.187 of max(load, compute) against 1.099 and
+        # 1.147, runs 6 and 7). True: each placement on the kernel stream, the copies ahead
+        # of them by up to layer_ring - 1 buffers. The indices are the same for every layer:
+        # uploaded once, before any fork.
+        pol = self.policy
+        idx = self.staging.upload(np.concatenate([local - int(local.min()), r]))
         events = []
         for g_lo, g_hi in groups:
-            # On the caller's stream: layer l's kernel then its event, each layer's copy after
-            # the kernel before it (a forked kernel stream measured worse here: overlap 1.149
-            # and 1.187 of max(load, compute) against 1.099 and 1.147, runs 6 and 7).
-            if not self._staged(rng, local, r, g_lo, g_hi, fork=False):
+            if not self._staged(rng, local, r, g_lo, g_hi, fork=pol.layer_fork, idx=idx,
+                                ring=pol.layer_ring):
                 raise KvtierError("a staged layer was refused after its checks passed")
-            events.append(self._ring[(self._turn - 1) % 2][2])
+            events.append(self._ring[self._last][2])
         events[-1] = self.event()                       # the last: everything, on the caller's
         return events
 

@@ -107,18 +107,26 @@ class TransferPolicy:
     # A GPU->host move goes through the staging ring (Mover._staged_out) from this many bytes
     # (None: over two pieces of OUT_STAGE_BYTES, the measured default).
     staged_out_bytes: int | None = None
+    # A per-layer get through device staging (Mover.stage_layers): each layer's placement
+    # kernel on the high-priority kernel stream, so that the next layers' copies run while it
+    # waits for SMs beside the model's kernels (False: on the caller's stream, each copy after
+    # the placement before it), and how many staging buffers (a layer's pages each) the copies
+    # may run ahead of the placements.
+    layer_fork: bool = False
+    layer_ring: int = 2
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
                 or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0
                 or self.whole_onboard_keys < 0 or self.stage_piece_bytes < 1
                 or self.sorted_piece_keys < 1 or any(k < 1 for k in self.get_ramp)
-                or (self.staged_out_bytes is not None and self.staged_out_bytes < 0)):
+                or (self.staged_out_bytes is not None and self.staged_out_bytes < 0)
+                or self.layer_ring < 2):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
                              "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
                              "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0, "
                              "sorted_piece_keys, get_ramp and stage_piece_bytes >= 1, "
-                             "staged_out_bytes >= 0")
+                             "staged_out_bytes >= 0, layer_ring >= 2")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
