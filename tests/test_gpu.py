@@ -56,6 +56,8 @@ _K = {"copy_engine_bytes": 1 << 40, "onboard_copy_engine_bytes": 0}    # every p
 POLICIES = {
     "staged": TransferPolicy(**_K),      # host->GPU by device staging
     "staged_default_priority": TransferPolicy(**_K, kernel_priority=False),
+    # per-layer placements on the kernel stream, the copies up to two layers ahead of them
+    "staged_fork_ring3": TransferPolicy(**_K, layer_fork=True, layer_ring=3),
     "kernel": TransferPolicy(**_K, staged=False),
     "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),
 }

@@ -63,6 +63,13 @@ def test_policy_refuses_a_kernel_without_blocks():
         TransferPolicy(kernel_blocks=0)
 
 
+def test_policy_refuses_a_layer_ring_of_one_buffer():
+    # One staging buffer would make every layer's copy wait for the placement before it.
+    with pytest.raises(BadRequest, match="layer_ring >= 2"):
+        TransferPolicy(layer_ring=1)
+    assert TransferPolicy(layer_ring=4, layer_fork=True).layer_ring == 4
+
+
 def test_policy_follows_the_settings_table():
     from kvtier.config import make_settings
     s = make_settings({"gpu_copy_engine_bytes": "256KiB", "gpu_kernel_blocks": 16})
