@@ -433,18 +433,24 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     from kvtier.gpu import transfer
     from kvtier.gpu.plan import TransferPolicy
     # The staged placements' stream and ring (TransferPolicy.layer_fork, layer_ring).
-    defaults = TransferPolicy()
+    # Or every page by copy engines, enqueued before get_async returns or by its worker thread
+    # after (TransferPolicy.layer_thread).
+    defaults, variants = TransferPolicy(), {}
     for fork, ring, kb in ((False, 2, 16), (True, 2, 16), (True, 3, 16), (True, 4, 16),
                            (True, 3, 8), (True, 3, 32)):
-        if (fork, ring, kb) == (defaults.layer_fork, defaults.layer_ring,
+        if (fork, ring, kb) != (defaults.layer_fork, defaults.layer_ring,
                                 defaults.kernel_blocks):
-            continue
-        transfer.set_policy(TransferPolicy(layer_fork=fork, layer_ring=ring, kernel_blocks=kb))
+            tag = (f"{'fork' if fork else 'inline'}_ring{ring}"
+                   + ("" if kb == 16 else f"_blocks{kb}"))
+            variants[tag] = TransferPolicy(layer_fork=fork, layer_ring=ring, kernel_blocks=kb)
+    variants["copies_thread"] = TransferPolicy(copy_engine_bytes=0, layer_thread=True)
+    variants["copies"] = TransferPolicy(copy_engine_bytes=0, layer_thread=False)
+    for tag, pol in variants.items():
+        transfer.set_policy(pol)
         try:
             o = overlap(ns, keys, dst, rows, reps, timeline=True)
         finally:
             transfer.set_policy(None)
-        tag = f"{'fork' if fork else 'inline'}_ring{ring}" + ("" if kb == 16 else f"_blocks{kb}")
         res[f"layerwise_variant_{tag}"] = {
             key: o[key] for key in ("layerwise_overlap", "layerwise_load_ms",
                                     "layerwise_compute_ms", "layerwise_total_ms",

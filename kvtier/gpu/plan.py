@@ -114,6 +114,13 @@ class TransferPolicy:
     # may run ahead of the placements.
     layer_fork: bool = False
     layer_ring: int = 2
+    # A per-layer get whose pages go by copy engines (copy_engine_bytes): its copies enqueued
+    # by a worker thread, layer by layer, after get_async has returned with every layer's
+    # event (Mover.defer_layers: each layer's event waits, on the GPU, for a counter that the
+    # transfer's stream writes after that layer's copies). False: every layer's copies are
+    # enqueued before get_async returns (1,024 copies a layer: ~18 ms of host time on an
+    # H100 host for 32 layers, before the engine can enqueue its first layer's compute).
+    layer_thread: bool = False
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0

@@ -173,6 +173,38 @@ def _cu_wait_value() -> Any:
     return _wait_fn[0]
 
 
+_write_fn: list[Any] = []
+
+
+def _cu_write_value() -> Any:
+    if not _write_fn:
+        fn = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            for name in ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"):
+                try:
+                    fn = getattr(lib, name)
+                    break
+                except AttributeError:
+                    continue
+        except OSError:
+            fn = None
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _write_fn.append(fn)
+    return _write_fn[0]
+
+
+def write_value(st: Stream, addr: int, value: int) -> bool:
+    """st writes the uint32 value at device address addr once the work before it on st has
+    run, its writes visible first (the default flags: a full memory barrier). False (nothing
+    enqueued) where the driver refuses."""
+    fn = _cu_write_value()
+    return fn is not None and fn(ctypes.c_void_p(st.ptr), ctypes.c_uint64(addr),
+                                 ctypes.c_uint32(value), 0) == 0
+
+
 def wait_value(st: Stream, addr: int, value: int) -> bool:
     """st waits on the GPU until the uint32 at device address addr is >= value. False (and
     nothing enqueued) where the driver refuses stream memory operations."""
@@ -182,14 +214,18 @@ def wait_value(st: Stream, addr: int, value: int) -> bool:
 
 
 def can_wait_value(device: int) -> bool:
-    """Whether wait_value works on device (tried once on a counter already reached)."""
+    """Whether wait_value and write_value work on device (tried once: a wait on a counter
+    already reached, a write read back)."""
     ok = _wait_ok.get(device)
     if ok is None:
         import cupy
         with cupy.cuda.Device(device):
-            flag = cupy.ones(1, dtype=cupy.uint32)
+            flag = cupy.ones(2, dtype=cupy.uint32)
             probe = own(device, "probe")
             ok = wait_value(probe, int(flag.data.ptr), 1)
+            # and write_value, which a deferred per-layer get needs as much (Mover.defer_layers)
+            ok = ok and write_value(probe, int(flag.data.ptr) + 4, 7)
             probe.event().synchronize()
+            ok = ok and int(flag[1]) == 7
         _wait_ok[device] = ok
     return ok
