@@ -449,6 +449,9 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
         transfer.set_policy(pol)
         try:
             o = overlap(ns, keys, dst, rows, reps, timeline=True)
+        except Exception as exc:                # the other variants still run
+            res[f"layerwise_variant_{tag}"] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
         finally:
             transfer.set_policy(None)
         res[f"layerwise_variant_{tag}"] = {

@@ -348,7 +348,9 @@ def test_a_deferred_per_layer_get_that_fails_mid_way_releases_its_waiters(gpu_se
     try:
         with kvtier.Client(gpu_service.socket) as c:
             ns = c.namespace("layers", block_bytes=VLLM_BB)
-            ids = np.random.default_rng(5).permutation(NB)[:40]
+            # rows falling as the slots rise: no run of two blocks, so every layer's pages go
+            # in one batch of 1-D copies (no 2-D copy outside copy_batch)
+            ids = NB - 1 - np.arange(40)
             assert ns.put_async(keys(range(40)), pages, rows=ids, layers=LAYERS).wait().all()
             fresh = [torch.zeros_like(t) for t in caches]
             dst = Pages.from_layers(fresh, block_dim=1)

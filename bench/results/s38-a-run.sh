@@ -2,7 +2,7 @@
 # Session 38's first device call: the staged layer-wise load's placements on the kernel stream
 # and a deeper staging ring (TransferPolicy.layer_fork, layer_ring, kernel_blocks), as
 # bench/gpu.py's layers case's variants in the same process, with layer_timeline; two
-# processes. Then pytest -m gpu (test_gpu.py, test_gpu_plan.py, test_rev12_gpu.py).
+# processes. Then pytest -m gpu (PYTEST_K: a -k expression) (test_gpu.py, test_gpu_plan.py, test_rev12_gpu.py).
 set -u
 T0=$(date +%s); el() { echo "$1 at $(( $(date +%s) - T0 )) s"; }
 H=$PWD
@@ -30,5 +30,5 @@ PY
   el "layers $r"
 done
 PYTHONPATH=/tmp/site:$H timeout ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/test_gpu.py tests/test_gpu_plan.py tests/test_rev12_gpu.py --maxfail=5 > $OUT/pytest-gpu.txt 2>&1
+    tests/test_gpu.py tests/test_gpu_plan.py tests/test_rev12_gpu.py --maxfail=5 ${PYTEST_K:+-k "$PYTEST_K"} > $OUT/pytest-gpu.txt 2>&1
 tail -3 $OUT/pytest-gpu.txt; el pytest

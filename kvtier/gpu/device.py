@@ -611,6 +611,10 @@ class Mover:
 
         def enqueue() -> None:
             written = 0
+            # The driver's batched copies use the thread's current context: cudaSetDevice
+            # makes the device's primary context current here (a thread has none until then,
+            # and cuMemcpyBatchAsync refuses with CUDA_ERROR_INVALID_VALUE).
+            cupy.cuda.runtime.setDevice(device)
             try:
                 with cupy.cuda.Device(device):
                     for layer, (a, b) in enumerate(groups):
