@@ -56,8 +56,9 @@ _K = {"copy_engine_bytes": 1 << 40, "onboard_copy_engine_bytes": 0}    # every p
 POLICIES = {
     "staged": TransferPolicy(**_K),      # host->GPU by device staging
     "staged_default_priority": TransferPolicy(**_K, kernel_priority=False),
-    # per-layer placements on the kernel stream, the copies up to two layers ahead of them
-    "staged_fork_ring3": TransferPolicy(**_K, layer_fork=True, layer_ring=3),
+    # per-layer placements on the caller's stream, each layer's copy after them (the default
+    # until session 38; "staged" forks them onto the kernel stream, copies two layers ahead)
+    "staged_inline": TransferPolicy(**_K, layer_fork=False, layer_ring=2),
     "kernel": TransferPolicy(**_K, staged=False),
     "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),
     # per-layer gets' copies enqueued by a worker thread after get_async returns

@@ -109,17 +109,26 @@ class TransferPolicy:
     staged_out_bytes: int | None = None
     # A per-layer get through device staging (Mover.stage_layers): each layer's placement
     # kernel on the high-priority kernel stream, so that the next layers' copies run while it
-    # waits for SMs beside the model's kernels (False: on the caller's stream, each copy after
-    # the placement before it), and how many staging buffers (a layer's pages each) the copies
-    # may run ahead of the placements.
-    layer_fork: bool = False
-    layer_ring: int = 2
+    # runs (False: on the caller's stream, each copy after the placement before it), and how
+    # many staging buffers (a layer's pages each) the copies may run ahead of the placements.
+    # H100, bench/gpu.py's layers case, three processes (bench/results/s38-h100/): the 32
+    # layers' load alone 40.1-40.2 ms against 46.6-46.8 inline (the copy engine idle 0.09 ms
+    # between layers against 10.6-12.6); the overlap with per-layer compute 1.122 / 1.093 /
+    # 1.159 of max(load, compute) against 1.096 / 1.082 / 1.135 inline: the same within the
+    # spread (the compute runs 10-20% slower beside any of the loads, copy engines alone
+    # included), the load 14% faster. Two buffers: 1.139 / 1.118 / 1.131; four 1.142 / 1.155
+    # / 1.151 (docs/DESIGN-NOTES.md, session 38).
+    layer_fork: bool = True
+    layer_ring: int = 3
     # A per-layer get whose pages go by copy engines (copy_engine_bytes): its copies enqueued
     # by a worker thread, layer by layer, after get_async has returned with every layer's
     # event (Mover.defer_layers: each layer's event waits, on the GPU, for a counter that the
     # transfer's stream writes after that layer's copies). False: every layer's copies are
     # enqueued before get_async returns (1,024 copies a layer: ~18 ms of host time on an
     # H100 host for 32 layers, before the engine can enqueue its first layer's compute).
+    # Off: with every page by copy engines (copy_engine_bytes=0) the same three processes
+    # read 1.107 / 1.059 / 1.143 (without the thread 1.367-1.387), load alone 41.0 ms: level
+    # with the staged layers, which need no thread.
     layer_thread: bool = False
 
     def __post_init__(self) -> None:
