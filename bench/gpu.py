@@ -433,8 +433,7 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
     from kvtier.gpu import transfer
     from kvtier.gpu.plan import TransferPolicy
     # The staged placements' stream and ring (TransferPolicy.layer_fork, layer_ring).
-    # Or every page by copy engines, enqueued before get_async returns or by its worker thread
-    # after (TransferPolicy.layer_thread).
+    # Or every page by copy engines (enqueued before get_async returns).
     defaults, variants = TransferPolicy(), {}
     for fork, ring, kb in ((False, 2, 16), (True, 2, 16), (True, 3, 16), (True, 4, 16),
                            (True, 3, 8), (True, 3, 32)):
@@ -443,8 +442,7 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
             tag = (f"{'fork' if fork else 'inline'}_ring{ring}"
                    + ("" if kb == 16 else f"_blocks{kb}"))
             variants[tag] = TransferPolicy(layer_fork=fork, layer_ring=ring, kernel_blocks=kb)
-    variants["copies_thread"] = TransferPolicy(copy_engine_bytes=0, layer_thread=True)
-    variants["copies"] = TransferPolicy(copy_engine_bytes=0, layer_thread=False)
+    variants["copies"] = TransferPolicy(copy_engine_bytes=0)
     for tag, pol in variants.items():
         transfer.set_policy(pol)
         try:

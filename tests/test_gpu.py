@@ -61,9 +61,6 @@ POLICIES = {
     "staged_inline": TransferPolicy(**_K, layer_fork=False, layer_ring=2),
     "kernel": TransferPolicy(**_K, staged=False),
     "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),
-    # per-layer gets' copies enqueued by a worker thread after get_async returns
-    "copy_engine_thread": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0,
-                                         layer_thread=True),
 }
 
 
@@ -315,10 +312,8 @@ def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
         # Staged: a copy and a short kernel per layer; the kernel from host memory: all layers
         # in one launch; copy engines: a copy per page.
         assert (h.staged, h.one_launch) == {"kernel": (False, True),
-                                            "copy_engine": (False, False),
-                                            "copy_engine_thread": (False, False)}.get(
-                                                method, (True, False))
-        assert (h.enqueue is not None) == (method == "copy_engine_thread")
+                                            "copy_engine": (False, False)}.get(method,
+                                                                               (True, False))
         seen = []
         idx = torch.as_tensor(ids, device="cuda")
         for i in range(LAYERS):
@@ -331,53 +326,6 @@ def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
         compute.synchronize()
         for i in range(LAYERS):
             assert torch.equal(seen[i], caches[i][:, idx])
-
-
-def test_a_deferred_per_layer_get_that_fails_mid_way_releases_its_waiters(gpu_service,
-                                                                         monkeypatch):
-    # The worker thread of a deferred per-layer get (layer_thread) fails at layer 2: a driver
-    # refusing a batch of copies, which cannot be produced for real, so copy_batch is made to
-    # raise there (the one mock). Every layer's event still completes (a compute stream
-    # waiting for each layer is not left hanging on the GPU), wait() raises, the leases end,
-    # and the next get on the same connection is right.
-    from kvtier.errors import KvtierError
-    from kvtier.gpu import device
-    caches = [torch.randn(2, NB, TOK, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-              for _ in range(LAYERS)]
-    pages = Pages.from_layers(caches, block_dim=1)
-    transfer.set_policy(POLICIES["copy_engine_thread"])
-    try:
-        with kvtier.Client(gpu_service.socket) as c:
-            ns = c.namespace("layers", block_bytes=VLLM_BB)
-            # rows falling as the slots rise: no run of two blocks, so every layer's pages go
-            # in one batch of 1-D copies (no 2-D copy outside copy_batch)
-            ids = NB - 1 - np.arange(40)
-            assert ns.put_async(keys(range(40)), pages, rows=ids, layers=LAYERS).wait().all()
-            fresh = [torch.zeros_like(t) for t in caches]
-            dst = Pages.from_layers(fresh, block_dim=1)
-            real, calls = device.copy_batch, []
-
-            def failing(*args, **kwargs):
-                calls.append(1)
-                if len(calls) > 2:
-                    raise KvtierError("cuMemcpyBatchAsync failed with CUDA error 1 (a test)")
-                return real(*args, **kwargs)
-            monkeypatch.setattr(device, "copy_batch", failing)
-            load, compute = torch.cuda.Stream(), torch.cuda.Stream()
-            h = ns.get_async(keys(range(40)), out=dst, rows=ids, stream=load, layers=LAYERS)
-            for i in range(LAYERS):
-                h.wait_layer(i, compute)
-            compute.synchronize()                  # returns: no layer's wait was left hanging
-            with pytest.raises(KvtierError, match="a test"):
-                h.wait()
-            assert len(calls) == 3 and c.stats()["leases"] == 0
-            monkeypatch.setattr(device, "copy_batch", real)
-            h = ns.get_async(keys(range(40)), out=dst, rows=ids, stream=load, layers=LAYERS)
-            assert h.wait().all()
-            idx = torch.as_tensor(ids, device="cuda")
-            assert all(torch.equal(f[:, idx], t[:, idx]) for f, t in zip(fresh, caches))
-    finally:
-        transfer.set_policy(None)
 
 
 def test_blocks_of_both_vllm_layouts_are_the_same_bytes(gpu_service, method):

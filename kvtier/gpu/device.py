@@ -20,8 +20,7 @@ from kvtier.gpu.plan import (MAX_VECTORS, Method, PageTable, TransferPolicy, cop
                              vector_bytes)
 from kvtier.gpu.slots import DeviceSlots, SlotRange
 from kvtier.gpu.staging import Staging
-from kvtier.gpu.streams import (Lanes, Stream, can_wait_value, own, settle, wait_value,
-                               write_value)
+from kvtier.gpu.streams import Lanes, Stream, can_wait_value, own, settle, wait_value
 
 THREADS = 1024
 STAGE_BYTES = 256 << 20       # the largest staging buffer of a host->GPU move (two in turn)
@@ -131,17 +130,6 @@ def _timed(stream: Stream) -> Any:
     ev = cupy.cuda.Event()
     ev.record(stream.cupy)
     return ev
-
-
-_LAYER_THREAD: list[Any] = []
-
-
-def _layer_thread() -> Any:
-    """The one worker thread of deferred per-layer gets (Mover.defer_layers), in order."""
-    if not _LAYER_THREAD:
-        from concurrent.futures import ThreadPoolExecutor
-        _LAYER_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="kvtier-layers"))
-    return _LAYER_THREAD[0]
 
 
 class Mover:
@@ -572,65 +560,6 @@ class Mover:
             events.append(self._ring[self._last][2])
         events[-1] = self.event()                       # the last: everything, on the caller's
         return events
-
-    def defer_layers(self, slots: np.ndarray, rows: np.ndarray,
-                     groups: list[tuple[int, int]]) -> tuple[list[Any], Any] | None:
-        """A per-layer host->GPU get by copy engines whose copies are enqueued after it returns
-        (policy.layer_thread): here the layers' counters are zeroed on the transfer's stream
-        and a marker stream forked after that waits for counter l, then records layer l's
-        event, for every layer; a worker thread then enqueues each layer's copies (move) on
-        the transfer's stream followed by a write of its counter. So the engine can enqueue
-        its compute's waits at once, while the copies of the later layers are still being
-        handed to the driver. If the thread fails, every counter not yet written is written
-        (no waiter on the GPU is left hanging) and the transfer fails. Returns (events, the
-        thread's future), or None with nothing enqueued: off, device to device, a page group
-        not by copy engines, or no stream memory operations."""
-        import cupy
-        table = self.table
-        if (not self.policy.layer_thread or self.slots.device_to_device or slots.size == 0
-                or any(self.policy.method(int(table.size[a]), slots.size * (b - a), False)
-                       is not Method.COPY_ENGINE for a, b in groups)
-                or not can_wait_value(table.device)):
-            return None
-        layers = len(groups)
-        counters = self.staging.device(-(-layers // 2))
-        cupy.cuda.runtime.memsetAsync(counters, 0, 4 * layers, self.stream.ptr)
-        marker = own(table.device, "layers-deferred")
-        Lanes(self.stream, [marker])
-        events = []
-        for layer in range(layers):
-            if not wait_value(marker, counters + 4 * layer, 1):
-                for k in range(layers):           # release the waits enqueued before
-                    write_value(self.stream, counters + 4 * k, 1)
-                raise KvtierError("cuStreamWaitValue32 failed after its probe succeeded; "
-                                  "set layers=None to load without per-layer events")
-            events.append(marker.event())
-        self.methods.add(Method.COPY_ENGINE)
-        self.batched = bool(self.policy.batch_copies) and batch_available()
-        device = table.device
-
-        def enqueue() -> None:
-            written = 0
-            # The driver's batched copies use the thread's current context: cudaSetDevice
-            # makes the device's primary context current here (a thread has none until then,
-            # and cuMemcpyBatchAsync refuses with CUDA_ERROR_INVALID_VALUE).
-            cupy.cuda.runtime.setDevice(device)
-            try:
-                with cupy.cuda.Device(device):
-                    for layer, (a, b) in enumerate(groups):
-                        self.move(slots, rows, a, b, False)
-                        for side in self._pending:          # a fork off the legacy stream
-                            self.stream.wait(side.event())
-                        self._pending = []
-                        if not write_value(self.stream, counters + 4 * layer, 1):
-                            raise KvtierError("cuStreamWriteValue32 failed after its probe "
-                                              "succeeded")
-                        written = layer + 1
-            finally:
-                with cupy.cuda.Device(device):
-                    for layer in range(written, layers):
-                        write_value(self.stream, counters + 4 * layer, 1)
-        return events, _layer_thread().submit(enqueue)
 
     def move_layers(self, slots: np.ndarray, rows: np.ndarray, groups: list[tuple[int, int]],
                     to_seg: bool) -> list[Any] | None:

@@ -120,16 +120,6 @@ class TransferPolicy:
     # / 1.151 (docs/DESIGN-NOTES.md, session 38).
     layer_fork: bool = True
     layer_ring: int = 3
-    # A per-layer get whose pages go by copy engines (copy_engine_bytes): its copies enqueued
-    # by a worker thread, layer by layer, after get_async has returned with every layer's
-    # event (Mover.defer_layers: each layer's event waits, on the GPU, for a counter that the
-    # transfer's stream writes after that layer's copies). False: every layer's copies are
-    # enqueued before get_async returns (1,024 copies a layer: ~18 ms of host time on an
-    # H100 host for 32 layers, before the engine can enqueue its first layer's compute).
-    # Off: with every page by copy engines (copy_engine_bytes=0) the same three processes
-    # read 1.107 / 1.059 / 1.143 (without the thread 1.367-1.387), load alone 41.0 ms: level
-    # with the staged layers, which need no thread.
-    layer_thread: bool = False
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0

@@ -86,9 +86,6 @@ class Transfer:
         self._finished = False
         self._error: BaseException | None = None
         self.result: Any = None
-        # A deferred per-layer get's enqueueing thread (Mover.defer_layers): the transfer is
-        # done once it has returned and the events have completed.
-        self.enqueue: Any = None
 
     @property
     def event(self) -> Any:
@@ -133,17 +130,12 @@ class Transfer:
         return int(self._device_id)
 
     def _sync(self) -> None:
-        exc = self.enqueue.exception() if self.enqueue is not None else None
         for ev in self.events:
             ev.synchronize()
-        if exc is not None:
-            raise exc
 
     def _settle(self) -> None:
         """After a failure: the host waits until nothing launched may still run (a CUDA error
         of the stream ends that wait too)."""
-        if self.enqueue is not None:
-            self.enqueue.exception()          # the thread has enqueued its last write
         if self.events:
             try:
                 self.events[-1].synchronize()
@@ -151,12 +143,6 @@ class Transfer:
                 pass
 
     def _events_done(self) -> bool:
-        if self.enqueue is not None:
-            if not self.enqueue.done():
-                return False
-            exc = self.enqueue.exception()
-            if exc is not None and self._error is None:
-                self._error = exc           # finished once the events say the copies ran
         try:
             return all(ev.done for ev in self.events)
         except BaseException as exc:       # a CUDA error of the stream: the transfer failed
@@ -426,18 +412,13 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
                 ns._client._release_later(lease)
             raise error or KvtierError("a get's device side was never built")
         table, groups, mover = side.table, side.groups, side.mover
-        enqueue = None
         try:
             if error is None and len(groups) > 1:
                 found_at = [(rep, lo, np.flatnonzero(rep.found)) for rep, lo in replies]
                 slots = np.concatenate([rep.slots[i] for rep, _lo, i in found_at])
                 rows_ = np.concatenate([side.rows[lo + i] for _rep, lo, i in found_at])
-                deferred = mover.defer_layers(slots, rows_, groups)
-                if deferred is not None:
-                    events, enqueue = deferred
-                else:
-                    events = (mover.stage_layers(slots, rows_, groups)
-                              or mover.move_layers(slots, rows_, groups, False) or [])
+                events = (mover.stage_layers(slots, rows_, groups)
+                          or mover.move_layers(slots, rows_, groups, False) or [])
                 for g_lo, g_hi in groups if not events else ():
                     mover.move(slots, rows_, g_lo, g_hi, False)      # a launch per layer
                     events.append(mover.event())
@@ -456,7 +437,6 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
             raise error
         t = GetTransfer(ns, events, side.staging, mover.methods, found, leases, table.device)
         t.one_launch, t.staged, t.batched = mover.one_launch, mover.staged, mover.batched
-        t.enqueue = enqueue
         if trace is not None:
             import time
             trace["ret"] = time.perf_counter()
