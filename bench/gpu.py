@@ -528,6 +528,7 @@ def layer_timeline(ns, keys: bytes, dst, rows: np.ndarray, load, comp, layer_ker
     before layer l's compute, l >= 1, summed), copy_ms and compute_ms (per layer, medians),
     first_place_end and total (from the first copy's start to the last compute's end)."""
     import cupy
+    import torch
     from kvtier.gpu.device import Mover
     ms = cupy.cuda.get_elapsed_time
     cs = cupy.cuda.ExternalStream(comp.cuda_stream)
@@ -539,7 +540,7 @@ def layer_timeline(ns, keys: bytes, dst, rows: np.ndarray, load, comp, layer_ker
             trace = Mover.trace_all
         finally:
             Mover.trace_all = None
-        with torch_stream(comp):
+        with torch.cuda.stream(comp):
             for i in range(LAYERS):
                 h.wait_layer(i, comp)
                 a, b = cupy.cuda.Event(), cupy.cuda.Event()
@@ -565,11 +566,6 @@ def layer_timeline(ns, keys: bytes, dst, rows: np.ndarray, load, comp, layer_ker
             "compute_ms": float(np.median([b - a for a, b in cm])),
             "first_place_end": pl[0][1], "last_copy_end": cp[-1][1], "total": cm[-1][1]})
     return {key: round(float(np.median([r[key] for r in runs[1:]])), 3) for key in runs[0]}
-
-
-def torch_stream(s):
-    import torch
-    return torch.cuda.stream(s)
 
 
 def copy_engine_diagnosis(c, reps: int, ceil: dict) -> dict:

@@ -241,11 +241,11 @@ class Mover:
         """Host to GPU through device memory: one copy-engine copy of the slot range holding
         the blocks (dense: a batch put together is consecutive slots) into a staging buffer,
         then the kernel from there, device to device. SM-issued reads over PCIe stop at ~0.8 of
-        the link alone and ~0.6 beside a matmul; one large copy reaches it. Two staging buffers
-        in turn: a copy into one waits only for the kernel that last read it. idx: the
+        the link alone and ~0.6 beside a matmul; one large copy reaches it. ``ring`` staging
+        buffers in turn: a copy into one waits only for the kernel that last read it. idx: the
         kernel's indices (local - min, then rows), uploaded by the caller before; place: by
         place_items16 (stage_sorted's pieces). False (nothing enqueued) for a sparse or too
-        large range. ring: how many staging buffers take turns (stage_layers)."""
+        large range."""
         import cupy
         if not self.policy.staged or local.size == 0:
             return False
@@ -544,12 +544,10 @@ class Mover:
         widest = max(int(self.table.size[a:b].sum()) for a, b in groups)
         if span > local.size + local.size // 4 + 8 or span * widest > STAGE_BYTES:
             return None
-        # policy.layer_fork False: on the caller's stream, layer l's kernel then its event,
-        # each layer's copy after the kernel before it (a forked kernel stream measured worse
-        # with two buffers: overlap 1.149 and 1.187 of max(load, compute) against 1.099 and
-        # 1.147, runs 6 and 7). True: each placement on the kernel stream, the copies ahead
-        # of them by up to layer_ring - 1 buffers. The indices are the same for every layer:
-        # uploaded once, before any fork.
+        # policy.layer_fork: each placement on the kernel stream, the copies ahead of them by
+        # up to layer_ring - 1 buffers (the measurements are plan.py's); else on the caller's
+        # stream, layer l's kernel then its event, each layer's copy after the kernel before
+        # it. The indices are the same for every layer: uploaded once, before any fork.
         pol = self.policy
         idx = self.staging.upload(np.concatenate([local - int(local.min()), r]))
         events = []

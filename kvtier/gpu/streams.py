@@ -149,33 +149,34 @@ class Lanes:
             self.caller.wait(s.event())
 
 
+_wait_fn: list[Any] = []
 _wait_ok: dict[int, bool] = {}
-_driver: dict[str, Any] = {}
 
 
-def _stream_op(name: str) -> Any:
-    """cuStream{name}32 (the _v2 symbol where the driver has it) through ctypes, or None."""
-    if name not in _driver:
+def _cu_wait_value() -> Any:
+    if not _wait_fn:
         fn = None
         try:
             lib = ctypes.CDLL("libcuda.so.1")
-            for sym in (f"cuStream{name}32_v2", f"cuStream{name}32"):
-                fn = getattr(lib, sym, None)
-                if fn is not None:
+            for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+                try:
+                    fn = getattr(lib, name)
                     break
+                except AttributeError:
+                    continue
         except OSError:
             fn = None
         if fn is not None:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
             fn.restype = ctypes.c_int
-        _driver[name] = fn
-    return _driver[name]
+        _wait_fn.append(fn)
+    return _wait_fn[0]
 
 
 def wait_value(st: Stream, addr: int, value: int) -> bool:
     """st waits on the GPU until the uint32 at device address addr is >= value. False (and
     nothing enqueued) where the driver refuses stream memory operations."""
-    fn = _stream_op("WaitValue")
+    fn = _cu_wait_value()
     return fn is not None and fn(ctypes.c_void_p(st.ptr), ctypes.c_uint64(addr),
                                  ctypes.c_uint32(value), 0) == 0    # CU_STREAM_WAIT_VALUE_GEQ
 
