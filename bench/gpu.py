@@ -39,6 +39,9 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
     single_cuda_get_p50_us (p99)             one 64 KiB block into a CUDA tensor (ns.get: its
                                              latency path); _async_p50_us: get_async().wait()
     hbm_onboard_ratio_2m                     1,024 x 2 MiB from the HBM tier (CUDA IPC), / D2D
+    mapped_read_probe                        kvtier.gpu.probe at warm(): the SMs' read rate of
+                                             mapped host memory against a copy engine, and
+                                             whether gpu_sorted_gets = auto sorts small gets
     staging_*                                the 64 / 16 KiB rows' move alone (leased once):
                                              stage_sorted, its copies alone, Mover.move
     offload_commit_ms_*                      the commit's share of a put (GPU checksums sent)
@@ -291,7 +294,7 @@ def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) ->
         finally:
             pipeline.CHUNK = saved
             transfer.set_policy(None)
-    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096))    # one request, staged
+    transfer.set_policy(TransferPolicy(sorted_gets="on"))    # one request, staged
     try:
         out[f"onboard_profile_whole_{tag}"] = profile(get, 30, 10)
     finally:
@@ -300,8 +303,8 @@ def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) ->
             f"onboard_enqueue_ms_{tag}": round(float(np.median(enq)) * 1e3, 3),
             f"onboard_profile_{tag}": profile(get, 30, 10),
             f"onboard_timeline_{tag}": chunk_timeline(get_async, reps),
-            **timeline_variant(get_async, tag, reps, "sorted", whole_onboard_keys=4096),
-            **timeline_variant(get_async, tag, reps, "sorted_64m", whole_onboard_keys=4096,
+            **timeline_variant(get_async, tag, reps, "sorted", sorted_gets="on"),
+            **timeline_variant(get_async, tag, reps, "sorted_64m", sorted_gets="on",
                                stage_piece_bytes=64 << 20),
             **({} if tag != "16k" else timeline_variant(get_async, tag, reps, "prepared",
                                                         prepare_launch=True))}
@@ -688,18 +691,18 @@ def staging_case(c, reps: int, ceil: dict) -> dict:
                 t = float(np.median(ts[1:]))
                 return (round(n * bb / t / 1e9 / ceil["pinned_h2d_gbps"], 3),
                         round(float(np.median(enq[1:])) * 1e3, 3), round(t * 1e3, 3))
-            base = TransferPolicy(whole_onboard_keys=4096)
-            old = TransferPolicy(whole_onboard_keys=4096, stage_items_kernel=False)
+            base = TransferPolicy(sorted_gets="on")
+            old = TransferPolicy(sorted_gets="on", stage_items_kernel=False)
             runs = (("stage_sorted", base, "sorted", True),
                     ("stage_sorted_pages_kernel", old, "sorted", True),
                     ("stage_sorted_as_round3", old, "sorted", False),
                     ("stage_sorted_uploads_per_piece", base, "sorted", False),
                     ("stage_sorted_blocks_4", TransferPolicy(
-                        whole_onboard_keys=4096, kernel_blocks=4), "sorted", True),
+                        sorted_gets="on", kernel_blocks=4), "sorted", True),
                     ("stage_sorted_blocks_132", TransferPolicy(
-                        whole_onboard_keys=4096, kernel_blocks=132), "sorted", True),
+                        sorted_gets="on", kernel_blocks=132), "sorted", True),
                     ("stage_sorted_pieces_4m", TransferPolicy(
-                        whole_onboard_keys=4096, stage_piece_bytes=4 << 20), "sorted", True),
+                        sorted_gets="on", stage_piece_bytes=4 << 20), "sorted", True),
                     ("stage_copies_only", base, "copies", True),
                     ("move", TransferPolicy(), "move", True))
             for name, pol, how, ahead in runs:
@@ -880,13 +883,13 @@ def main() -> None:
     k64 = {"onboard_copy_engine_bytes": 0}      # the 64 KiB onboard by the kernel, as before
     # Whole gets (one request, then Mover.stage_sorted; off by default, measured slower) and
     # puts that commit only from wait() (before early commits).
-    whole = {"whole_gets": TP(whole_onboard_keys=4096), "chunked_gets": TP(whole_onboard_keys=0),
-             "sorted_512": TP(whole_onboard_keys=4096, sorted_piece_keys=512),
-             "sorted_2048": TP(whole_onboard_keys=4096, sorted_piece_keys=2048),
+    whole = {"whole_gets": TP(sorted_gets="on"), "chunked_gets": TP(whole_onboard_keys=0),
+             "sorted_512": TP(sorted_gets="on", sorted_piece_keys=512),
+             "sorted_2048": TP(sorted_gets="on", sorted_piece_keys=2048),
              "ramp_64_256": TP(get_ramp=(64, 256)), "ramp_32_128_512": TP(get_ramp=(32, 128, 512)),
              "ramp_128": TP(get_ramp=(128,)), "ramp_64": TP(get_ramp=(64,)),
-             "sorted_64m": TP(whole_onboard_keys=4096, stage_piece_bytes=64 << 20),
-             "sorted_2048_64m": TP(whole_onboard_keys=4096, sorted_piece_keys=2048,
+             "sorted_64m": TP(sorted_gets="on", stage_piece_bytes=64 << 20),
+             "sorted_2048_64m": TP(sorted_gets="on", sorted_piece_keys=2048,
                                    stage_piece_bytes=64 << 20),
              "late_commits": TP(early_commits=False),
              "credits": TP(put_credits=True)}
@@ -945,8 +948,13 @@ def main() -> None:
                          ("ratio_offload_gbps_16k", "offload_gbps_16k", d2h)):
         if src in out:
             out[k] = round(out[src] / ceil, 3)
+    from kvtier.gpu import probe
     from kvtier.gpu.streams import PRIORITY
     out["kernel_priority_available"] = PRIORITY["available"]
+    # What gpu_sorted_gets = auto found at warm(): the default's 16 KiB get is sorted where
+    # the ratio is under the floor; variants_16k's whole_gets (on) and chunked_gets (off) are
+    # the two choices measured in the same process.
+    out["mapped_read_probe"] = {str(d): r for d, r in probe.results().items()}
     out["torch"] = torch.__version__
     out["machine"] = m
     emit(out, args.json)

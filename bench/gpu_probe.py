@@ -6,7 +6,7 @@ Mover step (move, _staged, _launch, _copy, upload, event) entered and left, the 
 each commit sent, and the GPU time at which each of the transfer's events completed (a timing
 event recorded beside it, placed on the host's axis through one recorded when the Mover was
 made). Cases: 4,096 blocks of 16 KiB and of 64 KiB in bench/gpu.py's shuffled order, onboard
-(the chunked get; and the sorted get, whole_onboard_keys=4096) and offload. For each case the
+(the chunked get; and the sorted get, sorted_gets="on") and offload. For each case the
 median repetition (by time to wait()'s return) is printed step by step, ms from the call, and
 every repetition is kept in the JSON.
 
@@ -211,7 +211,7 @@ def main() -> None:
                     get().wait()
                     put().wait()
                 out[f"onboard_{tag}"] = case(f"onboard {tag}", get, args.reps)
-                transfer.set_policy(TransferPolicy(whole_onboard_keys=4096))
+                transfer.set_policy(TransferPolicy(sorted_gets="on"))
                 try:
                     get().wait()
                     out[f"onboard_sorted_{tag}"] = case(f"onboard sorted {tag}", get, args.reps)

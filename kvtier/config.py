@@ -217,6 +217,12 @@ SETTINGS: tuple[Setting, ...] = (
             "a worker's CUDA gets of whole host pages at least this large (and below "
             "gpu_copy_engine_bytes) go by copy engines too; 0: gpu_copy_engine_bytes alone decides",
             "bytes"),
+    Setting("gpu_sorted_gets", "auto", _choice(("auto", "on", "off")),
+            "a worker's CUDA gets of 64-4,096 blocks of small pages (under "
+            "gpu_onboard_copy_engine_bytes) leased in the service's slot order and moved by copy "
+            "engines through device staging; auto: where the GPU's SMs read mapped host memory "
+            "below 0.75 of a copy engine's rate, measured once per GPU (else the SM-bounded "
+            "kernel reads them in chunks)"),
     Setting("gpu_kernel_blocks", 16, _int,
             "thread blocks (so SMs, at most) of the transfer kernel between host and GPU"),
     Setting("gpu_device_kernel_blocks", 0, _int,
@@ -314,6 +320,7 @@ class Settings:
     hbm_reserve_alpha: float = 0.7
     gpu_copy_engine_bytes: int = 1 << 20
     gpu_onboard_copy_engine_bytes: int = 64 << 10
+    gpu_sorted_gets: str = "auto"
     gpu_kernel_blocks: int = 16
     gpu_device_kernel_blocks: int = 0
     write_policy: str = "write_through"

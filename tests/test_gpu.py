@@ -328,6 +328,40 @@ def test_per_layer_events_let_each_layer_be_used_alone(gpu_service, method):
             assert torch.equal(seen[i], caches[i][:, idx])
 
 
+@pytest.mark.parametrize("ring", [2, 3])
+def test_staged_layers_wait_for_a_late_placement_before_reusing_its_buffer(gpu_service, ring):
+    # The forked per-layer get: layer l's copy goes into staging buffer l % ring on the
+    # caller's stream, its placement runs on the kernel stream. With the kernel stream held
+    # up (a sleep queued on it first), the copies run ahead until each buffer's next copy
+    # must wait for the placement that last read it; a missing wait would let layer l + ring
+    # overwrite buffer l before its placement read it, and layer l would get its bytes.
+    pol = TransferPolicy(**_K, layer_fork=True, layer_ring=ring)
+    transfer.set_policy(pol)
+    layers = 8
+    caches = [torch.randn(NB, 2, TOK, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+              for _ in range(layers)]
+    bb = layers * 2 * PAGE
+    try:
+        with kvtier.Client(gpu_service.socket) as c:
+            ns = c.namespace("late", block_bytes=bb)
+            ids = np.random.default_rng(6).permutation(NB)[:48]
+            ns.put(keys(range(48)), Pages.from_layers(caches), rows=ids)
+            fresh = [torch.zeros_like(t) for t in caches]
+            load = torch.cuda.Stream()
+            load.wait_stream(torch.cuda.current_stream())        # fresh is zeroed first
+            kernel_stream = own(torch.cuda.current_device(), "kernel-0", high_priority=True)
+            _sleep(kernel_stream.owner, 100)
+            h = ns.get_async(keys(range(48)), out=Pages.from_layers(fresh), rows=ids,
+                             stream=load, layers=layers)
+            assert h.staged and len(h.events) == layers
+            assert h.wait().all()
+            idx = torch.as_tensor(ids, device="cuda")
+            for i in range(layers):
+                assert torch.equal(fresh[i][idx], caches[i][idx]), f"layer {i} of ring {ring}"
+    finally:
+        transfer.set_policy(None)
+
+
 def test_blocks_of_both_vllm_layouts_are_the_same_bytes(gpu_service, method):
     # Per-layer pages of (num_blocks, 2, ...) tensors (block_dim 0, one page per layer), put from
     # scattered blocks; read back as BLHNC rows (one row a block) they are the concatenation of
@@ -640,7 +674,7 @@ def test_a_dense_batch_asked_in_any_key_order_moves_in_slot_order(gpu_service, b
     # slot range piece by piece (copy engine into staging, the kernel from there; small pieces
     # so that the staging ring is reused many times, across replies too). Every found row
     # holds its block, every other row keeps its poison.
-    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096, stage_piece_bytes=piece,
+    transfer.set_policy(TransferPolicy(sorted_gets="on", stage_piece_bytes=piece,
                                        sorted_piece_keys=keys_per))
     try:
         with kvtier.Client(gpu_service.socket) as c:
@@ -669,10 +703,41 @@ def test_a_dense_batch_asked_in_any_key_order_moves_in_slot_order(gpu_service, b
         transfer.set_policy(None)
 
 
+def test_the_mapped_read_probe_decides_auto_sorted_gets(gpu_service, monkeypatch):
+    # The probe measures this host (kernel reads of mapped memory against a copy engine); a
+    # 16 KiB get of scattered rows then goes sorted (staged, by copy engines) exactly where
+    # the ratio is under the floor, and moves the right bytes either way.
+    from kvtier.gpu import probe
+    monkeypatch.setattr(probe, "_results", {})
+    dev = torch.cuda.current_device()
+    r = probe.measure(dev)
+    assert "error" not in r, r
+    assert 0 < r["kernel_gbps"] and 0 < r["copy_gbps"] and 0 < r["ratio"] < 3
+    assert r["sorted"] == (r["ratio"] < TransferPolicy().mapped_read_floor)
+    n = 4096                 # chunks of 1,024 scattered keys: no chunk's slots are dense
+    for floor in (0.0, 1.0):             # never sorted; sorted unless the kernel outruns DMA
+        transfer.set_policy(TransferPolicy(mapped_read_floor=floor))
+        try:
+            with kvtier.Client(gpu_service.socket) as c:
+                ns = c.namespace(f"probe{int(floor)}", block_bytes=BB)
+                src = torch.randint(0, 255, (n, BB), dtype=torch.uint8, device="cuda")
+                ns.put(keys(range(n)), src)
+                rows = np.random.default_rng(8).permutation(2 * n)[:n]
+                out = torch.zeros((2 * n, BB), dtype=torch.uint8, device="cuda")
+                order = np.random.default_rng(9).permutation(n)
+                h = ns.get_async(keys(order), out=out, rows=rows)
+                assert h.wait().all()
+                assert h.staged == (r["ratio"] < floor)
+                idx = torch.as_tensor(rows, device="cuda")
+                assert torch.equal(out[idx], src[torch.as_tensor(order, device="cuda")])
+        finally:
+            transfer.set_policy(None)
+
+
 def test_a_sparse_whole_get_moves_as_before_and_the_next_ones_go_in_chunks(gpu_service):
     # Every other key of a batch: its slots span twice their count, so the sorted pieces are
     # not staged; its bytes are still right, and the namespace's next gets go in chunks.
-    transfer.set_policy(TransferPolicy(whole_onboard_keys=4096, sorted_piece_keys=64))
+    transfer.set_policy(TransferPolicy(sorted_gets="on", sorted_piece_keys=64))
     try:
         _sparse_whole_get(gpu_service)
     finally:

@@ -564,3 +564,78 @@ def test_a_failed_preparation_fails_the_get_after_every_reply_is_read():
 def test_a_negative_staged_offload_threshold_is_refused_by_name():
     with pytest.raises(BadRequest, match="staged_out_bytes"):
         TransferPolicy(staged_out_bytes=-1)
+
+
+class _Ns:
+    _whole_skip = 0
+
+
+@pytest.fixture
+def probed(monkeypatch):
+    """kvtier.gpu.probe's per-device results, set by the test (the probe itself needs a GPU:
+    tests/test_gpu.py runs it)."""
+    from kvtier.gpu import probe
+    monkeypatch.setattr(probe, "_results", {})
+    return probe._results
+
+
+def test_auto_sorted_gets_follow_each_devices_mapped_read_probe(probed):
+    # Device 0's SMs read mapped memory at 0.6 of a copy engine (a slow host: sorted gets),
+    # device 1's at 0.85 (chunks); the floor is the policy's.
+    from kvtier.gpu import probe
+    from kvtier.gpu.transfer import _chunked_first, _whole
+    pol = TransferPolicy()
+    assert pol.sorted_gets == "auto" and probe.any_sorted(pol) is None
+    # Nothing measured yet: a get in range builds its device side first, so that _whole can
+    # measure the tensor's device.
+    assert not _chunked_first(pol, "host", 1024)
+    probed[0] = {"kernel_gbps": 33.0, "copy_gbps": 55.0, "ratio": 0.6}
+    probed[1] = {"kernel_gbps": 47.0, "copy_gbps": 55.0, "ratio": 0.85}
+    small = [PageTable.make([1 << 30], [16384], [16384], 4096, d) for d in (0, 1)]
+    assert _whole(_Ns(), pol, small[0], [(0, 1)], 1024, "host")
+    assert not _whole(_Ns(), pol, small[1], [(0, 1)], 1024, "host")
+    assert not _whole(_Ns(), TransferPolicy(mapped_read_floor=0.5), small[0], [(0, 1)],
+                      1024, "host")
+    # 64 KiB pages go by copy engines chunked whatever the probe says; "on" sorts them too.
+    big = PageTable.make([1 << 30], [BB], [BB], 4096, 0)
+    assert not _whole(_Ns(), pol, big, [(0, 1)], 1024, "host")
+    assert _whole(_Ns(), TransferPolicy(sorted_gets="on"), big, [(0, 1)], 1024, "host")
+    assert _whole(_Ns(), TransferPolicy(sorted_gets="on"), small[1], [(0, 1)], 1024, "host")
+    assert not _whole(_Ns(), TransferPolicy(sorted_gets="off"), small[0], [(0, 1)], 1024,
+                      "host")
+    # Out of range, per layer, from HBM, or after a sparse one: chunks.
+    assert not _whole(_Ns(), pol, small[0], [(0, 1)], 32, "host")
+    assert not _whole(_Ns(), pol, small[0], [(0, 1)], 8192, "host")
+    assert not _whole(_Ns(), pol, small[0], [(0, 1)], 1024, "hbm")
+    skip = _Ns()
+    skip._whole_skip = 2
+    assert not _whole(skip, pol, small[0], [(0, 1)], 1024, "host") and skip._whole_skip == 1
+    # One device prefers sorted: gets in range build their side first; none does: chunks first.
+    assert probe.any_sorted(pol) and not _chunked_first(pol, "host", 1024)
+    assert _chunked_first(pol, "host", 8192) and _chunked_first(pol, "host", 8)
+    probed[0]["ratio"] = 0.9
+    assert probe.any_sorted(pol) is False and _chunked_first(pol, "host", 1024)
+    assert _chunked_first(TransferPolicy(sorted_gets="off"), "host", 1024)
+    assert not _chunked_first(TransferPolicy(sorted_gets="on"), "host", 1024)
+    assert not _chunked_first(pol, "hbm", 1024)
+
+
+def test_a_failed_probe_leaves_chunked_gets(probed):
+    from kvtier.gpu import probe
+    probed[0] = {"error": "CUDARuntimeError: no device"}
+    assert not probe.prefers_sorted(0, TransferPolicy())
+    assert probe.any_sorted(TransferPolicy()) is False
+
+
+@pytest.mark.parametrize("garbage", ["yes", "", "AUTO", "1"])
+def test_a_garbage_sorted_gets_setting_is_refused_by_name(garbage):
+    from kvtier.config import make_settings
+    from kvtier.errors import ConfigError
+    with pytest.raises(ConfigError, match="gpu_sorted_gets"):
+        make_settings({"gpu_sorted_gets": garbage})
+    with pytest.raises(BadRequest, match="gpu_sorted_gets"):
+        TransferPolicy(sorted_gets=garbage)
+    with pytest.raises(BadRequest, match="mapped_read_floor"):
+        TransferPolicy(mapped_read_floor=1.5)
+    s = make_settings({"gpu_sorted_gets": "off"})
+    assert TransferPolicy.from_settings(s).sorted_gets == "off"

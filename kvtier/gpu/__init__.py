@@ -7,6 +7,7 @@
     plan.py       which method moves which pages (copy engines or an SM-bounded kernel), the
                   copy runs and launch splits: numpy only, tested on CPU
     kernels.py    the gather/scatter and checksum kernels
+    probe.py      how fast the SMs read mapped host memory (gpu_sorted_gets = auto)
     xxh3.py       the GPU checksum sent with an offload's commit, and its numpy reference
 
 Importing this package needs neither cupy nor a GPU; the first transfer does.
@@ -15,12 +16,17 @@ Importing this package needs neither cupy nor a GPU; the first transfer does.
 from __future__ import annotations
 
 
-def warm(device: int = 0) -> None:
+def warm(device: int = 0, measure: bool = True) -> None:
     """Create the CUDA context and compile the kernels before the first request (a worker's
-    first transfer otherwise pays NVRTC's compile, ~0.5 s)."""
+    first transfer otherwise pays NVRTC's compile, ~0.5 s); measure: also the mapped-read
+    probe that gpu_sorted_gets = auto decides by (kvtier.gpu.probe, ~15 ms), here rather than
+    at the first get, beside the model."""
     import cupy
-    from kvtier.gpu import kernels
+    from kvtier.gpu import kernels, probe
     with cupy.cuda.Device(device):
         for name in ("move_pages16", "move_pages16_deep", "move_pages8", "move_layers16",
                      "move_layers8", "xxh3_pages"):
             kernels.get(name)
+        if measure:
+            from kvtier.gpu.transfer import policy
+            probe.measure(device, policy())

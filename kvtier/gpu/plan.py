@@ -33,6 +33,7 @@ import numpy as np
 from kvtier.errors import BadRequest
 
 MAX_VECTORS = (1 << 31) - 1          # the kernel's index arithmetic is 32-bit
+SORTED_GETS = ("auto", "on", "off")
 
 
 class Method(enum.Enum):
@@ -62,18 +63,24 @@ class TransferPolicy:
     # the kernel (copy engines 0.730 against 0.786), and so do the per-layer loads, whose one
     # launch or staged layers choose by copy_engine_bytes alone.
     onboard_copy_engine_bytes: int = 64 << 10
-    # Whole gets (off: 0). A get of at most this many keys whose pages are all under
-    # copy_engine_bytes is leased in the service's slot order, piece by piece
-    # (kvtier.api.sortedgets; sorted_piece_keys below); where a piece's slots are dense in one
-    # slot range (a batch put together, asked in any key order) it moves by Mover.stage_sorted:
-    # the range piece by piece of stage_piece_bytes, one copy-engine copy each into device
-    # staging and a placement kernel from there. Else, and for the next transfer.SPARSE_RETRY
-    # gets of the namespace, in chunks. Off: on the H200 the sorted pieces read 0.79 of H2D
-    # for 64 KiB rows against the chunked get's 0.87-0.88 in the same process (16 KiB 0.58
-    # against 0.62-0.65), the staged pieces inside a get slower than the same move alone
-    # (docs/DESIGN-NOTES.md, "gets leased in slot order"; the one-request whole get before
-    # them: 0.72-0.73).
-    whole_onboard_keys: int = 0
+    # Sorted gets ("auto", "on", "off"): a get of WHOLE_MIN_KEYS to whole_onboard_keys keys
+    # (0: none) whose pages are all under copy_engine_bytes is leased in the service's slot
+    # order, piece by piece (kvtier.api.sortedgets; sorted_piece_keys below); where a piece's
+    # slots are dense in one slot range (a batch put together, asked in any key order) it
+    # moves by Mover.stage_sorted: the range piece by piece of stage_piece_bytes, one
+    # copy-engine copy each into device staging and a placement kernel from there. Else, and
+    # for the next transfer.SPARSE_RETRY gets of the namespace, in chunks. "auto": on for
+    # pages the kernel would read from the mapped segment (under onboard_copy_engine_bytes)
+    # where the device's SMs read mapped host memory below mapped_read_floor of a copy
+    # engine's rate (kvtier.gpu.probe, measured once per device), else off. The rate is the
+    # host's: on H100 hosts whose SMs read 44-49 GB/s the chunked 16 KiB get read 0.69-0.72 of
+    # H2D against sorted 0.60-0.66; on hosts reading ~33 GB/s 0.51-0.54 against 0.60-0.68
+    # (bench/gpu.py variants_16k, sessions 36-38); the H200 of session 32 chunked 0.62-0.65
+    # against sorted 0.58 (docs/DESIGN-NOTES.md, "gets leased in slot order"). 64 KiB rows go
+    # by copy engines chunked (0.89-0.93) and sorted read 0.79-0.87: "auto" leaves them.
+    sorted_gets: str = "auto"
+    whole_onboard_keys: int = 4096
+    mapped_read_floor: float = 0.75
     # A whole get is leased in the service's slot order (kvtier.api.sortedgets), a first piece
     # of a quarter of this many keys and then pieces of this many (pipeline.chunks), each
     # moved by stage_sorted as its reply arrives: the control path of one piece, not of the
@@ -127,19 +134,22 @@ class TransferPolicy:
                 or self.whole_onboard_keys < 0 or self.stage_piece_bytes < 1
                 or self.sorted_piece_keys < 1 or any(k < 1 for k in self.get_ramp)
                 or (self.staged_out_bytes is not None and self.staged_out_bytes < 0)
-                or self.layer_ring < 2):
+                or self.layer_ring < 2 or self.sorted_gets not in SORTED_GETS
+                or not 0 <= self.mapped_read_floor <= 1):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
                              "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
                              "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0, "
                              "sorted_piece_keys, get_ramp and stage_piece_bytes >= 1, "
-                             "staged_out_bytes >= 0, layer_ring >= 2")
+                             "staged_out_bytes >= 0, layer_ring >= 2, gpu_sorted_gets one of "
+                             f"{', '.join(SORTED_GETS)}, mapped_read_floor 0..1")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
         return cls(copy_engine_bytes=settings.gpu_copy_engine_bytes,
                    kernel_blocks=settings.gpu_kernel_blocks,
                    device_kernel_blocks=settings.gpu_device_kernel_blocks,
-                   onboard_copy_engine_bytes=settings.gpu_onboard_copy_engine_bytes)
+                   onboard_copy_engine_bytes=settings.gpu_onboard_copy_engine_bytes,
+                   sorted_gets=settings.gpu_sorted_gets)
 
     def method(self, page_bytes: int, copies: int, device_to_device: bool,
                onboard: bool = False) -> Method:

@@ -40,6 +40,7 @@ import numpy as np
 
 from kvtier.api import pipeline
 from kvtier.errors import KvtierError, ServiceUnavailable
+from kvtier.gpu import probe
 from kvtier.gpu.device import Mover, Staging, copy_one, target_table
 from kvtier.gpu.streams import Stream, own, settle
 from kvtier.gpu.plan import PageTable, TransferPolicy, check_rows, page_groups
@@ -325,8 +326,12 @@ class _GetSide:
 def _chunked_first(pol: TransferPolicy, tier: str, n: int) -> bool:
     """Whether a get is leased in chunks whatever its tensor, so that its requests can go
     before its device side is built: from the host tier (the HBM tier's requests name the
-    device), with more keys than a whole get takes (_whole decides on the table otherwise)."""
-    return tier == "host" and n > pol.whole_onboard_keys
+    device), where no sorted get can take it (_whole decides on the table otherwise): too few
+    or too many keys, sorted gets off, or "auto" with every device measured preferring
+    chunks (kvtier.gpu.probe; before any is measured the first get builds its side first)."""
+    if tier != "host" or not WHOLE_MIN_KEYS <= n <= pol.whole_onboard_keys:
+        return tier == "host"
+    return probe.any_sorted(pol) is False
 
 
 def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | None,
@@ -454,11 +459,18 @@ WHOLE_MIN_KEYS = 64          # smaller gets: one request anyway, and one copy or
 def _whole(ns: "Namespace", pol: TransferPolicy, table: PageTable,
            groups: list[tuple[int, int]], n: int, tier: str) -> bool:
     """Whether a get is leased in the service's slot order (pipeline.lease_sorted) and its
-    pieces moved by Mover.stage_sorted (the policy's whole_onboard_keys): at least
-    WHOLE_MIN_KEYS keys, one page group of pages under copy_engine_bytes from the host tier,
-    the namespace's last whole get not sparse within SPARSE_RETRY gets."""
+    pieces moved by Mover.stage_sorted (the policy's sorted_gets): WHOLE_MIN_KEYS to
+    whole_onboard_keys keys, one page group of pages under copy_engine_bytes from the host
+    tier ("auto": under onboard_copy_engine_bytes, on a device whose probe prefers it), the
+    namespace's last whole get not sparse within SPARSE_RETRY gets."""
+    biggest = int(table.size.max())
     if (not pol.staged or len(groups) != 1 or tier != "host" or n < WHOLE_MIN_KEYS
-            or n > pol.whole_onboard_keys or int(table.size.max()) >= pol.copy_engine_bytes):
+            or n > pol.whole_onboard_keys or biggest >= pol.copy_engine_bytes
+            or pol.sorted_gets == "off"):
+        return False
+    if pol.sorted_gets == "auto" and (
+            (pol.onboard_copy_engine_bytes and biggest >= pol.onboard_copy_engine_bytes)
+            or not probe.prefers_sorted(table.device, pol)):
         return False
     if ns._whole_skip:
         ns._whole_skip -= 1

@@ -222,6 +222,11 @@ class KvtierConnector(KVConnectorBase_V1):
         num_blocks = int(self._kv_cache_config.num_blocks)
         dim = _block_dim(tuple(tensors[0].shape), num_blocks)
         pages = Pages.from_layers(tensors, block_dim=dim)
+        if pages.is_cuda:
+            # The kernels compiled and the mapped-read probe run now, before the first
+            # forward, not inside the first step that loads blocks.
+            from kvtier.gpu import warm
+            warm(int(tensors[0].device.index or 0))
         layout = layout_record(
             str(self._vllm_config.cache_config.kv_cache_layout or "LBHNC"), names,
             [tuple(t.shape[:dim]) + tuple(t.shape[dim + 1:]) for t in tensors],
