@@ -302,21 +302,23 @@ def onboard_split(ns, kb: bytes, n: int, get, get_async, tag: str, reps: int) ->
     return {**out, f"onboard_control_ms_{tag}": round(med(control, reps) * 1e3, 3),
             f"onboard_enqueue_ms_{tag}": round(float(np.median(enq)) * 1e3, 3),
             f"onboard_profile_{tag}": profile(get, 30, 10),
-            f"onboard_timeline_{tag}": chunk_timeline(get_async, reps),
+            **timeline_variant(get_async, tag, reps, "", sorted_gets="off"),   # chunked
             **timeline_variant(get_async, tag, reps, "sorted", sorted_gets="on"),
             **timeline_variant(get_async, tag, reps, "sorted_64m", sorted_gets="on",
                                stage_piece_bytes=64 << 20),
             **({} if tag != "16k" else timeline_variant(get_async, tag, reps, "prepared",
-                                                        prepare_launch=True))}
+                                                        prepare_launch=True,
+                                                        sorted_gets="off"))}
 
 
 def timeline_variant(get_async, tag: str, reps: int, name: str, **policy) -> dict:
-    """chunk_timeline under TransferPolicy(**policy)."""
+    """chunk_timeline under TransferPolicy(**policy) (name "": onboard_timeline_<tag>)."""
     from kvtier.gpu import transfer
     from kvtier.gpu.plan import TransferPolicy
     transfer.set_policy(TransferPolicy(**policy))
     try:
-        return {f"onboard_timeline_{tag}_{name}": chunk_timeline(get_async, reps)}
+        return {f"onboard_timeline_{tag}" + (f"_{name}" if name else ""):
+                chunk_timeline(get_async, reps)}
     finally:
         transfer.set_policy(None)
 
@@ -881,13 +883,14 @@ def main() -> None:
            "batch_16": TP(batch_copies=16), "batch_1024": TP(batch_copies=1024),
            "credits": TP(put_credits=True)}
     k64 = {"onboard_copy_engine_bytes": 0}      # the 64 KiB onboard by the kernel, as before
-    # Whole gets (one request, then Mover.stage_sorted; off by default, measured slower) and
+    # Sorted gets forced on and off (the default is auto: kvtier.gpu.probe decides) and
     # puts that commit only from wait() (before early commits).
     whole = {"whole_gets": TP(sorted_gets="on"), "chunked_gets": TP(whole_onboard_keys=0),
              "sorted_512": TP(sorted_gets="on", sorted_piece_keys=512),
              "sorted_2048": TP(sorted_gets="on", sorted_piece_keys=2048),
-             "ramp_64_256": TP(get_ramp=(64, 256)), "ramp_32_128_512": TP(get_ramp=(32, 128, 512)),
-             "ramp_128": TP(get_ramp=(128,)), "ramp_64": TP(get_ramp=(64,)),
+             **{name: TP(get_ramp=ramp, sorted_gets="off") for name, ramp in (
+                 ("ramp_64_256", (64, 256)), ("ramp_32_128_512", (32, 128, 512)),
+                 ("ramp_128", (128,)), ("ramp_64", (64,)))},
              "sorted_64m": TP(sorted_gets="on", stage_piece_bytes=64 << 20),
              "sorted_2048_64m": TP(sorted_gets="on", sorted_piece_keys=2048,
                                    stage_piece_bytes=64 << 20),
@@ -902,7 +905,8 @@ def main() -> None:
             **{f"blocks_{b}": TP(kernel_blocks=b, **k64) for b in (4, 16, 32, 132)},
             **whole}
     v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
-            "prepared": TP(prepare_launch=True), "staged_offload": TP(staged_out_bytes=0),
+            "prepared": TP(prepare_launch=True, sorted_gets="off"),
+            "staged_offload": TP(staged_out_bytes=0),
             "copy_engines_only": TP(copy_engine_bytes=0), **whole}
     if args.variants is not None:
         pick = set(filter(None, args.variants.split(",")))

@@ -218,11 +218,11 @@ SETTINGS: tuple[Setting, ...] = (
             "gpu_copy_engine_bytes) go by copy engines too; 0: gpu_copy_engine_bytes alone decides",
             "bytes"),
     Setting("gpu_sorted_gets", "auto", _choice(("auto", "on", "off")),
-            "a worker's CUDA gets of 64-4,096 blocks of small pages (under "
-            "gpu_onboard_copy_engine_bytes) leased in the service's slot order and moved by copy "
-            "engines through device staging; auto: where the GPU's SMs read mapped host memory "
-            "below 0.75 of a copy engine's rate, measured once per GPU (else the SM-bounded "
-            "kernel reads them in chunks)"),
+            "a worker's CUDA gets of 2,049-4,096 blocks of small pages leased in the service's "
+            "slot order and moved by copy engines through device staging (else in chunks, read "
+            "by the SM-bounded kernel); auto: rows under gpu_onboard_copy_engine_bytes, where "
+            "the GPU's SMs read mapped host memory below 0.75 of a copy engine's rate, measured "
+            "once per GPU by kvtier.gpu.warm() (the vLLM connector calls it)"),
     Setting("gpu_kernel_blocks", 16, _int,
             "thread blocks (so SMs, at most) of the transfer kernel between host and GPU"),
     Setting("gpu_device_kernel_blocks", 0, _int,

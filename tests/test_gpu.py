@@ -628,8 +628,9 @@ def test_a_chunked_get_moves_exactly_its_blocks_and_records_its_timeline(
     # 2,500 keys, four chunks: 64 KiB pages by batched copies (on torch's legacy default
     # stream forked onto kvtier's copies stream), 16 KiB by the kernel whose launch was set
     # up before the first reply (or not); the bytes land in the named rows only, and
-    # transfer.TRACE records each chunk's reply, enqueue and GPU start and end.
-    transfer.set_policy(TransferPolicy(prepare_launch=prepare))
+    # transfer.TRACE records each chunk's reply, enqueue and GPU start and end. (Sorted gets
+    # off: under "auto" a host whose probe prefers them would sort the 16 KiB get.)
+    transfer.set_policy(TransferPolicy(prepare_launch=prepare, sorted_gets="off"))
     try:
         with kvtier.Client(gpu_service.socket) as c:
             ns = c.namespace(f"chunked{bb}", block_bytes=bb)

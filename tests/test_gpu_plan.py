@@ -585,46 +585,64 @@ def test_auto_sorted_gets_follow_each_devices_mapped_read_probe(probed):
     from kvtier.gpu import probe
     from kvtier.gpu.transfer import _chunked_first, _whole
     pol = TransferPolicy()
-    assert pol.sorted_gets == "auto" and probe.any_sorted(pol) is None
-    # Nothing measured yet: a get in range builds its device side first, so that _whole can
-    # measure the tensor's device.
-    assert not _chunked_first(pol, "host", 1024)
+    assert pol.sorted_gets == "auto" and not probe.any_sorted(pol)
+    small = [PageTable.make([1 << 30], [16384], [16384], 4096, d) for d in (0, 1)]
+    # Nothing measured (no warm()): chunks, requests first, as before "auto"; no probe runs
+    # inside a get.
+    assert _chunked_first(pol, "host", 4096, None)
+    assert not _whole(_Ns(), pol, small[0], [(0, 1)], 4096, "host") and not probed
     probed[0] = {"kernel_gbps": 33.0, "copy_gbps": 55.0, "ratio": 0.6}
     probed[1] = {"kernel_gbps": 47.0, "copy_gbps": 55.0, "ratio": 0.85}
-    small = [PageTable.make([1 << 30], [16384], [16384], 4096, d) for d in (0, 1)]
-    assert _whole(_Ns(), pol, small[0], [(0, 1)], 1024, "host")
-    assert not _whole(_Ns(), pol, small[1], [(0, 1)], 1024, "host")
+    assert _whole(_Ns(), pol, small[0], [(0, 1)], 4096, "host")
+    assert not _whole(_Ns(), pol, small[1], [(0, 1)], 4096, "host")
     assert not _whole(_Ns(), TransferPolicy(mapped_read_floor=0.5), small[0], [(0, 1)],
-                      1024, "host")
-    # 64 KiB pages go by copy engines chunked whatever the probe says; "on" sorts them too.
+                      4096, "host")
+    # 64 KiB pages go by copy engines chunked whatever the probe says, and so do tables of
+    # several pages (Pages over per-layer tensors: not what was measured); "on" sorts them.
     big = PageTable.make([1 << 30], [BB], [BB], 4096, 0)
-    assert not _whole(_Ns(), pol, big, [(0, 1)], 1024, "host")
-    assert _whole(_Ns(), TransferPolicy(sorted_gets="on"), big, [(0, 1)], 1024, "host")
-    assert _whole(_Ns(), TransferPolicy(sorted_gets="on"), small[1], [(0, 1)], 1024, "host")
-    assert not _whole(_Ns(), TransferPolicy(sorted_gets="off"), small[0], [(0, 1)], 1024,
+    assert not _whole(_Ns(), pol, big, [(0, 1)], 4096, "host")
+    assert _whole(_Ns(), TransferPolicy(sorted_gets="on"), big, [(0, 1)], 4096, "host")
+    per_layer = _layers(4, 16384, 4096)
+    assert not _whole(_Ns(), pol, per_layer, [(0, 4)], 4096, "host")
+    assert _whole(_Ns(), TransferPolicy(sorted_gets="on"), per_layer, [(0, 4)], 4096, "host")
+    assert _whole(_Ns(), TransferPolicy(sorted_gets="on"), small[1], [(0, 1)], 4096, "host")
+    assert not _whole(_Ns(), TransferPolicy(sorted_gets="off"), small[0], [(0, 1)], 4096,
                       "host")
-    # Out of range, per layer, from HBM, or after a sparse one: chunks.
-    assert not _whole(_Ns(), pol, small[0], [(0, 1)], 32, "host")
+    # One piece (up to 2 x sorted_piece_keys) is leased in key order: no different from a
+    # chunk, so chunked; too many keys, per layer, from HBM, or after a sparse one: chunks.
+    assert not _whole(_Ns(), pol, small[0], [(0, 1)], 2048, "host")
+    assert _whole(_Ns(), pol, small[0], [(0, 1)], 2049, "host")
+    assert _whole(_Ns(), TransferPolicy(sorted_piece_keys=64), small[0], [(0, 1)], 200, "host")
     assert not _whole(_Ns(), pol, small[0], [(0, 1)], 8192, "host")
-    assert not _whole(_Ns(), pol, small[0], [(0, 1)], 1024, "hbm")
+    assert not _whole(_Ns(), pol, per_layer, [(0, 2), (2, 4)], 4096, "host")
+    assert not _whole(_Ns(), pol, small[0], [(0, 1)], 4096, "hbm")
     skip = _Ns()
     skip._whole_skip = 2
-    assert not _whole(skip, pol, small[0], [(0, 1)], 1024, "host") and skip._whole_skip == 1
+    assert not _whole(skip, pol, small[0], [(0, 1)], 4096, "host") and skip._whole_skip == 1
     # One device prefers sorted: gets in range build their side first; none does: chunks first.
-    assert probe.any_sorted(pol) and not _chunked_first(pol, "host", 1024)
-    assert _chunked_first(pol, "host", 8192) and _chunked_first(pol, "host", 8)
+    assert probe.any_sorted(pol) and not _chunked_first(pol, "host", 4096, None)
+    assert _chunked_first(pol, "host", 4096, 32)                  # per layer
+    assert _chunked_first(pol, "host", 8192, None) and _chunked_first(pol, "host", 2048, None)
     probed[0]["ratio"] = 0.9
-    assert probe.any_sorted(pol) is False and _chunked_first(pol, "host", 1024)
-    assert _chunked_first(TransferPolicy(sorted_gets="off"), "host", 1024)
-    assert not _chunked_first(TransferPolicy(sorted_gets="on"), "host", 1024)
-    assert not _chunked_first(pol, "hbm", 1024)
+    assert not probe.any_sorted(pol) and _chunked_first(pol, "host", 4096, None)
+    assert _chunked_first(TransferPolicy(sorted_gets="off"), "host", 4096, None)
+    assert not _chunked_first(TransferPolicy(sorted_gets="on"), "host", 4096, None)
+    assert not _chunked_first(pol, "hbm", 4096, None)
 
 
-def test_a_failed_probe_leaves_chunked_gets(probed):
+def test_a_failed_probe_is_recorded_once_and_leaves_chunked_gets(probed, monkeypatch):
     from kvtier.gpu import probe
-    probed[0] = {"error": "CUDARuntimeError: no device"}
-    assert not probe.prefers_sorted(0, TransferPolicy())
-    assert probe.any_sorted(TransferPolicy()) is False
+    calls = []
+
+    def broken(device, policy):
+        calls.append(device)
+        raise RuntimeError("no device")
+    monkeypatch.setattr(probe, "_measure", broken)
+    r = probe.measure(0)
+    assert r == {"error": "RuntimeError: no device"} and probe.measure(0) is r
+    assert calls == [0]
+    assert not probe.prefers_sorted(0, TransferPolicy()) and not probe.any_sorted(TransferPolicy())
+    assert probe.results() == {0: r}
 
 
 @pytest.mark.parametrize("garbage", ["yes", "", "AUTO", "1"])

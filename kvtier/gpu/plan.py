@@ -63,16 +63,18 @@ class TransferPolicy:
     # the kernel (copy engines 0.730 against 0.786), and so do the per-layer loads, whose one
     # launch or staged layers choose by copy_engine_bytes alone.
     onboard_copy_engine_bytes: int = 64 << 10
-    # Sorted gets ("auto", "on", "off"): a get of WHOLE_MIN_KEYS to whole_onboard_keys keys
-    # (0: none) whose pages are all under copy_engine_bytes is leased in the service's slot
-    # order, piece by piece (kvtier.api.sortedgets; sorted_piece_keys below); where a piece's
+    # Sorted gets ("auto", "on", "off"): a get of more than 2 x sorted_piece_keys keys (fewer
+    # are one piece, leased in key order: a chunk) and at most whole_onboard_keys (0: none)
+    # whose pages are all under copy_engine_bytes is leased in the service's slot order,
+    # piece by piece (kvtier.api.sortedgets; sorted_piece_keys below); where a piece's
     # slots are dense in one slot range (a batch put together, asked in any key order) it
     # moves by Mover.stage_sorted: the range piece by piece of stage_piece_bytes, one
     # copy-engine copy each into device staging and a placement kernel from there. Else, and
     # for the next transfer.SPARSE_RETRY gets of the namespace, in chunks. "auto": on for
-    # pages the kernel would read from the mapped segment (under onboard_copy_engine_bytes)
-    # where the device's SMs read mapped host memory below mapped_read_floor of a copy
-    # engine's rate (kvtier.gpu.probe, measured once per device), else off. The rate is the
+    # rows of one page that the kernel would read from the mapped segment (under
+    # onboard_copy_engine_bytes) where the device's SMs read mapped host memory below
+    # mapped_read_floor of a copy engine's rate (kvtier.gpu.probe, measured once per device
+    # by kvtier.gpu.warm(); a device not measured keeps chunks), else off. The rate is the
     # host's: on H100 hosts whose SMs read 44-49 GB/s the chunked 16 KiB get read 0.69-0.72 of
     # H2D against sorted 0.60-0.66; on hosts reading ~33 GB/s 0.51-0.54 against 0.60-0.68
     # (bench/gpu.py variants_16k, sessions 36-38); the H200 of session 32 chunked 0.62-0.65

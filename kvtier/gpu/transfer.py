@@ -323,15 +323,20 @@ class _GetSide:
             self.mover = Mover(self.seg, self.table, self.stream, pol, self.staging)
 
 
-def _chunked_first(pol: TransferPolicy, tier: str, n: int) -> bool:
+def _chunked_first(pol: TransferPolicy, tier: str, n: int, layers: int | None) -> bool:
     """Whether a get is leased in chunks whatever its tensor, so that its requests can go
     before its device side is built: from the host tier (the HBM tier's requests name the
-    device), where no sorted get can take it (_whole decides on the table otherwise): too few
-    or too many keys, sorted gets off, or "auto" with every device measured preferring
-    chunks (kvtier.gpu.probe; before any is measured the first get builds its side first)."""
-    if tier != "host" or not WHOLE_MIN_KEYS <= n <= pol.whole_onboard_keys:
-        return tier == "host"
-    return probe.any_sorted(pol) is False
+    device), where no sorted get can take it (_whole decides on the table otherwise): per
+    layer, too few or too many keys, or no device prefers sorted gets (kvtier.gpu.probe)."""
+    if tier != "host":
+        return False
+    return bool(layers and layers > 1) or not _sortable(pol, n) or not probe.any_sorted(pol)
+
+
+def _sortable(pol: TransferPolicy, n: int) -> bool:
+    """Enough keys for a sorted get to differ from a chunked one (more than one piece: the
+    first piece is leased in key order), and no more than it takes."""
+    return 2 * pol.sorted_piece_keys < n <= pol.whole_onboard_keys
 
 
 def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | None,
@@ -347,7 +352,7 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
     poll(ns)
     ns._client._ensure()
     pol = policy()
-    first = _chunked_first(pol, tier, n)
+    first = _chunked_first(pol, tier, n, layers)
     side = None if first else _GetSide(ns, out, rows, n, layers, stream, tier, pol)
     with contextlib.ExitStack() as ctx:
         events: list[Any] = []
@@ -453,23 +458,22 @@ def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | N
 # chunks (the service's order costs a lookup of the batch, which only dense pieces make up
 # for) before a whole one is tried again.
 SPARSE_RETRY = 16
-WHOLE_MIN_KEYS = 64          # smaller gets: one request anyway, and one copy or launch
 
 
 def _whole(ns: "Namespace", pol: TransferPolicy, table: PageTable,
            groups: list[tuple[int, int]], n: int, tier: str) -> bool:
     """Whether a get is leased in the service's slot order (pipeline.lease_sorted) and its
-    pieces moved by Mover.stage_sorted (the policy's sorted_gets): WHOLE_MIN_KEYS to
-    whole_onboard_keys keys, one page group of pages under copy_engine_bytes from the host
-    tier ("auto": under onboard_copy_engine_bytes, on a device whose probe prefers it), the
-    namespace's last whole get not sparse within SPARSE_RETRY gets."""
+    pieces moved by Mover.stage_sorted (the policy's sorted_gets): _sortable's keys, one page
+    group of pages under copy_engine_bytes from the host tier ("auto": rows of one page
+    under onboard_copy_engine_bytes, where it was measured, on a device whose probe prefers
+    it), the namespace's last whole get not sparse within SPARSE_RETRY gets."""
     biggest = int(table.size.max())
-    if (not pol.staged or len(groups) != 1 or tier != "host" or n < WHOLE_MIN_KEYS
-            or n > pol.whole_onboard_keys or biggest >= pol.copy_engine_bytes
-            or pol.sorted_gets == "off"):
+    if (not pol.staged or len(groups) != 1 or tier != "host" or not _sortable(pol, n)
+            or biggest >= pol.copy_engine_bytes or pol.sorted_gets == "off"):
         return False
     if pol.sorted_gets == "auto" and (
-            (pol.onboard_copy_engine_bytes and biggest >= pol.onboard_copy_engine_bytes)
+            table.pages != 1
+            or (pol.onboard_copy_engine_bytes and biggest >= pol.onboard_copy_engine_bytes)
             or not probe.prefers_sorted(table.device, pol)):
         return False
     if ns._whole_skip:
