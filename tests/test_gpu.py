@@ -726,7 +726,7 @@ def test_the_mapped_read_probe_decides_auto_sorted_gets(gpu_service, monkeypatch
                 rows = np.random.default_rng(8).permutation(2 * n)[:n]
                 out = torch.zeros((2 * n, BB), dtype=torch.uint8, device="cuda")
                 order = np.random.default_rng(9).permutation(n)
-                h = ns.get_async(keys(order), out=out, rows=rows)
+                h = ns.get_async(keys(order.tolist()), out=out, rows=rows)
                 assert h.wait().all()
                 assert h.staged == (r["ratio"] < floor)
                 idx = torch.as_tensor(rows, device="cuda")
