@@ -502,3 +502,24 @@ def test_reports_reach_stats_and_metrics_and_garbage_reports_are_refused(service
                            env={**os.environ, "COLUMNS": "200"})
     assert table.returncode == 0, table.stderr
     assert "engine connectors" in table.stdout and "eng-1" in table.stdout
+
+
+def test_warming_a_gpu_cache_that_fails_is_a_warning_not_a_failed_start(monkeypatch, caplog):
+    # register_kv_caches warms the CUDA path (kernels, the mapped-read probe) for a KV cache
+    # on a GPU. A GPU host without cupy cannot be made here, so the failure is injected
+    # (kvtier.gpu.warm raising as its cupy import would) and the KV cache is declared on a GPU.
+    import kvtier.gpu
+    from kvtier.integrations import mover
+    calls = []
+    monkeypatch.setattr(kvtier.gpu, "warm", lambda device: calls.append(device))
+    _arrays, host = _pages(0)
+    assert mover.warm(host, 0) and calls == []                 # host memory: nothing to warm
+    monkeypatch.setattr(Pages, "is_cuda", property(lambda self: True))
+    assert mover.warm(host, 3) and calls == [3]
+
+    def no_cupy(device):
+        raise ModuleNotFoundError("No module named 'cupy'")
+    monkeypatch.setattr(kvtier.gpu, "warm", no_cupy)
+    with caplog.at_level("WARNING", logger="kvtier.integrations"):
+        assert not mover.warm(host, 0)
+    assert "could not be warmed (ModuleNotFoundError: No module named 'cupy')" in caplog.text

@@ -32,6 +32,7 @@ from typing import AbstractSet as Set, Any
 
 import numpy as np
 
+from kvtier.api.layouts import Pages
 from kvtier.errors import ConfigError, NamespaceError, ServiceUnavailable
 from kvtier.integrations.connector import Link
 from kvtier.integrations.planner import LoadSpec, TransferPlan
@@ -117,6 +118,24 @@ class Mover:
         parents = b"".join(plan.store_parents[i] for i in keep)
         if self._move("put", keys, [plan.store_block_ids[i] for i in keep], parents) is not None:
             self.link.stats.add("stored_blocks", len(keep))
+
+
+def warm(pages: Pages, device: int) -> bool:
+    """At registration, for a KV cache on a GPU: the kernels compiled and the mapped-read
+    probe (gpu_sorted_gets = auto) run now, before the first forward, not inside the first
+    step that loads blocks. A failure (no cupy on the host, a CUDA error) is logged and
+    returns False: it is the first load's failure later, a counted miss, never a failed
+    start of the engine. Nothing for host memory (True)."""
+    if not pages.is_cuda:
+        return True
+    try:
+        from kvtier.gpu import warm as warm_gpu
+        warm_gpu(device)
+    except Exception as exc:
+        log.warning("kvtier: the CUDA path could not be warmed (%s: %s); loads and stores "
+                    "will try again, and count what fails", type(exc).__name__, exc)
+        return False
+    return True
 
 
 class SpoiledStores:

@@ -28,7 +28,6 @@ kv_connector_extra_config.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -49,10 +48,9 @@ from kvtier.integrations.connector import (
     layout_record,
     weights_digest,
 )
-from kvtier.integrations.mover import BackgroundLoads, Mover, SpoiledStores, union_failures
+from kvtier.integrations.mover import (BackgroundLoads, Mover, SpoiledStores, union_failures,
+                                       warm)
 from kvtier.integrations.planner import Planner, TransferPlan
-
-log = logging.getLogger("kvtier.integrations")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -225,18 +223,7 @@ class KvtierConnector(KVConnectorBase_V1):
         num_blocks = int(self._kv_cache_config.num_blocks)
         dim = _block_dim(tuple(tensors[0].shape), num_blocks)
         pages = Pages.from_layers(tensors, block_dim=dim)
-        if pages.is_cuda:
-            # The kernels compiled and the mapped-read probe (gpu_sorted_gets = auto) run
-            # now, before the first forward, not inside the first step that loads blocks. A
-            # failure here is the first load's failure later (a counted miss), not the
-            # engine's: the connector costs a recompute, never a start.
-            try:
-                from kvtier.gpu import warm
-                warm(int(tensors[0].device.index or 0))
-            except Exception as exc:
-                log.warning("kvtier: the CUDA path could not be warmed (%s: %s); loads and "
-                            "stores will try again, and count what fails", type(exc).__name__,
-                            exc)
+        warm(pages, int(getattr(tensors[0].device, "index", None) or 0))
         layout = layout_record(
             str(self._vllm_config.cache_config.kv_cache_layout or "LBHNC"), names,
             [tuple(t.shape[:dim]) + tuple(t.shape[dim + 1:]) for t in tensors],
