@@ -19,8 +19,8 @@ from __future__ import annotations
 def warm(device: int = 0, measure: bool = True) -> None:
     """Create the CUDA context and compile the kernels before the first request (a worker's
     first transfer otherwise pays NVRTC's compile, ~0.5 s); measure: also the mapped-read
-    probe that gpu_sorted_gets = auto decides by (kvtier.gpu.probe, ~15 ms), here rather than
-    at the first get, beside the model."""
+    probe that gpu_sorted_gets = auto decides by (kvtier.gpu.probe, tens of ms with its
+    buffer's registration; never run inside a get)."""
     import cupy
     from kvtier.gpu import kernels, probe
     with cupy.cuda.Device(device):

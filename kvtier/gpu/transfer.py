@@ -334,9 +334,10 @@ def _chunked_first(pol: TransferPolicy, tier: str, n: int, layers: int | None) -
 
 
 def _sortable(pol: TransferPolicy, n: int) -> bool:
-    """Enough keys for a sorted get to differ from a chunked one (more than one piece: the
-    first piece is leased in key order), and no more than it takes."""
-    return 2 * pol.sorted_piece_keys < n <= pol.whole_onboard_keys
+    """Enough keys for a sorted get to differ from a chunked one (more than one of
+    pipeline.lease_sorted's pieces: the first is leased in key order), and no more than it
+    takes."""
+    return n <= pol.whole_onboard_keys and len(pipeline.chunks(n, pol.sorted_piece_keys)) > 1
 
 
 def get_async(ns: "Namespace", kb: bytes, n: int, out: Any, rows: np.ndarray | None,
