@@ -38,6 +38,9 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
                                              thread blocks of TransferPolicy varied
     single_cuda_get_p50_us (p99)             one 64 KiB block into a CUDA tensor (ns.get: its
                                              latency path); _async_p50_us: get_async().wait()
+    small_cuda_get_p50_us (p99)              64 scattered 16 KiB blocks into a CUDA tensor,
+                                             beside small_host_get_p50_us: the same get into
+                                             host memory (what the GPU path adds per get)
     hbm_onboard_ratio_2m                     1,024 x 2 MiB from the HBM tier (CUDA IPC), / D2D
     mapped_read_probe                        kvtier.gpu.probe at warm(): the SMs' read rate of
                                              mapped host memory against a copy engine, and
@@ -806,11 +809,46 @@ def single_get(c, reps: int) -> dict:
     for _ in range(200):
         tp.append(c.ping() * 1e6)
     busy = c.stats().get("busy_poll")
-    return {"single_ping_p50_us": round(float(np.median(tp)), 1), "service_busy_poll": busy,
+    return {**small_gets(c), "single_ping_p50_us": round(float(np.median(tp)), 1),
+            "service_busy_poll": busy,
             "single_cuda_get_p50_us": round(p["p50"], 1), "single_cuda_get_p99_us":
             round(p["p99"], 1), "single_host_get_p50_us": round(float(np.median(th)), 1),
             "single_cuda_get_async_p50_us": round(float(np.median(ta)), 1),
             "single_cuda_get_profile": profile_single(ns, keys[0], out)}
+
+
+def small_gets(c, n: int = 64, bb: int = 16384) -> dict:
+    """A get of n scattered blocks of bb bytes (a short prompt's worth of a small-page cache:
+    the transfer kernel's path, one chunk) into a CUDA tensor and into host memory, p50 and
+    p99 of 300 each, alternated: what the GPU path adds to the same leases per get (its
+    table, staging, stream fork, launch and event), not bandwidth."""
+    import torch
+    ns = namespace(c, "small16k", bb)
+    keys = b"".join((i + 1).to_bytes(16, "big") for i in range(n))
+    src = torch.randint(0, 255, (n, bb), dtype=torch.uint8, device="cuda")
+    ns.put(keys, src)
+    rows = np.random.default_rng(5).permutation(4 * n)[:n]
+    out = torch.zeros(4 * n, bb, dtype=torch.uint8, device="cuda")
+    host = np.empty((n, bb), np.uint8)
+    ns.get(keys, out=out, rows=rows)
+    torch.cuda.synchronize()
+    if not torch.equal(out[torch.as_tensor(rows, device="cuda")], src):
+        raise WrongBytes("a small CUDA get returned wrong bytes")
+    tc, th = [], []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        ns.get(keys, out=out, rows=rows)
+        t1 = time.perf_counter()
+        ns.get(keys, out=host)
+        t2 = time.perf_counter()
+        tc.append((t1 - t0) * 1e6)
+        th.append((t2 - t1) * 1e6)
+    pc, ph = percentiles(tc), percentiles(th)
+    return {"small_cuda_get_p50_us": round(pc["p50"], 1),
+            "small_cuda_get_p99_us": round(pc["p99"], 1),
+            "small_host_get_p50_us": round(ph["p50"], 1),
+            "small_host_get_p99_us": round(ph["p99"], 1),
+            "small_get_blocks": n, "small_get_block_bytes": bb}
 
 
 def hbm_case(c, reps: int, ceil: dict, n: int) -> dict:

@@ -594,6 +594,47 @@ def test_a_single_block_get(gpu_service):
         assert c.stats()["leases"] <= 1          # the last release rides on the next request
 
 
+def test_a_get_keeps_its_page_table_and_slab_while_others_reuse_theirs(gpu_service, method):
+    # Session 40: page tables stay on the device between transfers (device.on_device) and
+    # finished transfers' upload slabs go to the next (staging._slabs). A get queued behind
+    # 200 ms of work keeps both while the cache starts over, the freed memory is handed out
+    # and overwritten, and a second get runs and finishes beside it: both move the right
+    # bytes, and the second took neither the first's table copy nor its slab.
+    import gc
+    from kvtier.gpu import device, staging
+    with kvtier.Client(gpu_service.socket) as c:
+        ns = c.namespace("kept", block_bytes=BB)
+        src = torch.randint(0, 255, (512, BB), dtype=torch.uint8, device="cuda")
+        ns.put(keys(range(512)), src)
+        rows = np.random.default_rng(2).permutation(1024)[:512]
+        out_a = torch.zeros(1024, BB, dtype=torch.uint8, device="cuda")
+        out_b = torch.zeros_like(out_a)
+        slow, quick = torch.cuda.Stream(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        _sleep(slow)
+        a = ns.get_async(keys(range(512)), out=out_a, rows=rows, stream=slow)
+        assert not a.done()
+        kept_a = [s.data.ptr for _d, s in a._staging._slabs]
+        device._on_device.clear()
+        gc.collect()
+        junk = [cupy.full(1 << 16, -1, dtype=cupy.int64) for _ in range(64)]
+        b = ns.get_async(keys(range(512)), out=out_b, rows=rows[::-1].copy(), stream=quick)
+        kept_b = [s.data.ptr for _d, s in b._staging._slabs]
+        assert not set(kept_a) & set(kept_b)
+        assert b.wait().all() and a.wait().all()
+        torch.cuda.synchronize()
+        idx = torch.as_tensor(rows, device="cuda")
+        assert torch.equal(out_a[idx], src) and torch.equal(out_b[idx.flip(0)], src)
+        del junk
+        # Finished: their slabs are kept for the next get, which takes one and no new table.
+        dev = torch.cuda.current_device()
+        assert len(staging._slabs.get(dev, [])) >= (1 if kept_a or kept_b else 0)
+        tables = len(device._on_device)
+        assert ns.get(keys(range(512)), out=out_a, rows=rows).all()
+        assert len(device._on_device) == tables
+        assert torch.equal(out_a[idx], src)
+
+
 def test_a_64k_row_onboard_goes_by_copy_engines_and_its_offload_by_the_kernel(gpu_service):
     # The default policy: a get of 64 KiB rows host to GPU by batched copy engines, on a
     # non-default stream beside work on torch's; the put of the same rows by the kernel.

@@ -474,14 +474,23 @@ class _FakeStream:
     ptr = 1
 
 
-def _mover(policy: TransferPolicy, page: int):
+def _mover(policy: TransferPolicy, page: int, monkeypatch):
+    """A Mover over a fake table and staging; uploads lists the sizes of the table's words
+    each time the Mover fetched its device copy (device.on_device, faked: no GPU here), and
+    the staging keeps what it was given."""
     from types import SimpleNamespace
-    from kvtier.gpu.device import Mover
+    from kvtier.gpu import device
     t = PageTable.make([1 << 30], [page], [page], 4096, -1)
     slots = SimpleNamespace(block_bytes=page, device_to_device=False, ranges=())
     uploads: list[int] = []
-    staging = SimpleNamespace(upload=lambda a, st=None: uploads.append(a.size) or 4096)
-    return Mover(slots, t, _FakeStream(), policy, staging), uploads
+
+    def on_device(table):
+        uploads.append(table.staged().size)
+        return SimpleNamespace(address=4096, vectors={})
+    monkeypatch.setattr(device, "on_device", on_device)
+    kept: list[object] = []
+    staging = SimpleNamespace(keep=kept.append)
+    return device.Mover(slots, t, _FakeStream(), policy, staging), uploads
 
 
 @pytest.mark.parametrize("page, n, policy, prepared", [
@@ -500,7 +509,7 @@ def test_a_chunked_get_prepares_its_first_kernel_launch_while_the_service_answer
     side = object()
     monkeypatch.setattr(device, "own", lambda dev, role, high_priority=False: side)
     monkeypatch.setattr(device, "Lanes", lambda caller, sides: forks.append((caller, sides)))
-    m, uploads = _mover(policy, page)
+    m, uploads = _mover(policy, page, monkeypatch)
     m.prepare(0, 1, n)
     assert (m._tab != 0) == prepared and len(uploads) == (1 if prepared else 0)
     forked = prepared and policy.kernel_priority

@@ -73,6 +73,47 @@ def sm_count(device: int) -> int:
 _tables: dict[tuple, PageTable] = {}
 
 
+class _OnDevice:
+    """A page table's words (PageTable.staged) in device memory, and the vector width of each
+    launch over it (vector_bytes), kept across transfers: an engine moves to and from the same
+    KV cache every step, and session 40's H100 timeline spent 28-40 us of a small-page get's
+    first chunk uploading its table, and vector_bytes ran again for every Mover. Found by the
+    words themselves (plus the device), so a table rebuilt from the same tensors (split_rows
+    makes one per call) finds its copy and no two tables can share one."""
+
+    __slots__ = ("array", "address", "vectors")
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+        self.address = int(array.data.ptr)
+        self.vectors: dict[tuple[int, int, int, int], int] = {}
+
+
+_on_device: dict[tuple[int, bytes], _OnDevice] = {}
+ON_DEVICE_MAX = 256       # tables kept; past it the cache starts over (transfers keep theirs)
+
+
+def on_device(table: PageTable) -> _OnDevice:
+    """The device copy of table's words, uploaded the first time and complete on return (the
+    host waits for that small copy on a stream of kvtier's own, never for the caller's), so
+    that every stream may read it from then on."""
+    import cupy
+    words = np.ascontiguousarray(table.staged())
+    key = (table.device, words.tobytes())
+    kept = _on_device.get(key)
+    if kept is None:
+        with cupy.cuda.Device(table.device):
+            array = cupy.empty(max(1, words.size), dtype=cupy.int64)
+            st = own(table.device, "tables")
+            cupy.cuda.runtime.memcpyAsync(int(array.data.ptr), words.ctypes.data,
+                                          words.nbytes, _H2D, st.ptr)
+            st.event().synchronize()
+        if len(_on_device) >= ON_DEVICE_MAX:
+            _on_device.clear()
+        kept = _on_device[key] = _OnDevice(array)
+    return kept
+
+
 def target_table(target: Any, block_bytes: int) -> PageTable:
     """The PageTable of a CUDA tensor of whole rows, or of CUDA Pages (plan.py). Remembered by
     addresses and sizes (an engine passes the same cache every step; the table is a pure
@@ -158,7 +199,7 @@ class Mover:
         self._sorted_ring: list[list[Any]] = []   # stage_sorted's: [address, bytes, last placement]
         self._sorted_turn = 0
         self._gather: Stream | None = None      # the stream of offload gathers (_staged_out)
-        self._vectors: dict[tuple[int, int, int, int], int] = {}    # vector_bytes, per launch
+        self._kept: _OnDevice | None = None     # the table on the device (on_device)
         # bench/gpu.py's timeline: where a list, each staged piece appends its timing events
         # [copy start, copy end, placement start, placement end] (cupy Events).
         self.trace: list[list[Any]] | None = Mover.trace_all
@@ -167,6 +208,22 @@ class Mover:
         # on the kernel stream and its placement: bench/gpu.py's diagnosis).
         self.upload_ahead = True
         self._work = stream                 # the stream of the last copies or kernel (mark())
+
+    def _table_address(self) -> int:
+        """The device address of the table's words, kept alive by this transfer's staging
+        until the transfer has completed (the cache may start over meanwhile)."""
+        if self._kept is None:
+            self._kept = on_device(self.table)
+            self.staging.keep(self._kept)
+        return self._kept.address
+
+    def _vector(self, base: int, bb: int, a: int, b: int) -> int:
+        self._table_address()
+        vectors = self._kept.vectors
+        vec = vectors.get((base, bb, a, b))
+        if vec is None:
+            vec = vectors[(base, bb, a, b)] = vector_bytes(base, bb, self.table, a, b)
+        return vec
 
     def mark(self) -> tuple[Any, list[float]]:
         """bench/gpu.py's chunk timeline: a timing event on the stream of the last copies or
@@ -191,7 +248,7 @@ class Mover:
                                       onboard=True) is not Method.KERNEL):
             return
         if not self._tab:
-            self._tab = self.staging.upload(self.table.staged())
+            self._tab = self._table_address()
         if self.policy.kernel_priority:
             st = own(self.table.device, "kernel-0", high_priority=True)
             if st not in self._pending:
@@ -364,7 +421,7 @@ class Mover:
             copied.append(self.stream.event())
         copy(0)                # first: the copy engine starts before the host's index work
         if not self._tab:
-            self._tab = self.staging.upload(self.table.staged())
+            self._tab = self._table_address()
         # Piece by piece: its slots less its first (the copy's start), then its rows; on the
         # transfer's stream behind copy 0, ahead of every later copy.
         rel = sl - np.repeat(firsts, [p1 - p0 for p0, p1 in pieces])
@@ -450,7 +507,7 @@ class Mover:
         once, at the first (after the sources were written and the page table uploaded)."""
         if self._gather is None:
             if not self._tab:
-                self._tab = self.staging.upload(self.table.staged())
+                self._tab = self._table_address()
             self._gather = own(self.table.device, "gather-1",
                                high_priority=self.policy.kernel_priority)
             Lanes(self.stream, [self._gather])
@@ -577,14 +634,14 @@ class Mover:
                 or self.policy.method(size, slots.size * np_, d2d) is not Method.KERNEL):
             return None
         rng, pos, local = parts[0]
-        vec = vector_bytes(rng.base, self.slots.block_bytes, table, lo, hi)
+        vec = self._vector(rng.base, self.slots.block_bytes, lo, hi)
         vecs = size // vec
         if local.size * (hi - lo) * vecs > MAX_VECTORS or not can_wait_value(table.device):
             return None
         self.methods.add(Method.KERNEL)
         self.one_launch = True
         if not self._tab:
-            self._tab = self.staging.upload(table.staged())
+            self._tab = self._table_address()
         n, layers = local.size, len(groups)
         idx = self.staging.upload(np.concatenate([local, rows[pos]]))
         counters = self.staging.device(-(-layers // 2))
@@ -633,10 +690,8 @@ class Mover:
         self.methods.add(Method.KERNEL)
         table = self.table
         if not self._tab:
-            self._tab = self.staging.upload(table.staged())
-        vec = self._vectors.get((base, bb, a, b))
-        if vec is None:
-            vec = self._vectors[(base, bb, a, b)] = vector_bytes(base, bb, table, a, b)
+            self._tab = self._table_address()
+        vec = self._vector(base, bb, a, b)
         vecs = int(table.size[a]) // vec
         # Pages of at least a vector per thread of each of four passes (64 KiB): below that
         # most of a block's threads would idle on every page.
@@ -704,7 +759,7 @@ class Mover:
         import cupy
         n = rows.size
         if not self._tab:
-            self._tab = self.staging.upload(self.table.staged())
+            self._tab = self._table_address()
         keys = _key_table(self.table.device)
         ridx = self.staging.upload(rows)
         side.wait(self.stream.event())

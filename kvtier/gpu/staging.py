@@ -36,6 +36,12 @@ class _Arena:
 
 ARENA = _Arena()
 
+# Device slabs of finished transfers, per device, for the next transfer's uploads (cupy.empty
+# of SLAB_BYTES was 10-20 us of a get's first chunk). Handed back by release() only, which
+# runs once the transfer has completed (or, after a failure, once nothing of it can still run).
+_slabs: dict[int, list[Any]] = {}
+SLABS_KEPT = 8                # per device; more go back to cupy's pool
+
 
 class Staging:
     """Index arrays of one transfer on their way to the GPU: written to pinned memory and copied
@@ -49,6 +55,7 @@ class Staging:
         self._off = 0
         self._keep: list[Any] = []
         self._slab = self._slab_cap = self._slab_off = 0     # device memory for uploads
+        self._slabs: list[tuple[int, Any]] = []              # (device, array) taken for them
 
     def _device_bytes(self, nbytes: int) -> int:
         """nbytes of device memory (256-byte aligned) cut from a slab of SLAB_BYTES: one
@@ -57,10 +64,14 @@ class Staging:
         import cupy
         nbytes = -(-nbytes // 256) * 256
         if self._slab_off + nbytes > self._slab_cap:
-            cap = max(SLAB_BYTES, nbytes)
-            dev = cupy.empty(cap // 8, dtype=cupy.int64)
-            self._keep.append(dev)
-            self._slab, self._slab_cap, self._slab_off = int(dev.data.ptr), cap, 0
+            device = cupy.cuda.runtime.getDevice()
+            free = _slabs.get(device)
+            if nbytes <= SLAB_BYTES and free:
+                dev = free.pop()
+            else:
+                dev = cupy.empty(max(SLAB_BYTES, nbytes) // 8, dtype=cupy.int64)
+            self._slabs.append((device, dev))
+            self._slab, self._slab_cap, self._slab_off = int(dev.data.ptr), dev.nbytes, 0
         addr = self._slab + self._slab_off
         self._slab_off += nbytes
         return addr
@@ -95,7 +106,15 @@ class Staging:
         self._outs.append(buf)
         return buf[0]
 
+    def keep(self, obj: Any) -> None:
+        """Hold obj (device memory a launch reads) until release()."""
+        self._keep.append(obj)
+
     def release(self) -> None:
         ARENA.give(self._bufs + self._outs)
-        self._bufs, self._outs, self._keep = [], [], []
+        for device, dev in self._slabs:
+            free = _slabs.setdefault(device, [])
+            if dev.nbytes == SLAB_BYTES and len(free) < SLABS_KEPT:
+                free.append(dev)
+        self._bufs, self._outs, self._keep, self._slabs = [], [], [], []
         self._slab = self._slab_cap = self._slab_off = 0
