@@ -73,6 +73,13 @@ class _Stream:
     def __init__(self, ptr: int, log: list[str]) -> None:
         self.ptr, self.log = ptr, log
 
+    @property
+    @contextlib.contextmanager
+    def cupy(self):
+        """cupy's current stream while entered (an allocation's pool order)."""
+        self.log.append(f"enter {self.ptr}")
+        yield
+
     def event(self):
         log = self.log
         return types.SimpleNamespace(synchronize=lambda: log.append(f"sync {self.ptr}"))
@@ -110,8 +117,10 @@ def test_a_table_goes_to_the_device_once_and_complete(cupy):
     t = _rows()
     kept: list = []
     a = _mover(t, kept)._table_address()
-    # Complete on return: the host waited for the tables stream after its one copy.
-    assert len(cupy.copies) == 1 and cupy.log == [f"sync {cupy.copies[0][2]}"]
+    # Allocated in the tables stream's order, complete on return: the host waited for that
+    # stream after its one copy.
+    tables = cupy.copies[0][2]
+    assert len(cupy.copies) == 1 and cupy.log == [f"enter {tables}", f"sync {tables}"]
     assert cupy.copies[0][2] == cupy.own(0, "tables").ptr
     assert (cupy.allocs[0].words() == t.staged()).all() and a == cupy.allocs[0].data.ptr
     # Another transfer on the same table, and one on a table rebuilt from the same tensors
@@ -167,6 +176,11 @@ def test_vector_widths_are_worked_out_once_per_table(cupy, monkeypatch):
         assert _mover(t, [])._vector(1 << 32, 16384, 0, 1) == 16
     assert _mover(t, [])._vector((1 << 32) + 8, 16384, 0, 1) == 8     # another base
     assert calls == [(1 << 32, 16384, 0, 1), ((1 << 32) + 8, 16384, 0, 1)]
+    # Staging buffers come at new addresses every transfer: kept by what the width depends
+    # on (addresses modulo 16), so they do not grow the cache.
+    for k in range(50):
+        assert _mover(t, [])._vector((2 << 32) + 4096 * k, 16384, 0, 1) == 16
+    assert len(calls) == 2 and len(device._on_device[(0, t.staged().tobytes())].vectors) == 2
     # A misaligned table is still refused, every time (nothing cached for it).
     bad = PageTable.make([(1 << 30) + 4], [16384], [16384], 4096, 0)
     for _ in range(2):
@@ -194,6 +208,33 @@ def test_a_released_staging_hands_its_slab_to_the_next_transfer_and_no_earlier(c
     b.release()
     c.release()
     assert len(staging._slabs[0]) == 2
+
+
+def test_threads_staging_at_once_never_share_a_buffer_or_a_slab(cupy):
+    # The vLLM connector's background loads and the engine's stores stage from two threads.
+    import threading
+    st = _Stream(7, [])
+    seen: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(200):
+                s = staging.Staging(st)
+                addr = _upload(s, 64)
+                seen.append((addr, s._bufs[0][0]))
+                s.release()
+        except BaseException as exc:      # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(seen) == 800
+    # Every pooled buffer and slab went back whole: nothing was lost or handed out twice.
+    assert len(staging.ARENA._free) == len({b for b in staging.ARENA._free})
+    assert len(staging._slabs[0]) == len({id(d) for d in staging._slabs[0]}) <= 8
 
 
 def test_slabs_past_their_size_or_count_are_not_kept(cupy, monkeypatch):

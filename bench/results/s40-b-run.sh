@@ -14,19 +14,19 @@ PYTHONPATH=/tmp/site:$H timeout 200 python3 -m pytest -q -p no:cacheprovider -m 
     tests/test_gpu.py tests/test_gpu_plan.py tests/test_rev12_gpu.py --maxfail=8 > $OUT/pytest-gpu.txt 2>&1
 tail -3 $OUT/pytest-gpu.txt; grep -E "^(FAILED|ERROR)" $OUT/pytest-gpu.txt | head; el pytest
 for r in base-r1 head-r1 head-r2 base-r2; do T=$B; case $r in head*) T=$H;; esac
-  left 400 || { echo "rows $r skipped"; continue; }
+  left 330 || { echo "rows $r skipped"; continue; }
   (cd $T && PYTHONPATH=/tmp/site:$T timeout 60 python3 bench/gpu.py --json --reps 7 \
       --cases rows64k,rows16k,single --variants "") > $OUT/rows-$r.json 2> $OUT/rows-$r.err \
       || tail -3 $OUT/rows-$r.err
   gpu_summary $OUT/rows-$r.json $r; el "rows $r"
 done
 for r in head base; do T=$B; [ $r = head ] && T=$H
-  left 480 || { echo "probe $r skipped"; continue; }
+  left 400 || { echo "probe $r skipped"; continue; }
   (cd $T && PYTHONPATH=/tmp/site:$T timeout 45 python3 bench/gpu_probe.py --reps 7 --no-layers \
       --json) > $OUT/gpu-probe-$r.json 2> $OUT/gpu-probe-$r.err || tail -3 $OUT/gpu-probe-$r.err
   grep "^## " $OUT/gpu-probe-$r.err | sed "s/^/$r /"; el "probe $r"
 done
-if left 420; then
+if left 300; then
   PYTHONPATH=/tmp/site:$H timeout 150 python3 bench/gpu.py --json > $OUT/gpu-full.json 2>$OUT/gpu-full.err || tail -3 $OUT/gpu-full.err
   gpu_summary $OUT/gpu-full.json full; el "gpu full"
 fi

@@ -103,8 +103,9 @@ def on_device(table: PageTable) -> _OnDevice:
     kept = _on_device.get(key)
     if kept is None:
         with cupy.cuda.Device(table.device):
-            array = cupy.empty(max(1, words.size), dtype=cupy.int64)
             st = own(table.device, "tables")
+            with st.cupy:       # cupy's pool then reuses memory in that stream's order
+                array = cupy.empty(max(1, words.size), dtype=cupy.int64)
             cupy.cuda.runtime.memcpyAsync(int(array.data.ptr), words.ctypes.data,
                                           words.nbytes, _H2D, st.ptr)
             st.event().synchronize()
@@ -218,11 +219,14 @@ class Mover:
         return self._kept.address
 
     def _vector(self, base: int, bb: int, a: int, b: int) -> int:
+        """vector_bytes over pages a..b from base, kept with the table: by base and bb modulo
+        16, all the width depends on, so staging buffers (new addresses every transfer) do
+        not grow the cache."""
         self._table_address()
-        vectors = self._kept.vectors
-        vec = vectors.get((base, bb, a, b))
+        vectors, k = self._kept.vectors, (base % 16, bb % 16, a, b)
+        vec = vectors.get(k)
         if vec is None:
-            vec = vectors[(base, bb, a, b)] = vector_bytes(base, bb, self.table, a, b)
+            vec = vectors[k] = vector_bytes(base, bb, self.table, a, b)
         return vec
 
     def mark(self) -> tuple[Any, list[float]]:

@@ -5,6 +5,7 @@ transfer's stream (Staging), kept until the transfer has completed.
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 import numpy as np
@@ -17,21 +18,26 @@ SLAB_BYTES = 1 << 20          # a transfer's first device allocation for its ind
 
 class _Arena:
     """Pinned host buffers for staged indices, reused once the transfer that staged into them
-    has completed (never earlier: its copies may still read them)."""
+    has completed (never earlier: its copies may still read them). Locked: the vLLM
+    connector's background loads and the engine's stores stage from two threads, and an
+    unlocked search-then-pop could hand one of them a smaller buffer than it found."""
 
     def __init__(self) -> None:
         self._free: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> tuple[int, int]:
-        for i, (addr, cap) in enumerate(self._free):
-            if cap >= nbytes:
-                return self._free.pop(i)
+        with self._lock:
+            for i, (addr, cap) in enumerate(self._free):
+                if cap >= nbytes:
+                    return self._free.pop(i)
         import cupy
         cap = max(1 << 20, 1 << (nbytes - 1).bit_length())
         return cupy.cuda.runtime.hostAlloc(cap, 0), cap
 
     def give(self, bufs: list[tuple[int, int]]) -> None:
-        self._free.extend(bufs)
+        with self._lock:
+            self._free.extend(bufs)
 
 
 ARENA = _Arena()
@@ -65,10 +71,13 @@ class Staging:
         nbytes = -(-nbytes // 256) * 256
         if self._slab_off + nbytes > self._slab_cap:
             device = cupy.cuda.runtime.getDevice()
-            free = _slabs.get(device)
-            if nbytes <= SLAB_BYTES and free:
-                dev = free.pop()
-            else:
+            dev = None
+            if nbytes <= SLAB_BYTES:
+                try:
+                    dev = _slabs.get(device, []).pop()    # one call: atomic across threads
+                except IndexError:
+                    pass
+            if dev is None:
                 dev = cupy.empty(max(SLAB_BYTES, nbytes) // 8, dtype=cupy.int64)
             self._slabs.append((device, dev))
             self._slab, self._slab_cap, self._slab_off = int(dev.data.ptr), dev.nbytes, 0

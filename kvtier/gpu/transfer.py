@@ -28,7 +28,9 @@ and of a put:
        after their launched copies have finished, and the error says how many blocks were
        stored (each chunk is whole blocks: nothing is torn).
 
-Never a stream or device synchronisation: host waits are on the transfer's own events only.
+Never a stream or device synchronisation: host waits are on the transfer's own events only,
+and once per page table on its small upload to the device (device.on_device, on a stream of
+kvtier's own).
 Not thread-safe, like the Client.
 """
 
