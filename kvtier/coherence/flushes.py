@@ -415,7 +415,7 @@ class Flushes:
         if self.store.space.compaction_due() or self.store.journal.due():
             with self.store.writer:
                 self.settle()
-                self.store.space.compact(ns)
+                self.store.space.compact(ns, int(batch.rows.size) * ns.block_bytes)
                 if self.store.journal.due():
                     self.store.checkpoint(strict=False)
 

@@ -247,25 +247,44 @@ class Space:
         """The tier is COMPACT_ABOVE full, its spare files left out: they are room the next
         segments take over (tiers.nvme.SPARES), not data that compacting could free."""
         used = self.store.used_bytes()
-        spare = sum(lg.spare_bytes() for lg in self.store.logs())
         # Not kept: this statvfs runs beside the next group's append (rev10).
-        return used - spare >= COMPACT_ABOVE * self.capacity_now(used, keep=False)
+        return self._filled(used) >= COMPACT_ABOVE * self.capacity_now(used, keep=False)
 
-    def compact(self, ns: "Namespace") -> None:
-        """After a flush: reclaim the sealed segments below compact_threshold (writer held);
-        their live blocks are all copied forward while the headroom allows.
+    def _filled(self, used: int | None = None) -> int:
+        """The segments' bytes less the spare files'."""
+        used = self.store.used_bytes() if used is None else used
+        return used - sum(lg.spare_bytes() for lg in self.store.logs())
+
+    def compact(self, ns: "Namespace", wrote: int = 0) -> int:
+        """After a flush that wrote ``wrote`` bytes: reclaim sealed segments below
+        compact_threshold, emptiest first, their live blocks all copied forward while the
+        headroom allows (writer held). Returns the segments reclaimed.
 
         Only once the tier is COMPACT_ABOVE full: below that the dead bytes cost nothing
         (the space is free anyway) and copying live blocks forward is write amplification
         for nothing. Compacting at any fill cost the randrw fio jobs' uniform rewrites (their
         segments half live after one pass) a write amplification of 1.5 and two more LMDB
-        transactions per reclaim, about 4 ms of every 16-block write_through put (issue 17)."""
+        transactions per reclaim, about 4 ms of every 16-block write_through put (issue 17).
+
+        Paced: it stops once it has freed what the flush wrote (at least one segment), or
+        once the tier is under the mark again. Reclaiming every candidate at once made one
+        put in ~50 wait for ten reclaims (172-190 ms on the dev VM, the randrw jobs' write
+        p99.9) where the others waited for none; one at a time, the emptiest first, the
+        later candidates go on losing live blocks to rewrites before their turn, so each
+        byte freed copies fewer forward. A tier that fills faster than this frees is still
+        made room in by the flush's own make_room."""
         if not self._full_enough_to_compact():
-            return
+            return 0
+        goal = self._filled() - max(wrote, 1)
+        done = 0
         for sid in ns.log.compaction_candidates(self.store.settings.compact_threshold):
+            if done and (self._filled() <= goal or not self._full_enough_to_compact()):
+                break
             seg = ns.log.segments.get(sid)
             if seg is not None:
                 self.reclaim(ns, seg, keep_all=True)
+                done += 1
+        return done
 
     def reclaim(self, ns: "Namespace", seg: Segment, keep_all: bool) -> None:
         """Empty one sealed segment and delete it (writer held). Its live blocks are copied
