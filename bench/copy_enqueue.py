@@ -122,9 +122,45 @@ class Case:
         end.synchronize()
         return host, cupy.cuda.get_elapsed_time(start, end) / 1e3
 
-    def measure(self, reps: int) -> dict:
-        self.once()
-        hs, gs = zip(*(self.once() for _ in range(reps)))
+    def two_threads(self) -> tuple[float, float]:
+        """The same copies, half each from two threads onto two streams at once (forked from
+        one event, both ends waited for): whether the driver hands copies over faster from
+        two threads than from one."""
+        import threading
+        import cupy
+        from kvtier.gpu.copies import copy_batch
+        from kvtier.gpu.streams import own
+        other = own(0, "enqueue-probe-2")
+        start, ends = cupy.cuda.Event(), [cupy.cuda.Event(), cupy.cuda.Event()]
+        start.record(self.stream.cupy)
+        other.wait(start)
+        half = self.blocks // 2
+        parts = [(self.stream, slice(0, half)), (other, slice(half, self.blocks))]
+        go = threading.Barrier(2)
+        spent = [0.0, 0.0]
+
+        def run(i: int) -> None:
+            st, sl = parts[i]
+            go.wait()
+            t0 = time.perf_counter()
+            copy_batch(self.dst[sl], self.src[sl], self.sizes[sl], st, 1 << 20)
+            spent[i] = time.perf_counter() - t0
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for ev, (st, _) in zip(ends, parts):
+            ev.record(st.cupy)
+        for ev in ends:
+            ev.synchronize()
+        gpu = max(cupy.cuda.get_elapsed_time(start, ev) for ev in ends) / 1e3
+        return max(spent), gpu
+
+    def measure(self, reps: int, fn=None) -> dict:
+        fn = fn or self.once
+        fn()
+        hs, gs = zip(*(fn() for _ in range(reps)))
         h, g = float(np.median(hs)), float(np.median(gs))
         return {"enqueue_us_per_copy": round(h / self.blocks * 1e6, 3),
                 "enqueue_ms": round(h * 1e3, 3), "gpu_ms": round(g * 1e3, 3),
@@ -175,6 +211,10 @@ def main() -> None:
     res["beside_spinner"] = spinners
     os.sched_setaffinity(0, {fast})
     alone_again = case.measure(args.reps)
+    os.sched_setaffinity(0, main_mask)            # two threads: on any CPUs, as one is here
+    res["two_threads"] = {"one": case.measure(args.reps),
+                          "two": case.measure(args.reps, case.two_threads)}
+    os.sched_setaffinity(0, {fast})
     case.register_more(16, 64 << 20)
     res["with_16_more_ranges"] = {"alone": alone_again, "more": case.measure(args.reps)}
     os.sched_setaffinity(0, main_mask)

@@ -20,6 +20,7 @@ if d:
     print("per cpu gpu GB/s", {c: r["gpu_gbps"] for c, r in d["per_cpu"].items()})
     print("beside spinner", d["beside_spinner"])
     print("more ranges", d["with_16_more_ranges"])
+    print("two threads", d["two_threads"])
 PY
 el enqueue
 PYTHONPATH=/tmp/site:$H timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu \
