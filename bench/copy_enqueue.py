@@ -141,6 +141,7 @@ class Case:
 
         def run(i: int) -> None:
             st, sl = parts[i]
+            cupy.cuda.runtime.setDevice(0)    # the driver's batch call needs a current context
             go.wait()
             t0 = time.perf_counter()
             copy_batch(self.dst[sl], self.src[sl], self.sizes[sl], st, 1 << 20)
