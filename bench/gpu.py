@@ -225,11 +225,36 @@ def rows_case(c, name: str, bb: int, n: int, reps: int, ceil: dict, mm: Matmul,
         finally:
             (pipeline.CUDA_PUT_CHUNK_BYTES, pipeline.CUDA_PUT_CHUNK_MIN,
              pipeline.CUDA_PUT_CHUNK) = saved
+    # Short edge chunks: a first one whose reply comes back sooner, a last one whose commit
+    # after the last copy is short (the middle cut as before).
+    cut = pipeline.cuda_put_chunks
+    for first, last in ((64, 64), (32, 128)):
+        def edged(m, b, _f=first, _l=last):
+            if m <= 2 * (_f + _l):
+                return cut(m, b)
+            return ([(0, _f)] + [(_f + lo, _f + hi) for lo, hi in cut(m - _f - _l, b)]
+                    + [(m - _l, m)])
+        pipeline.cuda_put_chunks = edged
+        try:
+            extra[f"offload_ratio_{tag}_edges_{first}_{last}"] = round(
+                n * bb / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)
+        finally:
+            pipeline.cuda_put_chunks = cut
     extra[f"offload_chunks_{tag}"] = len(pipeline.cuda_put_chunks(n, bb))
     if tag != "2m":
         extra.update(onboard_split(ns, kb, n, get, lambda: ns.get_async(
             kb, out=out, rows=rows, stream=stream), tag, reps))
     extra[f"offload_hash_ms_{tag}"] = round(hash_ms(ns, out, rows, reps) * 1e3, 3)
+    if tag != "2m":
+        from kvtier.gpu import transfer
+        from kvtier.gpu.plan import TransferPolicy
+        put_h = lambda: ns.put_async(kb, out, rows=rows, stream=stream)   # noqa: E731
+        extra[f"offload_timeline_{tag}"] = put_timeline(ns, put_h, reps)
+        transfer.set_policy(TransferPolicy(staged_out_bytes=0))   # every chunk gathered first
+        try:
+            extra[f"offload_timeline_{tag}_staged"] = put_timeline(ns, put_h, reps)
+        finally:
+            transfer.set_policy(None)
     host = np.empty((n, bb), np.uint8)
     ns.get(kb, out=host)
     if not (host[:64] == out[torch.as_tensor(rows[:64], device="cuda")].cpu().numpy()).all():
@@ -365,6 +390,54 @@ def chunk_timeline(get_async, reps: int) -> dict:
     return gets[len(gets) // 2]
 
 
+def put_timeline(ns, put_async, reps: int) -> dict:
+    """Where a put's time goes, from the client's side of the socket: each request sent and
+    its reply read (reserve, commit), host ms from put_async's entry, the return of put_async
+    (ret) and of wait() (done). A chunk's commit is sent as the host finds its copies (and
+    the GPU hash) complete, so a commit's send is when its chunk's move was seen done; the
+    gap from the last commit's send to done is what the service's last commit costs the put.
+    Median put of reps by done_ms. (The client's _send and _reply wrapped on this instance,
+    nothing of the library changed.)"""
+    import torch
+    c = ns._client
+    log: list[tuple[str, str, float]] = []
+    send, reply = c._send, c._reply
+    ops: dict[int, str] = {}
+
+    def traced_send(op, args, piggyback=True):
+        rid = send(op, args, piggyback)
+        ops[rid] = op
+        log.append((op, "sent", time.perf_counter()))
+        return rid
+
+    def traced_reply(rid, raw=False):
+        try:
+            return reply(rid, raw)
+        finally:
+            log.append((ops.get(rid, "?"), "reply", time.perf_counter()))
+    puts = []
+    c._send, c._reply = traced_send, traced_reply
+    try:
+        for _ in range(max(3, reps)):
+            torch.cuda.synchronize()
+            log.clear()
+            t0 = time.perf_counter()
+            h = put_async()
+            t_ret = time.perf_counter()
+            h.wait()
+            done = time.perf_counter()
+            ms = lambda t: round((t - t0) * 1e3, 4)   # noqa: E731
+            ev = {f"{op}_{kind}": [ms(t) for o, k, t in log if (o, k) == (op, kind)]
+                  for op in ("reserve", "commit") for kind in ("sent", "reply")}
+            ev.update(ret_ms=ms(t_ret), done_ms=ms(done),
+                      last_commit_ms=round(ms(done) - max(ev["commit_sent"] or [0.0]), 4))
+            puts.append(ev)
+    finally:
+        del c._send, c._reply
+    puts.sort(key=lambda g: g["done_ms"])
+    return puts[len(puts) // 2]
+
+
 def hash_ms(ns, src, rows: np.ndarray, reps: int) -> float:
     """The GPU checksums of a put alone (kvtier.gpu.xxh3 on its side stream): every chunk's
     commit waits for them."""
@@ -450,6 +523,9 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
             tag = (f"{'fork' if fork else 'inline'}_ring{ring}"
                    + ("" if kb == 16 else f"_blocks{kb}"))
             variants[tag] = TransferPolicy(layer_fork=fork, layer_ring=ring, kernel_blocks=kb)
+    # The placements' thread blocks (TransferPolicy.place_blocks; 0: kernel_blocks).
+    for pb in (16, 33, 66, 264):           # 16: kernel_blocks, the placements' before
+        variants[f"fork_ring3_place{pb}"] = TransferPolicy(place_blocks=pb)
     variants["copies"] = TransferPolicy(copy_engine_bytes=0)
     for tag, pol in variants.items():
         transfer.set_policy(pol)

@@ -210,6 +210,10 @@ class Mover:
         self.upload_ahead = True
         self._work = stream                 # the stream of the last copies or kernel (mark())
 
+    def _place_blocks(self) -> int:
+        """The thread blocks of a kernel between device buffers (policy.place_blocks)."""
+        return self.policy.place_blocks or sm_count(self.table.device)
+
     def _table_address(self) -> int:
         """The device address of the table's words, kept alive by this transfer's staging
         until the transfer has completed (the cache may start over meanwhile)."""
@@ -331,7 +335,7 @@ class Mover:
             marks.append(_timed(self.stream))
         # The kernel's slot i at buffer + (slot - smin) * width + (page offset - off).
         self._launch(buf[0] - off, width, local - smin, rows, a, b, False, False, fork,
-                     idx=idx, place=place, marks=marks)
+                     idx=idx, place=place, marks=marks, blocks=self._place_blocks())
         buf[2] = self._kernel_stream.event()
         if marks is not None:
             self.trace.append(marks)
@@ -441,7 +445,8 @@ class Mover:
             b = (start + k) % depth
             # The kernel's slot i at buffer + rel[i] * width + (page offset - off).
             self._launch(ring[b][0] - off, width, rel[p0:p1], r[p0:p1], lo, hi,
-                         False, False, on=st, idx=idx + 16 * p0, place=True, marks=m)
+                         False, False, on=st, idx=idx + 16 * p0, place=True, marks=m,
+                         blocks=self._place_blocks())
             ring[b][2] = st.event()
             if m is not None:
                 self.trace.append(m)
@@ -494,7 +499,7 @@ class Mover:
             buf = self._out_buffer((p1 - p0) * width, gather)
             s0 = int(sl[p0])
             self._launch(buf[0] - off, width, rel[p0:p1], src[p0:p1], a, b, True, False,
-                         on=gather, idx=idx + 16 * p0)
+                         on=gather, idx=idx + 16 * p0, blocks=self._place_blocks())
             self.stream.wait(gather.event())
             dst = rng.base + s0 * bb + off
             if width == bb:
@@ -680,14 +685,15 @@ class Mover:
     def _launch(self, base: int, bb: int, local: np.ndarray, rows: np.ndarray, a: int, b: int,
                 to_seg: bool, d2d: bool, fork: bool = True, on: Stream | None = None,
                 idx: int = 0, refork: bool = True, place: bool = False,
-                marks: list[Any] | None = None) -> None:
+                marks: list[Any] | None = None, blocks: int = 0) -> None:
         """The kernel over pages a..b: slot i at base + local[i] * bb + offset, on the
         high-priority kernel stream (forked now, joined at the next event(): the next chunk's
         copy runs meanwhile; refork=False: forked already where it was since the last
         event()), fork=False: the caller's, or on: that stream, ordered by the caller. idx:
         local and rows uploaded by the caller (n slots, n rows), else uploaded here on the
         kernel's stream. place: a staged placement from device staging (place_items16 where
-        the policy's stage_items_kernel allows). marks: timing events appended around it."""
+        the policy's stage_items_kernel allows). marks: timing events appended around it.
+        blocks: the thread blocks it may take (0: the policy's for its direction)."""
         n = local.size
         if n == 0:
             return
@@ -705,7 +711,7 @@ class Mover:
         k = kernels.get("move_pages8" if vec == 8 else "place_items16" if placing else
                         "move_items16" if items else
                         "move_pages16_deep" if d2d else "move_pages16")
-        cap = self.policy.blocks(d2d, sm_count(table.device))
+        cap = blocks or self.policy.blocks(d2d, sm_count(table.device))
         st = on or self.stream
         if on is None and self.policy.kernel_priority and fork:
             st = own(table.device, f"kernel-{int(to_seg)}", high_priority=True)

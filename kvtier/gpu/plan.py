@@ -129,17 +129,28 @@ class TransferPolicy:
     # / 1.151 (docs/DESIGN-NOTES.md, session 38).
     layer_fork: bool = True
     layer_ring: int = 3
+    # The thread blocks of a kernel that reads and writes device memory only (a staged
+    # placement, an offload's gather; 0: one per multiprocessor). Such a kernel is short, and
+    # the model's kernels wait for the SMs it holds while it runs, so it holds many of them
+    # briefly rather than a few long: the layer-wise load beside a matmul chain per layer
+    # (bench/gpu.py, H100, two processes, the variants in the same process) ran 1.132 / 1.138
+    # of max(load, compute) with the placements in kernel_blocks' 16 (0.31 ms a layer's
+    # placement), 1.086 / 1.094 in 33, 1.094 / 1.102 in 66, 1.091 / 1.082 in 132 (0.15 ms)
+    # and 1.093 / 1.086 in 264 (docs/DESIGN-NOTES.md, session 42).
+    place_blocks: int = 0
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
                 or self.batch_copies < 0 or self.onboard_copy_engine_bytes < 0
+                or self.place_blocks < 0
                 or self.whole_onboard_keys < 0 or self.stage_piece_bytes < 1
                 or self.sorted_piece_keys < 1 or any(k < 1 for k in self.get_ramp)
                 or (self.staged_out_bytes is not None and self.staged_out_bytes < 0)
                 or self.layer_ring < 2 or self.sorted_gets not in SORTED_GETS
                 or not 0 <= self.mapped_read_floor <= 1):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
-                             "gpu_device_kernel_blocks >= 0, batch_copies >= 0 and "
+                             "gpu_device_kernel_blocks >= 0, batch_copies >= 0, "
+                             "place_blocks >= 0 and "
                              "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0, "
                              "sorted_piece_keys, get_ramp and stage_piece_bytes >= 1, "
                              "staged_out_bytes >= 0, layer_ring >= 2, gpu_sorted_gets one of "
