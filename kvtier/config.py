@@ -227,6 +227,9 @@ SETTINGS: tuple[Setting, ...] = (
             "thread blocks (so SMs, at most) of the transfer kernel between host and GPU"),
     Setting("gpu_device_kernel_blocks", 0, _int,
             "thread blocks of the HBM tier's device-to-device kernel; 0: two per SM"),
+    Setting("gpu_place_blocks", 0, _int,
+            "thread blocks of a worker's kernels between device buffers (a staged get's "
+            "placements, a staged offload's gathers); 0: one per SM"),
     Setting("write_policy", "write_through", _choice(WRITE_POLICIES),
             "write_through: a put is on NVMe when acknowledged; write_back: flushed later"),
     Setting("eviction", "chain", _choice(EVICTION_POLICIES),
@@ -323,6 +326,7 @@ class Settings:
     gpu_sorted_gets: str = "auto"
     gpu_kernel_blocks: int = 16
     gpu_device_kernel_blocks: int = 0
+    gpu_place_blocks: int = 0
     write_policy: str = "write_through"
     eviction: str = "chain"
     eviction_host: str = ""

@@ -78,6 +78,17 @@ def test_policy_follows_the_settings_table():
     assert p.onboard_copy_engine_bytes == 64 << 10
     off = TransferPolicy.from_settings(make_settings({"gpu_onboard_copy_engine_bytes": "0"}))
     assert off.onboard_copy_engine_bytes == 0
+    assert p.place_blocks == 0               # one thread block per SM, the device's count
+    assert TransferPolicy.from_settings(make_settings({"gpu_place_blocks": "33"})).place_blocks == 33
+
+
+@pytest.mark.parametrize("garbage", ["many", "-1", "", "2.5"])
+def test_garbage_placement_blocks_are_refused_by_name(garbage):
+    from kvtier.config import ConfigError, make_settings
+    with pytest.raises(ConfigError, match="gpu_place_blocks"):
+        make_settings({"gpu_place_blocks": garbage})
+    with pytest.raises(BadRequest, match="place_blocks >= 0"):
+        TransferPolicy(place_blocks=-1)
 
 
 @pytest.mark.parametrize("garbage", ["lots", "-1", "", "1e9"])

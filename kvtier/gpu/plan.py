@@ -161,6 +161,7 @@ class TransferPolicy:
         return cls(copy_engine_bytes=settings.gpu_copy_engine_bytes,
                    kernel_blocks=settings.gpu_kernel_blocks,
                    device_kernel_blocks=settings.gpu_device_kernel_blocks,
+                   place_blocks=settings.gpu_place_blocks,
                    onboard_copy_engine_bytes=settings.gpu_onboard_copy_engine_bytes,
                    sorted_gets=settings.gpu_sorted_gets)
 
