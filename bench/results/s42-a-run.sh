@@ -3,6 +3,9 @@
 # bench/gpu.py's rows cases (4,096 x 64 KiB and 16 KiB, keys shuffled against their slots),
 # the default against TransferPolicy(slot_order=True) (each chunk's blocks sorted by slot
 # before its copies or kernel), in one process, twice (two processes).
+# (Its tree carried a TransferPolicy.slot_order flag and the variants slot_order and
+# slot_order_kernel in bench/gpu.py; both were dropped after this call: docs/DESIGN-NOTES.md,
+# session 42.)
 set -u
 H=$PWD
 source bench/results/device-lib.sh
