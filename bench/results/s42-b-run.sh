@@ -2,10 +2,10 @@
 # Session 42's second device call: the layer-wise load's placements given more thread blocks
 # (TransferPolicy.place_blocks 33 / 66 / 132 / 264 against kernel_blocks' 16): bench/gpu.py's
 # layers case (its variants run in the same process), in two processes. Then the rows
-# (Its tree's default was 16 placement blocks, and the variants were place33/66/132/264;
-# after it the default became one per SM and the variants place16/33/66/264.)
 # cases with the new offload timelines (put_timeline: each reserve and commit sent and
 # answered, the default and every chunk staged out), twice.
+# (Its tree's default was 16 placement blocks, and the variants were place33/66/132/264;
+# after it the default became one per SM and the variants place16/33/66/264.)
 set -u
 H=$PWD
 source bench/results/device-lib.sh
