@@ -546,12 +546,10 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
             nbytes / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)
     finally:
         transfer.set_policy(None)
-    # The staged offload's gathers and the get's placements in 16 thread blocks, the count
-    # before place_blocks (0: one per SM), against the default in this process.
+    # The get's placements in 16 thread blocks, the count before place_blocks (0: one per
+    # SM), against the default in this process.
     transfer.set_policy(TransferPolicy(place_blocks=16))
     try:
-        res["offload_ratio_layers_place16"] = round(
-            nbytes / med(put, reps) / 1e9 / ceil["pinned_d2h_gbps"], 3)
         res["onboard_ratio_layers_place16"] = round(
             nbytes / med(get, reps) / 1e9 / ceil["pinned_h2d_gbps"], 3)
     finally:

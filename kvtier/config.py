@@ -228,8 +228,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gpu_device_kernel_blocks", 0, _int,
             "thread blocks of the HBM tier's device-to-device kernel; 0: two per SM"),
     Setting("gpu_place_blocks", 0, _int,
-            "thread blocks of a worker's kernels between device buffers (a staged get's "
-            "placements, a staged offload's gathers); 0: one per SM"),
+            "thread blocks of a worker's placement kernels (a staged get's pages from device "
+            "staging into the engine's tensors); 0: one per SM"),
     Setting("write_policy", "write_through", _choice(WRITE_POLICIES),
             "write_through: a put is on NVMe when acknowledged; write_back: flushed later"),
     Setting("eviction", "chain", _choice(EVICTION_POLICIES),

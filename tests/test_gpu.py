@@ -59,8 +59,8 @@ POLICIES = {
     # per-layer placements on the caller's stream, each layer's copy after them (the default
     # until session 38; "staged" forks them onto the kernel stream, copies two layers ahead)
     "staged_inline": TransferPolicy(**_K, layer_fork=False, layer_ring=2),
-    # placements (and offload gathers) from device staging over more thread blocks than the
-    # kernels that read host memory (TransferPolicy.place_blocks; two per SM of an H100)
+    # placements from device staging over more thread blocks than the kernels that read
+    # host memory (TransferPolicy.place_blocks; two per SM of an H100)
     "staged_wide": TransferPolicy(**_K, place_blocks=264),
     "kernel": TransferPolicy(**_K, staged=False),
     "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),

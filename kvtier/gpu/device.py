@@ -211,7 +211,7 @@ class Mover:
         self._work = stream                 # the stream of the last copies or kernel (mark())
 
     def _place_blocks(self) -> int:
-        """The thread blocks of a kernel between device buffers (policy.place_blocks)."""
+        """The thread blocks of a placement from device staging (policy.place_blocks)."""
         return self.policy.place_blocks or sm_count(self.table.device)
 
     def _table_address(self) -> int:
@@ -499,7 +499,7 @@ class Mover:
             buf = self._out_buffer((p1 - p0) * width, gather)
             s0 = int(sl[p0])
             self._launch(buf[0] - off, width, rel[p0:p1], src[p0:p1], a, b, True, False,
-                         on=gather, idx=idx + 16 * p0, blocks=self._place_blocks())
+                         on=gather, idx=idx + 16 * p0)
             self.stream.wait(gather.event())
             dst = rng.base + s0 * bb + off
             if width == bb:

@@ -129,14 +129,15 @@ class TransferPolicy:
     # / 1.151 (docs/DESIGN-NOTES.md, session 38).
     layer_fork: bool = True
     layer_ring: int = 3
-    # The thread blocks of a kernel that reads and writes device memory only (a staged
-    # placement, an offload's gather; 0: one per multiprocessor). Such a kernel is short, and
+    # The thread blocks of a staged get's placements (device staging to the engine's pages,
+    # device memory only; 0: one per multiprocessor). Such a kernel is short, and
     # the model's kernels wait for the SMs it holds while it runs, so it holds many of them
     # briefly rather than a few long: the layer-wise load beside a matmul chain per layer
     # (bench/gpu.py, H100, two processes, the variants in the same process) ran 1.132 / 1.138
     # of max(load, compute) with the placements in kernel_blocks' 16 (0.31 ms a layer's
     # placement), 1.086 / 1.094 in 33, 1.094 / 1.102 in 66, 1.091 / 1.082 in 132 (0.15 ms)
-    # and 1.093 / 1.086 in 264 (docs/DESIGN-NOTES.md, session 42).
+    # and 1.093 / 1.086 in 264 (docs/DESIGN-NOTES.md, session 42). A staged offload's gathers
+    # (device to device too) keep kernel_blocks: no pair of them was measured.
     place_blocks: int = 0
 
     def __post_init__(self) -> None:
