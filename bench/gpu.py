@@ -522,8 +522,10 @@ def layers_case(c, reps: int, ceil: dict, n: int) -> dict:
                                 defaults.kernel_blocks):
             tag = (f"{'fork' if fork else 'inline'}_ring{ring}"
                    + ("" if kb == 16 else f"_blocks{kb}"))
-            variants[tag] = TransferPolicy(layer_fork=fork, layer_ring=ring, kernel_blocks=kb)
-    # The placements' thread blocks (TransferPolicy.place_blocks; 0: kernel_blocks).
+            # _blocks{kb}: every kernel in kb thread blocks, the placements too
+            variants[tag] = TransferPolicy(layer_fork=fork, layer_ring=ring, kernel_blocks=kb,
+                                           place_blocks=0 if kb == 16 else kb)
+    # The placements' thread blocks (TransferPolicy.place_blocks; 0: one per SM).
     for pb in (16, 33, 66, 264):           # 16: kernel_blocks, the placements' before
         variants[f"fork_ring3_place{pb}"] = TransferPolicy(place_blocks=pb)
     variants["copies"] = TransferPolicy(copy_engine_bytes=0)

@@ -87,7 +87,7 @@ def test_garbage_placement_blocks_are_refused_by_name(garbage):
     from kvtier.config import ConfigError, make_settings
     with pytest.raises(ConfigError, match="gpu_place_blocks"):
         make_settings({"gpu_place_blocks": garbage})
-    with pytest.raises(BadRequest, match="place_blocks >= 0"):
+    with pytest.raises(BadRequest, match="gpu_place_blocks >= 0"):
         TransferPolicy(place_blocks=-1)
 
 

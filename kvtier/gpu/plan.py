@@ -150,8 +150,8 @@ class TransferPolicy:
                 or self.layer_ring < 2 or self.sorted_gets not in SORTED_GETS
                 or not 0 <= self.mapped_read_floor <= 1):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
-                             "gpu_device_kernel_blocks >= 0, batch_copies >= 0, "
-                             "place_blocks >= 0 and "
+                             "gpu_device_kernel_blocks >= 0, gpu_place_blocks >= 0, "
+                             "batch_copies >= 0 and "
                              "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0, "
                              "sorted_piece_keys, get_ramp and stage_piece_bytes >= 1, "
                              "staged_out_bytes >= 0, layer_ring >= 2, gpu_sorted_gets one of "
