@@ -82,23 +82,18 @@ def test_policy_follows_the_settings_table():
     assert TransferPolicy.from_settings(make_settings({"gpu_place_blocks": "33"})).place_blocks == 33
 
 
-@pytest.mark.parametrize("garbage", ["many", "-1", "", "2.5"])
-def test_garbage_placement_blocks_are_refused_by_name(garbage):
-    from kvtier.config import ConfigError, make_settings
-    with pytest.raises(ConfigError, match="gpu_place_blocks"):
-        make_settings({"gpu_place_blocks": garbage})
-    with pytest.raises(BadRequest, match="gpu_place_blocks >= 0"):
-        TransferPolicy(place_blocks=-1)
-
-
-@pytest.mark.parametrize("garbage", ["lots", "-1", "", "1e9"])
-def test_a_garbage_onboard_threshold_is_refused_by_name(garbage):
+@pytest.mark.parametrize("setting, field, refused, garbage", [
+    *(("gpu_onboard_copy_engine_bytes", "onboard_copy_engine_bytes",
+       "gpu_onboard_copy_engine_bytes", g) for g in ("lots", "-1", "", "1e9")),
+    *(("gpu_place_blocks", "place_blocks", "gpu_place_blocks >= 0", g)
+      for g in ("many", "-1", "", "2.5"))])
+def test_a_garbage_gpu_setting_is_refused_by_name(setting, field, refused, garbage):
     from kvtier.config import make_settings
     from kvtier.errors import ConfigError
-    with pytest.raises(ConfigError, match="gpu_onboard_copy_engine_bytes"):
-        make_settings({"gpu_onboard_copy_engine_bytes": garbage})
-    with pytest.raises(BadRequest, match="gpu_onboard_copy_engine_bytes"):
-        TransferPolicy(onboard_copy_engine_bytes=-1)
+    with pytest.raises(ConfigError, match=setting):
+        make_settings({setting: garbage})
+    with pytest.raises(BadRequest, match=refused):
+        TransferPolicy(**{field: -1})
 
 
 def test_a_row_splits_into_equal_layer_pages():
