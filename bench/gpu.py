@@ -18,7 +18,9 @@ get) or to the commit's reply (a put), blocks in scattered slots and scattered e
     variants_2m / _64k / _16k                the same transfers under other policies (copy-
                                              engine lanes, kernel only, no stream priority,
                                              4..132 thread blocks, copy engines only; 64 KiB:
-                                             kernel_onboard, the onboard by the kernel; 64 and
+                                             kernel_onboard, the onboard by the kernel;
+                                             kernel_share_12/25/50, that share of each chunk
+                                             by the kernel beside the copies; 64 and
                                              16 KiB: whole_gets (one request, stage_sorted),
                                              chunked_gets (whole gets off),
                                              late_commits (no early commits), credits
@@ -1027,6 +1029,8 @@ def main() -> None:
             "batch_512": TP(batch_copies=512),
             "staged_offload": TP(staged_out_bytes=0),   # every put chunk gathered, then copied
             **{f"blocks_{b}": TP(kernel_blocks=b, **k64) for b in (4, 16, 32, 132)},
+            # a share of each chunk's blocks read by the kernel beside the batched copies
+            **{f"kernel_share_{round(x * 100)}": TP(kernel_share=x) for x in (0.125, 0.25, 0.5)},
             **whole}
     v16k = {"direct_kernel": TP(staged=False), "kernel_without_priority": TP(kernel_priority=False),
             "prepared": TP(prepare_launch=True, sorted_gets="off"),

@@ -63,6 +63,9 @@ POLICIES = {
     # host memory (TransferPolicy.place_blocks; two per SM of an H100)
     "staged_wide": TransferPolicy(**_K, place_blocks=264),
     "kernel": TransferPolicy(**_K, staged=False),
+    # copy-engine onboards (16 KiB pages here, by onboard_copy_engine_bytes) with half of each
+    # chunk's blocks read by the kernel beside the copies (TransferPolicy.kernel_share)
+    "copy_engine_split": TransferPolicy(onboard_copy_engine_bytes=BB, kernel_share=0.5),
     "copy_engine": TransferPolicy(copy_engine_bytes=0, small_batch_copies=0),
 }
 

@@ -58,6 +58,24 @@ def test_policy_onboards_64k_pages_by_copy_engines_and_keeps_the_kernel_elsewher
         TransferPolicy(onboard_copy_engine_bytes=-1)
 
 
+def test_a_share_of_small_copy_engine_onboards_goes_to_the_kernel():
+    from kvtier.gpu.device import Mover
+    m = Mover.__new__(Mover)
+    m.policy = TransferPolicy(kernel_share=0.25)
+    assert m._kernel_part(1024, 64 << 10, False, False) == 256
+    assert m._kernel_part(1000, 64 << 10, False, False) == 250
+    # Offloads, device-to-device moves, pages copy engines take anyway, small batches: none.
+    assert m._kernel_part(1024, 64 << 10, False, True) == 0
+    assert m._kernel_part(1024, 64 << 10, True, False) == 0
+    assert m._kernel_part(1024, 2 << 20, False, False) == 0
+    assert m._kernel_part(16, 64 << 10, False, False) == 0
+    m.policy = TransferPolicy()                          # off by default
+    assert m._kernel_part(1024, 64 << 10, False, False) == 0
+    for bad in (-0.1, 1.0, 7):
+        with pytest.raises(BadRequest, match="kernel_share 0 to below 1"):
+            TransferPolicy(kernel_share=bad)
+
+
 def test_policy_refuses_a_kernel_without_blocks():
     with pytest.raises(BadRequest, match="gpu_kernel_blocks"):
         TransferPolicy(kernel_blocks=0)

@@ -290,11 +290,26 @@ class Mover:
                 size = int(self.table.size[a])
                 if self.policy.method(size, local.size * (b - a), d2d,
                                       onboard=not to_seg) is Method.COPY_ENGINE:
-                    self._copy(rng, local, r, a, b, to_seg)
+                    k = self._kernel_part(local.size, size, d2d, to_seg)
+                    if k:       # launched first: it runs while the copies are enqueued
+                        self._launch(rng.base, self.slots.block_bytes, local[:k], r[:k], a, b,
+                                     to_seg, d2d, refork=False)
+                    self._copy(rng, local[k:], r[k:], a, b, to_seg)
                 elif d2d or not (self._staged_out if to_seg else self._staged)(
                         rng, local, r, a, b):
                     self._launch(rng.base, self.slots.block_bytes, local, r, a, b, to_seg, d2d,
                                  refork=False)
+
+    def _kernel_part(self, n: int, size: int, d2d: bool, to_seg: bool) -> int:
+        """How many of n copy-engine onboard blocks (pages of size bytes) the kernel reads
+        instead: the policy's kernel_share of pages under copy_engine_bytes, which go by copy
+        engines only for onboard_copy_engine_bytes; none of an offload, a device-to-device
+        move or a batch too small to split."""
+        share = self.policy.kernel_share
+        if (not share or d2d or to_seg or size >= self.policy.copy_engine_bytes
+                or n <= 2 * self.policy.small_batch_copies):
+            return 0
+        return int(n * share)
 
     def _one(self, slot: int, row: int, lo: int, hi: int, to_seg: bool) -> None:
         self.methods.add(Method.COPY_ENGINE)

@@ -139,6 +139,12 @@ class TransferPolicy:
     # and 1.093 / 1.086 in 264 (docs/DESIGN-NOTES.md, session 42). A staged offload's gathers
     # (device to device too) keep kernel_blocks: no pair of them was measured.
     place_blocks: int = 0
+    # A share of a copy-engine onboard's pages (a get's 64 KiB rows from the host tier) read
+    # by the kernel from the mapped segment beside the copies, on the kernel stream (0: none).
+    # Where the host enqueues batched copies slower than the copy engine runs them (0.8-1.3 us
+    # a 64 KiB copy on some H100 hosts, sessions 39-41), the kernel's part needs no enqueue
+    # per page. An experiment of session 43, off until measured (bench/gpu.py kernel_share_*).
+    kernel_share: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.copy_engine_bytes < 0 or self.kernel_blocks < 1 or self.device_kernel_blocks < 0
@@ -148,14 +154,15 @@ class TransferPolicy:
                 or self.sorted_piece_keys < 1 or any(k < 1 for k in self.get_ramp)
                 or (self.staged_out_bytes is not None and self.staged_out_bytes < 0)
                 or self.layer_ring < 2 or self.sorted_gets not in SORTED_GETS
-                or not 0 <= self.mapped_read_floor <= 1):
+                or not 0 <= self.mapped_read_floor <= 1 or not 0 <= self.kernel_share < 1):
             raise BadRequest("gpu_copy_engine_bytes >= 0, gpu_kernel_blocks >= 1, "
                              "gpu_device_kernel_blocks >= 0, gpu_place_blocks >= 0, "
                              "batch_copies >= 0 and "
                              "gpu_onboard_copy_engine_bytes >= 0, whole_onboard_keys >= 0, "
                              "sorted_piece_keys, get_ramp and stage_piece_bytes >= 1, "
                              "staged_out_bytes >= 0, layer_ring >= 2, gpu_sorted_gets one of "
-                             f"{', '.join(SORTED_GETS)}, mapped_read_floor 0..1")
+                             f"{', '.join(SORTED_GETS)}, mapped_read_floor 0..1, "
+                             "kernel_share 0 to below 1")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "TransferPolicy":
