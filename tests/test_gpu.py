@@ -648,6 +648,34 @@ def test_a_get_keeps_its_page_table_and_slab_while_others_reuse_theirs(gpu_servi
         assert torch.equal(out_b[idx], src)
 
 
+def test_a_64k_onboard_with_a_kernel_share_moves_each_block_by_one_of_the_two(gpu_service):
+    # TransferPolicy.kernel_share: a quarter of each chunk's blocks read by the kernel beside
+    # the batched copies of the rest; every row gets its own block's bytes, the rows not asked
+    # for keep theirs.
+    transfer.set_policy(TransferPolicy(kernel_share=0.25))
+    try:
+        with kvtier.Client(gpu_service.socket) as c:
+            ns = c.namespace("share64k", block_bytes=65536)
+            n = 300
+            src = torch.randint(0, 255, (n, 65536), dtype=torch.uint8, device="cuda")
+            assert ns.put(keys(range(n)), src).all()
+            out = torch.full((n + 20, 65536), 7, dtype=torch.uint8, device="cuda")
+            dest = np.random.default_rng(8).permutation(n + 20)[:n]
+            order = np.random.default_rng(9).permutation(n)
+            st = torch.cuda.Stream()
+            st.wait_stream(torch.cuda.current_stream())
+            h = ns.get_async(keys(order.tolist()), out=out, rows=dest, stream=st)
+            assert h.methods == {"copy_engine", "kernel"} and h.batched
+            assert h.wait().all()
+            assert torch.equal(out[torch.as_tensor(dest, device="cuda")],
+                               src[torch.as_tensor(order, device="cuda")])
+            rest = np.setdiff1d(np.arange(n + 20), dest)
+            assert bool((out[torch.as_tensor(rest, device="cuda")] == 7).all())
+            assert c.stats()["leases"] <= 1
+    finally:
+        transfer.set_policy(None)
+
+
 def test_a_64k_row_onboard_goes_by_copy_engines_and_its_offload_by_the_kernel(gpu_service):
     # The default policy: a get of 64 KiB rows host to GPU by batched copy engines, on a
     # non-default stream beside work on torch's; the put of the same rows by the kernel.
