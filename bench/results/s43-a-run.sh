@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 43's first device call: bench/gpu.py --json in full (every case, every variant: the
+# Prepared in session 43 and NOT RUN: no device came (nine starts refused, then lending paused).
+# The next session's first call: bench/gpu.py --json in full (every case, every variant: the
 # run the issue's "what must be shown" names), whose rows64k variants now include
 # kernel_share_12/25/50 (that share of each 64 KiB onboard chunk read by the kernel beside
 # the batched copies, TransferPolicy.kernel_share, off by default); then pytest -m gpu with
